@@ -1,0 +1,130 @@
+"""``carpool`` command line: generate, chat, bench throughput.
+
+Every engine knob is a flag; ``--config x.yaml`` loads a file first and
+flags given on the command line win (CLI > file > defaults).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from carpool.config import EngineConfig
+from carpool.sampling_params import SamplingParams
+
+# (flag, config key, type, help). The key is an EngineConfig field name.
+ENGINE_FLAGS: list[tuple[str, str, type, str]] = [
+    ("--model", "model", str, "HF model directory or .gguf file (default: SmolLM2-135M-Instruct)"),
+    ("--dtype", "dtype", str, "auto | float32 | bfloat16 | float16 (auto: bf16 on GPU and on "
+                              "CPUs with native bf16, else fp32)"),
+    ("--device", "device", str, "auto | cpu | cuda[:N]"),
+    ("--max-model-len", "max_model_len", int, "context limit (default: the model's)"),
+    ("--attention-backend", "attention_backend", str, "auto | torch | sdpa"),
+    ("--cache-dir", "cache_dir", str, "where models are fetched and converted "
+                                      "(default: $CARPOOL_CACHE or ~/.cache/carpool)"),
+    ("--threads", "threads", int, "torch CPU threads (default: torch's choice)"),
+    ("--seed", "seed", int, "seeds the per-request seeds of requests that give none"),
+    ("--block-size", "block_size", int, "tokens per KV block"),
+    ("--kv-cache-memory", "kv_cache_memory", str, "KV pool budget, e.g. 512MiB, 2GiB"),
+    ("--num-blocks", "num_blocks", int, "KV pool size in blocks (overrides --kv-cache-memory)"),
+    ("--watermark", "watermark", float, "fraction of blocks kept free when admitting"),
+    ("--max-num-seqs", "max_num_seqs", int, "most requests running at once"),
+    ("--max-num-batched-tokens", "max_num_batched_tokens", int, "token budget of one step"),
+    ("--scheduling-policy", "policy", str, "fcfs | priority"),
+]
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    group.add_argument("--config", help="YAML file of engine settings (flags override it)")
+    for flag, key, kind, help_text in ENGINE_FLAGS:
+        group.add_argument(flag, dest=f"engine_{key}", type=kind, default=None, help=help_text)
+    group.add_argument("--no-prefix-caching", dest="engine_enable_prefix_caching",
+                       action="store_false", default=None, help="disable prefix caching")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    config = EngineConfig.from_yaml(args.config) if args.config else EngineConfig()
+    overrides = {name[len("engine_"):]: value for name, value in vars(args).items()
+                 if name.startswith("engine_") and value is not None}
+    config.update(overrides)
+    return config.validate()
+
+
+def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--max-tokens", type=int, default=256)
+    group.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    group.add_argument("--top-p", type=float, default=1.0)
+    group.add_argument("--top-k", type=int, default=0)
+    group.add_argument("--min-p", type=float, default=0.0)
+    group.add_argument("--repetition-penalty", type=float, default=1.0)
+    group.add_argument("--sample-seed", type=int, default=None, help="per-request seed")
+    group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                          top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                          repetition_penalty=args.repetition_penalty, seed=args.sample_seed,
+                          stop=args.stop)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="carpool", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    generate = commands.add_parser("generate", help="complete one prompt, streaming to stdout")
+    generate.add_argument("prompt", help="the prompt text")
+    generate.add_argument("--raw", action="store_true",
+                          help="send the prompt as is instead of through the chat template")
+    add_sampling_flags(generate)
+    add_engine_flags(generate)
+
+    chat = commands.add_parser("chat", help="interactive chat with the model's chat template")
+    chat.add_argument("--system", default=None, help="system prompt")
+    add_sampling_flags(chat)
+    add_engine_flags(chat)
+
+    bench = commands.add_parser("bench", help="benchmarks")
+    bench_commands = bench.add_subparsers(dest="bench_command", required=True)
+    from carpool.bench.throughput import add_throughput_args
+
+    throughput = bench_commands.add_parser(
+        "throughput", help="offline throughput: carpool vs HF transformers static batching")
+    add_throughput_args(throughput)
+    add_engine_flags(throughput)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        config = engine_config_from_args(args)
+        if args.command == "generate":
+            from carpool.repl import run_generate
+
+            return run_generate(config, args.prompt, sampling_from_args(args), raw=args.raw)
+        if args.command == "chat":
+            from carpool.repl import run_chat
+
+            return run_chat(config, sampling_from_args(args), system=args.system)
+        from carpool.bench.throughput import run_throughput
+
+        return run_throughput(config, args)
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, OSError) as exc:
+        print(f"carpool: error: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:
+        from carpool.model.loader import ModelLoadError
+
+        if isinstance(exc, ModelLoadError):  # one clear line, no traceback
+            print(f"carpool: error: {exc}", file=sys.stderr)
+            return 2
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""Typed configuration: dataclasses with defaults that work on a laptop CPU,
+loadable from YAML, each knob also a CLI flag (see ``carpool.cli``).
+
+Pure Python (no torch): the scheduler and the future simulator import it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(value: int | float | str) -> int:
+    """Parse a byte size such as ``1GiB``, ``512MB`` or ``1073741824``."""
+    if isinstance(value, (int, float)):
+        return int(value)
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", value)
+    if not match or match.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(f"cannot parse size {value!r} (examples: 512MiB, 2GiB, 1e9)")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+
+
+@dataclass
+class CacheConfig:
+    """Paged KV cache: one preallocated pool of fixed-size blocks."""
+
+    block_size: int = 16
+    kv_cache_memory: str = "1GiB"  # budget for the whole pool, all layers, K and V
+    num_blocks: int | None = None  # overrides kv_cache_memory when set
+    enable_prefix_caching: bool = True
+    # Free blocks kept back when admitting new requests, as a fraction of the
+    # pool: admitting into the last few blocks only to preempt next step thrashes.
+    watermark: float = 0.01
+
+    def validate(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if not 0.0 <= self.watermark < 0.5:
+            raise ValueError(f"watermark must be in [0, 0.5), got {self.watermark}")
+        parse_size(self.kv_cache_memory)
+
+
+@dataclass
+class SchedulerConfig:
+    """One token-budget loop per step (see ``carpool.scheduler.Scheduler``)."""
+
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 1024
+    policy: str = "fcfs"  # fcfs | priority
+
+    def validate(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+
+
+@dataclass
+class ModelSettings:
+    """Which model to run and how."""
+
+    model: str | None = None  # HF directory or .gguf file; None = the default model
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda
+    max_model_len: int | None = None  # defaults to the model's context length
+    attention_backend: str = "auto"  # auto | torch | sdpa
+    cache_dir: str | None = None  # defaults to $CARPOOL_CACHE or ~/.cache/carpool
+    threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
+    seed: int = 0  # seeds the per-request seeds of requests that give none
+
+    def validate(self) -> None:
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto|float32|bfloat16|float16, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be auto|cpu|cuda[:N], got {self.device!r}")
+        if self.attention_backend not in ("auto", "torch", "sdpa"):
+            raise ValueError(f"attention_backend must be auto|torch|sdpa, "
+                             f"got {self.attention_backend!r}")
+
+
+@dataclass
+class EngineConfig:
+    """Everything an engine needs; nested sections mirror the YAML layout."""
+
+    model: ModelSettings = field(default_factory=ModelSettings)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def validate(self) -> "EngineConfig":
+        self.model.validate()
+        self.cache.validate()
+        self.scheduler.validate()
+        return self
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "EngineConfig":
+        """Build from a nested dict (as YAML gives) or flat knob names."""
+        config = cls()
+        config.update(data)
+        return config
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "EngineConfig":
+        import yaml
+
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a mapping at the top level")
+        return cls.from_dict(data)
+
+    def update(self, data: dict[str, Any]) -> None:
+        """Apply nested (``{"cache": {"block_size": 32}}``) or flat
+        (``{"block_size": 32}``) overrides; unknown keys raise ``ValueError``."""
+        sections = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        for key, value in data.items():
+            if key in sections and isinstance(value, dict):
+                for sub_key, sub_value in value.items():
+                    _set_field(sections[key], sub_key, sub_value, f"{key}.{sub_key}")
+                continue
+            owners = [s for s in sections.values() if key in _field_names(s)]
+            if not owners:
+                raise ValueError(f"unknown config key {key!r}")
+            _set_field(owners[0], key, value, key)
+
+
+def _field_names(obj: Any) -> set[str]:
+    return {f.name for f in dataclasses.fields(obj)}
+
+
+def _set_field(obj: Any, name: str, value: Any, label: str) -> None:
+    if name not in _field_names(obj):
+        raise ValueError(f"unknown config key {label!r}")
+    setattr(obj, name, value)

@@ -1,0 +1,165 @@
+"""AsyncEngine: the engine loop in a background thread, streams to asyncio.
+
+The event loop never runs model code. Requests and aborts cross into the
+engine thread through a lock-protected inbox; outputs cross back with
+``loop.call_soon_threadsafe`` into one ``asyncio.Queue`` per request.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+import traceback
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from carpool.engine.llm_engine import LLMEngine
+from carpool.engine.outputs import RequestOutput
+from carpool.sampling_params import SamplingParams
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop failed; no request can make progress any more."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+class AsyncEngine:
+    """Thread-safe front of an ``LLMEngine``.
+
+    ``add_request(...)`` returns an async iterator of incremental
+    ``RequestOutput``s ending with one whose ``finished`` is true. Leaving
+    the iteration early (or cancelling the task) aborts the request, whose
+    blocks are freed before the next step. ``abort(request_id)`` does the
+    same from anywhere.
+    """
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._adds: list[tuple[str, object, SamplingParams, int]] = []
+        self._aborts: list[str] = []
+        self._streams: dict[str, _Stream] = {}
+        self._stopping = False
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="carpool-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    @property
+    def num_pending(self) -> int:
+        with self._lock:
+            return len(self._streams)
+
+    async def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                          request_id: str | None = None,
+                          priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Validate and queue; raises ``ValueError`` at once for bad input."""
+        if self.error is not None:
+            raise EngineDeadError(f"engine loop failed: {self.error!r}")
+        params = params or SamplingParams()
+        params.validate()
+        request_id = request_id or self.engine.new_request_id()
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        with self._wake:
+            if request_id in self._streams:
+                raise ValueError(f"duplicate request id {request_id!r}")
+            self._streams[request_id] = stream
+            self._adds.append((request_id, prompt, params, priority))
+            self._wake.notify()
+        first = await stream.queue.get()
+        if isinstance(first, BaseException):
+            raise first  # rejected at admission (e.g. prompt too long)
+        return self._iterate(request_id, stream, first)
+
+    async def _iterate(self, request_id: str, stream: _Stream,
+                       first: RequestOutput | None) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            item = first if first is not None else await stream.queue.get()
+            while True:
+                if isinstance(item, BaseException):
+                    raise item
+                if item is not None:
+                    yield item
+                    if item.finished:
+                        finished = True
+                        return
+                item = await stream.queue.get()
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        with self._wake:
+            self._aborts.append(request_id)
+            self._wake.notify()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        self._thread.join(timeout)
+
+    # -- engine thread --------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._wake:
+                    while not (self._adds or self._aborts or self._stopping
+                               or self.engine.has_unfinished):
+                        self._wake.wait()
+                    if self._stopping:
+                        break
+                    adds, self._adds = self._adds, []
+                    aborts, self._aborts = self._aborts, []
+                self._admit(adds)
+                for request_id in aborts:
+                    output = self.engine.abort_request(request_id)
+                    if output is not None:
+                        self._deliver(output)
+                for output in self.engine.step():
+                    self._deliver(output)
+        except BaseException as exc:  # noqa: BLE001 - fail every stream, never hang
+            traceback.print_exc()
+            self.error = exc
+            self._fail_all(EngineDeadError(f"engine loop failed: {exc!r}"))
+
+    def _admit(self, adds: list[tuple[str, object, SamplingParams, int]]) -> None:
+        for request_id, prompt, params, priority in adds:
+            try:
+                self.engine.add_request(prompt, params, request_id=request_id, priority=priority)
+            except ValueError as exc:
+                self._send(request_id, exc, final=True)
+            else:
+                self._send(request_id, None, final=False)  # "accepted"
+
+    def _deliver(self, output: RequestOutput) -> None:
+        self._send(output.request_id, output, final=output.finished)
+
+    def _send(self, request_id: str, item: object, final: bool) -> None:
+        with self._lock:
+            stream = self._streams.pop(request_id, None) if final else self._streams.get(request_id)
+        if stream is not None:
+            _post(stream, item)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        with self._lock:
+            streams, self._streams = self._streams, {}
+        for stream in streams.values():
+            _post(stream, exc)
+
+
+def _post(stream: _Stream, item: object) -> None:
+    try:
+        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+    except RuntimeError:
+        pass  # the caller's event loop is closed: nobody is listening any more

@@ -1,0 +1,228 @@
+"""The synchronous engine core: add requests, step, abort.
+
+One ``step()`` = schedule (pure Python) -> execute one ragged batch ->
+commit sampled tokens -> check stop conditions -> detokenize. Not thread
+safe: ``AsyncEngine`` drives it from a single background thread.
+"""
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from carpool.config import EngineConfig
+from carpool.engine.detokenizer import IncrementalDetokenizer
+from carpool.engine.outputs import RequestOutput, TokenLogprob
+from carpool.executor.base import BatchItem, Executor
+from carpool.sampling_params import SamplingParams
+from carpool.scheduler import Request, RequestStatus, Scheduler, SchedulerOutput
+
+
+@dataclass
+class RequestState:
+    """Engine-side state of a request (the scheduler's ``payload``)."""
+
+    params: SamplingParams
+    seed: int
+    detokenizer: IncrementalDetokenizer
+    text: str = ""
+    logprobs: list[TokenLogprob] | None = None
+    first_token_time: float | None = None
+    stop_reason: str | int | None = None
+    sent_tokens: int = 0
+    sent_logprobs: int = 0
+    pending_text: list[str] = field(default_factory=list)
+
+
+@dataclass
+class EngineCounters:
+    """Cumulative counters since start (for metrics and benchmarks)."""
+
+    steps: int = 0
+    prompt_tokens: int = 0  # prompt tokens of finished requests
+    generation_tokens: int = 0
+    computed_tokens: int = 0  # tokens run through the model, recomputation included
+    busy_seconds: float = 0.0
+    finished: dict[str, int] = field(default_factory=dict)
+
+
+class LLMEngine:
+    """Owns tokenizer, scheduler and executor of one replica."""
+
+    def __init__(self, config: EngineConfig, tokenizer, model_config, executor: Executor,
+                 max_model_len: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.model_config = model_config
+        self.executor = executor
+        self.max_model_len = max_model_len
+        self.clock = clock
+        self.scheduler = Scheduler(config.scheduler, config.cache, executor.num_blocks, clock)
+        self.counters = EngineCounters()
+        self._seeds = random.Random(config.model.seed)
+        self._eos_ids = set(model_config.eos_token_ids) | set(tokenizer.eos_token_ids)
+        self._next_id = 0
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "LLMEngine":
+        """Load the model named in ``config`` (the default model if none)."""
+        from carpool.executor.torch_executor import TorchExecutor
+        from carpool.model.hub import default_cache_dir
+        from carpool.model.loader import load_model
+
+        config.validate()
+        cache_dir = Path(config.model.cache_dir) if config.model.cache_dir else default_cache_dir()
+        loaded = load_model(config.model.model, cache_dir)
+        max_len = loaded.config.max_position_embeddings
+        if getattr(loaded.config, "sliding_window", None):
+            # Windowed attention is not implemented; within the window it is exact.
+            max_len = min(max_len, loaded.config.sliding_window)
+        if config.model.max_model_len:
+            max_len = min(max_len, config.model.max_model_len)
+        executor = TorchExecutor(loaded.config, loaded.weights, config.model, config.cache, max_len)
+        loaded.weights.clear()
+        return cls(config, loaded.tokenizer, loaded.config, executor, max_len)
+
+    # -- requests ----------------------------------------------------------------
+
+    def new_request_id(self) -> str:
+        self._next_id += 1
+        return f"req-{self._next_id}"
+
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, priority: int = 0,
+                    arrival_time: float | None = None) -> str:
+        """Queue a request; raise ``ValueError`` with a clear message on bad input."""
+        params = params or SamplingParams()
+        params.validate()
+        token_ids = (self.tokenizer.encode(prompt) if isinstance(prompt, str)
+                     else [int(t) for t in prompt])
+        self._check_prompt(token_ids, params)
+        request_id = request_id or self.new_request_id()
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+        state = RequestState(params, seed, IncrementalDetokenizer(self.tokenizer, token_ids, params),
+                             logprobs=[] if params.logprobs is not None else None)
+        request = Request(request_id, token_ids, params.max_tokens,
+                          self.clock() if arrival_time is None else arrival_time, priority,
+                          payload=state)
+        self.scheduler.add_request(request)
+        return request_id
+
+    def _check_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if any(t < 0 or t >= vocab for t in token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        total = len(token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the request "
+                f"asks for {total} ({len(token_ids)} in the prompt + {params.max_tokens} max_tokens)")
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Abort now (between steps): its blocks return to the pool at once."""
+        request = self.scheduler.abort_request(request_id)
+        if request is None:
+            return None
+        return self._finish_output(request, "abort")
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # -- one step ----------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler step; return outputs of requests that progressed."""
+        schedule = self.scheduler.schedule()
+        if schedule.is_empty:
+            return []
+        started = time.perf_counter()
+        items = [self._batch_item(span) for span in schedule.spans]
+        results = iter(self.executor.execute(items))
+        sampled = [(span.request, next(results)) for span in schedule.spans if span.sample]
+        self.scheduler.commit(schedule, [(r, res.token_id) for r, res in sampled])
+        self.counters.steps += 1
+        self.counters.computed_tokens += schedule.num_tokens
+        self.counters.busy_seconds += time.perf_counter() - started
+        return [self._process_sample(request, result) for request, result in sampled]
+
+    def _batch_item(self, span) -> BatchItem:
+        from carpool.model.sampler import SamplingRow
+
+        request = span.request
+        state: RequestState = request.payload
+        sampling = None
+        if span.sample:
+            sampling = SamplingRow(state.params, state.seed, request.num_output_tokens,
+                                   request.prompt_token_ids, request.output_token_ids)
+        return BatchItem(request.request_id, request.token_ids, span.start, span.num_tokens,
+                         self.scheduler.kv.block_tables[request.request_id], sampling)
+
+    def _process_sample(self, request: Request, result) -> RequestOutput:
+        state: RequestState = request.payload
+        params = state.params
+        token_id = result.token_id
+        now = self.clock()
+        if state.first_token_time is None:
+            state.first_token_time = now
+        self.counters.generation_tokens += 1
+        if state.logprobs is not None:
+            state.logprobs.append(TokenLogprob(token_id, result.logprob, result.top_logprobs or []))
+        finish = None
+        if not params.ignore_eos and token_id in self._eos_ids:
+            finish, state.stop_reason = "stop", None
+        elif token_id in params.stop_token_ids:
+            finish, state.stop_reason = "stop", token_id
+        else:
+            delta, stopped = state.detokenizer.add_token(token_id)
+            state.pending_text.append(delta)
+            if stopped:
+                finish, state.stop_reason = "stop", self._matched_stop(state)
+        if finish is None and (request.num_output_tokens >= params.max_tokens
+                               or request.num_tokens >= self.max_model_len):
+            finish = "length"
+        if finish is not None:
+            status = (RequestStatus.FINISHED_STOPPED if finish == "stop"
+                      else RequestStatus.FINISHED_LENGTH)
+            self.scheduler.finish_request(request, status)
+            return self._finish_output(request, finish)
+        return self._output(request, finished=False)
+
+    @staticmethod
+    def _matched_stop(state: RequestState) -> str | None:
+        return getattr(state.detokenizer, "stop_reason", None)
+
+    def _finish_output(self, request: Request, reason: str) -> RequestOutput:
+        state: RequestState = request.payload
+        # After a stop string the detokenizer has nothing held back; otherwise
+        # text that might have begun a stop string is released now.
+        state.pending_text.append(state.detokenizer.flush())
+        self.counters.prompt_tokens += request.num_prompt_tokens
+        self.counters.finished[reason] = self.counters.finished.get(reason, 0) + 1
+        output = self._output(request, finished=True)
+        output.finish_reason = reason
+        output.finish_time = self.clock()
+        return output
+
+    def _output(self, request: Request, finished: bool) -> RequestOutput:
+        state: RequestState = request.payload
+        delta_text = "".join(state.pending_text)
+        state.pending_text.clear()
+        state.text += delta_text
+        token_ids = request.output_token_ids
+        delta_ids = token_ids[state.sent_tokens:]
+        state.sent_tokens = len(token_ids)
+        delta_logprobs = None
+        if state.logprobs is not None:
+            delta_logprobs = state.logprobs[state.sent_logprobs:]
+            state.sent_logprobs = len(state.logprobs)
+        return RequestOutput(
+            request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
+            text=state.text, token_ids=token_ids, delta_text=delta_text, delta_token_ids=delta_ids,
+            finished=finished, stop_reason=state.stop_reason, logprobs=state.logprobs,
+            delta_logprobs=delta_logprobs, num_cached_tokens=request.num_cached_tokens,
+            arrival_time=request.arrival_time, first_token_time=state.first_token_time)

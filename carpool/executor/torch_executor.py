@@ -1,0 +1,117 @@
+"""Runs our PyTorch model over one ragged batch per step."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from carpool.config import CacheConfig, ModelSettings, parse_size
+from carpool.executor.base import BatchItem, Executor
+from carpool.model.attention import SeqSpan, build_metadata, select_backend
+from carpool.model.config import ModelConfig
+from carpool.model.llama import LlamaModel
+from carpool.model.sampler import SampleResult, Sampler
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def cpu_has_fast_bf16() -> bool:
+    """True when the CPU has native bf16 matmul instructions (AVX512-BF16/AMX)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto``: bf16 on CUDA and on CPUs with native bf16, else fp32."""
+    if name != "auto":
+        dtype = _DTYPES[name]
+        if device.type == "cpu" and dtype == torch.float16:
+            raise ValueError("float16 is not supported on CPU; use bfloat16 or float32")
+        return dtype
+    if device.type == "cuda" or cpu_has_fast_bf16():
+        return torch.bfloat16
+    return torch.float32
+
+
+class TorchExecutor(Executor):
+    """Holds the model weights and one preallocated KV pool.
+
+    The pool is ``num_blocks`` blocks per layer for K and for V, sized from
+    ``cache.kv_cache_memory`` unless ``cache.num_blocks`` is given.
+    """
+
+    def __init__(self, model_config: ModelConfig, weights: dict[str, torch.Tensor],
+                 settings: ModelSettings, cache: CacheConfig, max_model_len: int) -> None:
+        if settings.threads:
+            torch.set_num_threads(settings.threads)
+        self.device = resolve_device(settings.device)
+        self.dtype = resolve_dtype(settings.dtype, self.device)
+        self.block_size = cache.block_size
+        self.model = LlamaModel(model_config, max_model_len)
+        self.model.load_hf_weights(weights)
+        self.model.to(device=self.device, dtype=self.dtype).eval()
+        # Rotary tables stay fp32 whatever the weights' dtype.
+        self.model.rotary.float()
+        self.attention = select_backend(settings.attention_backend, self.device)
+        self.num_blocks = self._num_blocks(model_config, cache)
+        shape = (model_config.num_kv_heads, self.num_blocks, self.block_size, model_config.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                           torch.zeros(shape, dtype=self.dtype, device=self.device))
+                          for _ in range(model_config.num_layers)]
+        self.sampler = Sampler(model_config.vocab_size)
+
+    def _num_blocks(self, config: ModelConfig, cache: CacheConfig) -> int:
+        if cache.num_blocks is not None:
+            return cache.num_blocks
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        per_block = 2 * config.num_layers * self.block_size * config.num_kv_heads \
+            * config.head_dim * elem
+        num_blocks = parse_size(cache.kv_cache_memory) // per_block
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory {cache.kv_cache_memory} holds no block "
+                             f"({per_block} bytes each)")
+        return int(num_blocks)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)
+
+    @torch.inference_mode()
+    def execute(self, items: Sequence[BatchItem]) -> list[SampleResult]:
+        # Decodes first: attention batches them together (see attention.py).
+        order = sorted(range(len(items)), key=lambda i: items[i].num_tokens > 1)
+        ordered = [items[i] for i in order]
+        input_ids: list[int] = []
+        sample_rows: list[int] = []
+        sampling = []
+        for item in ordered:
+            input_ids.extend(item.token_ids[item.start:item.start + item.num_tokens])
+            if item.sampling is not None:
+                sample_rows.append(len(input_ids) - 1)
+                sampling.append(item.sampling)
+        spans = [SeqSpan(i.start, i.num_tokens, i.block_table) for i in ordered]
+        meta = build_metadata(spans, self.block_size, self.device)
+        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        hidden = self.model(ids, meta, self.kv_caches, self.attention)
+        if not sampling:
+            return []
+        rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+        logits = self.model.compute_logits(hidden[rows])
+        results = self.sampler.sample(logits, sampling)
+        # Back to item order.
+        by_item = {}
+        sampled_positions = [order[k] for k, item in enumerate(ordered) if item.sampling is not None]
+        for position, result in zip(sampled_positions, results):
+            by_item[position] = result
+        return [by_item[i] for i in sorted(by_item)]
+

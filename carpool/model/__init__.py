@@ -1,0 +1,1 @@
+"""Model files, forward pass, attention backends and sampling."""

@@ -1,0 +1,193 @@
+"""Paged attention over a ragged batch, behind a small backend interface.
+
+Layout: per layer, K and V caches of shape ``[num_kv_heads, num_blocks,
+block_size, head_dim]``; token slot ``s`` lives at block ``s // block_size``,
+offset ``s % block_size``. Heads outermost make a gathered context land as
+``[heads, seqs, len, dim]``, which batched matmuls read without a copy. A step's tokens are flattened into one ragged
+batch, single-token spans (decodes) first, then multi-token spans (prefill
+chunks); nothing is padded across sequences in the batch itself. Decodes are
+attended together over their gathered contexts (padded and masked only
+inside attention); each prefill chunk attends over its own context.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class SeqSpan:
+    """What attention needs of one scheduled span."""
+
+    start: int  # position of the first new token
+    num_tokens: int
+    block_table: Sequence[int]
+
+
+@dataclass
+class PrefillChunk:
+    q_start: int  # offset in the flattened batch
+    q_len: int
+    context_len: int  # tokens attended to, new ones included
+    gather: torch.Tensor  # [context_len] slots of the context
+    causal_mask: torch.Tensor | None  # [q_len, context_len] bool; None when context == chunk
+
+
+@dataclass
+class AttentionMetadata:
+    """Built once per step, shared by every layer."""
+
+    slot_mapping: torch.Tensor  # [T] slot for each new token's K/V
+    positions: torch.Tensor  # [T]
+    num_decodes: int  # the first num_decodes tokens are single-token spans
+    decode_blocks: torch.Tensor | None = None  # [B, max_blocks] block tables, padded
+    decode_mask: torch.Tensor | None = None  # [B, max_blocks * block_size] True where attended
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+def build_metadata(spans: Sequence[SeqSpan], block_size: int,
+                   device: torch.device) -> AttentionMetadata:
+    """Metadata for spans ordered decodes (num_tokens == 1) first."""
+    num_decodes = 0
+    while num_decodes < len(spans) and spans[num_decodes].num_tokens == 1:
+        num_decodes += 1
+    assert all(s.num_tokens > 1 for s in spans[num_decodes:]), "decodes must come first"
+    positions, slots = _positions_and_slots(spans, block_size)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        positions=torch.tensor(positions, dtype=torch.long, device=device),
+        num_decodes=num_decodes)
+    if num_decodes:
+        _add_decode_metadata(meta, spans[:num_decodes], block_size, device)
+    q_start = num_decodes
+    for span in spans[num_decodes:]:
+        meta.prefills.append(_prefill_chunk(span, q_start, block_size, device))
+        q_start += span.num_tokens
+    return meta
+
+
+def _positions_and_slots(spans: Sequence[SeqSpan], block_size: int) -> tuple[list[int], list[int]]:
+    positions: list[int] = []
+    slots: list[int] = []
+    for span in spans:
+        table = span.block_table
+        for pos in range(span.start, span.start + span.num_tokens):
+            positions.append(pos)
+            slots.append(table[pos // block_size] * block_size + pos % block_size)
+    return positions, slots
+
+
+def _add_decode_metadata(meta: AttentionMetadata, spans: Sequence[SeqSpan], block_size: int,
+                         device: torch.device) -> None:
+    context_lens = [s.start + 1 for s in spans]
+    max_blocks = -(-max(context_lens) // block_size)
+    # Gather whole blocks (rows of block_size * head_dim), not single slots:
+    # far fewer, larger copies. Padding points at block 0 and is masked.
+    tables = [list(s.block_table[:max_blocks]) for s in spans]
+    tables = [t + [0] * (max_blocks - len(t)) for t in tables]
+    lens_t = torch.tensor(context_lens, dtype=torch.long, device=device)
+    meta.decode_blocks = torch.tensor(tables, dtype=torch.long, device=device)
+    padded_len = max_blocks * block_size
+    meta.decode_mask = torch.arange(padded_len, device=device)[None, :] < lens_t[:, None]
+
+
+def _prefill_chunk(span: SeqSpan, q_start: int, block_size: int,
+                   device: torch.device) -> PrefillChunk:
+    context_len = span.start + span.num_tokens
+    positions = torch.arange(context_len, device=device)
+    table = torch.tensor(list(span.block_table[:-(-context_len // block_size)]),
+                         dtype=torch.long, device=device)
+    gather = table[positions // block_size] * block_size + positions % block_size
+    mask = None
+    if span.start > 0:
+        query_pos = torch.arange(span.start, context_len, device=device)
+        mask = positions[None, :] <= query_pos[:, None]
+    return PrefillChunk(q_start, span.num_tokens, context_len, gather, mask)
+
+
+class TorchAttention:
+    """Portable path: correct on any device for any mix of chunk and context
+    lengths. Decodes use batched matmuls with GQA folded into the query (no
+    K/V head repetition); prefill chunks use SDPA one chunk at a time."""
+
+    name = "torch"
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, KVH, D]; caches [KVH, blocks, block_size, D].
+        Writes the new K/V into the caches, returns [T, H, D]."""
+        num_kv = k_cache.shape[0]
+        flat_k = k_cache.view(num_kv, -1, k_cache.shape[-1])  # [KVH, slots, D]
+        flat_v = v_cache.view(num_kv, -1, v_cache.shape[-1])
+        # Every new K/V is written before any attention, so a chunk can
+        # attend to tokens written in this very step.
+        flat_k.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+        flat_v.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+        out = torch.empty_like(q)
+        if meta.num_decodes:
+            out[:meta.num_decodes] = self._decode(q[:meta.num_decodes], k_cache, v_cache, meta,
+                                                  scale)
+        for chunk in meta.prefills:
+            rows = slice(chunk.q_start, chunk.q_start + chunk.q_len)
+            out[rows] = self._prefill(q[rows], flat_k, flat_v, chunk, scale)
+        return out
+
+    @staticmethod
+    def _gather(cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """[KVH, B, L, D] contexts of the decodes (padded to whole blocks)."""
+        num_kv, num_blocks, block_size, head_dim = cache.shape
+        batch, max_blocks = meta.decode_blocks.shape
+        # index_select over whole blocks is several times faster on CPU than
+        # advanced indexing of a middle dimension.
+        rows = cache.view(num_kv, num_blocks, block_size * head_dim)
+        picked = rows.index_select(1, meta.decode_blocks.view(-1))
+        return picked.view(num_kv, batch, max_blocks * block_size, head_dim)
+
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        batch, num_heads, head_dim = q.shape
+        num_kv = k_cache.shape[0]
+        keys, values = self._gather(k_cache, meta), self._gather(v_cache, meta)
+        # [KVH, B, G, D]: the G query heads sharing a KV head are one matrix.
+        queries = q.view(batch, num_kv, num_heads // num_kv, head_dim).transpose(0, 1)
+        scores = torch.matmul(queries, keys.transpose(2, 3)).float() * scale  # [KVH, B, G, L]
+        scores.masked_fill_(~meta.decode_mask[None, :, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)
+        out = torch.matmul(probs, values)  # [KVH, B, G, D]
+        return out.transpose(0, 1).reshape(batch, num_heads, head_dim)
+
+    def _prefill(self, q: torch.Tensor, flat_k: torch.Tensor, flat_v: torch.Tensor,
+                 chunk: PrefillChunk, scale: float) -> torch.Tensor:
+        keys = flat_k.index_select(1, chunk.gather)[None]  # [1, KVH, L, D]
+        values = flat_v.index_select(1, chunk.gather)[None]
+        queries = q.transpose(0, 1)[None]  # [1, H, Q, D]
+        out = F.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=chunk.causal_mask,
+            is_causal=chunk.causal_mask is None, scale=scale, enable_gqa=True)
+        return out[0].transpose(0, 1)
+
+
+class SdpaAttention(TorchAttention):
+    """CUDA path: decodes through fused SDPA with a padding mask."""
+
+    name = "sdpa"
+
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        keys = self._gather(k_cache, meta).transpose(0, 1)  # [B, KVH, L, D]
+        values = self._gather(v_cache, meta).transpose(0, 1)
+        out = F.scaled_dot_product_attention(q[:, :, None, :], keys, values,
+                                             attn_mask=meta.decode_mask[:, None, None, :],
+                                             scale=scale, enable_gqa=True)
+        return out[:, :, 0, :]
+
+
+def select_backend(name: str, device: torch.device) -> TorchAttention:
+    """``auto``: SDPA on CUDA, the portable torch path elsewhere."""
+    if name == "sdpa" or (name == "auto" and device.type == "cuda"):
+        return SdpaAttention()
+    return TorchAttention()

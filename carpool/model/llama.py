@@ -1,0 +1,173 @@
+"""Our Llama-family decoder (Llama 2/3, Qwen2, Mistral, SmolLM2) over a
+ragged token batch and a paged KV cache.
+
+RMSNorm, rotary embeddings (with Llama 3 / linear rope scaling), grouped
+query attention, SwiGLU, tied or untied LM head, optional qkv bias (Qwen2).
+q/k/v and gate/up projections are fused into one matmul each at load time.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from carpool.model.attention import AttentionMetadata, TorchAttention
+from carpool.model.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 and cast back before the weight, as the reference does.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse rotary frequencies, with the model's rope scaling applied."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv_freq.float()
+    if kind == "linear":
+        return (inv_freq / scaling["factor"]).float()
+    if kind == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling).float()
+    raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3)")
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    # Long wavelengths are slowed by `factor`, short ones kept, and the band
+    # between is interpolated smoothly (Llama 3.1's recipe).
+    factor = scaling["factor"]
+    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+    old_len = scaling.get("original_max_position_embeddings", 8192)
+    wavelen = 2 * math.pi / inv_freq
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    smooth = (old_len / wavelen - low) / (high - low)
+    interpolated = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    out = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    middle = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(middle, interpolated, out)
+
+
+class Rotary(nn.Module):
+    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), rope_inv_freq(config))
+        self.register_buffer("cos", freqs.cos(), persistent=False)
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def tables(self, positions: torch.Tensor,
+               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for the step's positions, [T, 1, D/2]; built once per step."""
+        return (self.cos[positions][:, None, :].to(dtype),
+                self.sin[positions][:, None, :].to(dtype))
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, D] rotated by the half-split convention."""
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        c = config
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.q_size = c.num_heads * c.head_dim
+        self.kv_size = c.num_kv_heads * c.head_dim
+        self.qkv_proj = nn.Linear(c.hidden_size, self.q_size + 2 * self.kv_size,
+                                  bias=c.attention_bias)
+        # Llama's attention_bias covers o_proj too; Qwen2's qkv bias does not.
+        self.o_proj = nn.Linear(self.q_size, c.hidden_size,
+                                bias=c.attention_bias and c.architecture != "qwen2")
+        self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.scale = c.head_dim ** -0.5
+
+    def forward(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata, kv: tuple[torch.Tensor, torch.Tensor],
+                attention: TorchAttention) -> torch.Tensor:
+        tokens = hidden.shape[0]
+        qkv = self.qkv_proj(self.input_layernorm(hidden))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = Rotary.apply(q.view(tokens, self.num_heads, self.head_dim), *rope)
+        k = Rotary.apply(k.view(tokens, self.num_kv_heads, self.head_dim), *rope)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        attn = attention.forward(q, k, v, kv[0], kv[1], meta, self.scale)
+        hidden = hidden + self.o_proj(attn.reshape(tokens, self.q_size))
+        gate, up = self.gate_up_proj(self.post_attention_layernorm(hidden)).chunk(2, dim=-1)
+        return hidden + self.down_proj(F.silu(gate) * up)
+
+
+class LlamaModel(nn.Module):
+    """Forward over a flattened ragged batch; logits only where sampled."""
+
+    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = Rotary(config, max_positions)
+        self.lm_head = (None if config.tie_word_embeddings
+                        else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
+
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                attention: TorchAttention) -> torch.Tensor:
+        """input_ids: [T]. Returns final hidden states [T, hidden] (pre-norm)."""
+        hidden = self.embed_tokens(input_ids)
+        rope = self.rotary.tables(meta.positions, hidden.dtype)
+        for layer, kv in zip(self.layers, kv_caches):
+            hidden = layer(hidden, rope, meta, kv, attention)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [S, vocab] in float32 for the given rows only."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(self.norm(hidden), weight).float()
+
+    @torch.no_grad()
+    def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Copy HF-named tensors in, fusing q/k/v and gate/up."""
+        def take(name: str) -> torch.Tensor:
+            try:
+                return weights[name]
+            except KeyError:
+                raise ValueError(f"weight {name!r} missing from the checkpoint") from None
+
+        self.embed_tokens.weight.copy_(take("model.embed_tokens.weight"))
+        self.norm.weight.copy_(take("model.norm.weight"))
+        if self.lm_head is not None:
+            self.lm_head.weight.copy_(take("lm_head.weight"))
+        for index, layer in enumerate(self.layers):
+            prefix = f"model.layers.{index}."
+            attn, mlp = prefix + "self_attn.", prefix + "mlp."
+            layer.qkv_proj.weight.copy_(torch.cat(
+                [take(attn + f"{p}_proj.weight") for p in "qkv"]))
+            if layer.qkv_proj.bias is not None:
+                layer.qkv_proj.bias.copy_(torch.cat([take(attn + f"{p}_proj.bias") for p in "qkv"]))
+            layer.o_proj.weight.copy_(take(attn + "o_proj.weight"))
+            if layer.o_proj.bias is not None:
+                layer.o_proj.bias.copy_(take(attn + "o_proj.bias"))
+            layer.gate_up_proj.weight.copy_(torch.cat(
+                [take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")]))
+            layer.down_proj.weight.copy_(take(mlp + "down_proj.weight"))
+            layer.input_layernorm.weight.copy_(take(prefix + "input_layernorm.weight"))
+            layer.post_attention_layernorm.weight.copy_(
+                take(prefix + "post_attention_layernorm.weight"))

@@ -1,0 +1,155 @@
+"""Per-request block tables on top of the block pool, with prefix reuse."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from carpool.scheduler.block_pool import ROOT_HASH, BlockPool, block_key, chain_hash
+from carpool.scheduler.request import Request
+
+
+@dataclass
+class KVCacheStats:
+    """Counters are cumulative (Prometheus counters); gauges are current."""
+
+    num_blocks: int
+    used_blocks: int
+    free_blocks: int
+    cached_blocks: int
+    prefix_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_hits: int  # of those, tokens found cached
+
+    @property
+    def usage(self) -> float:
+        return self.used_blocks / self.num_blocks
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+
+class KVCacheManager:
+    """Owns every request's block table.
+
+    Invariant: ``block_tables[rid]`` covers at least the request's computed
+    tokens, each entry holds one reference on its block, and the first
+    ``_num_registered[rid]`` entries are registered in the prefix cache.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int,
+                 enable_prefix_caching: bool = True, watermark: float = 0.01) -> None:
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.watermark_blocks = max(1, int(num_blocks * watermark)) if watermark > 0 else 0
+        self.block_tables: dict[str, list[int]] = {}
+        self._num_registered: dict[str, int] = {}
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def can_ever_fit(self, num_tokens: int) -> bool:
+        """Whether a sequence of this many tokens fits in the pool alone."""
+        return self.blocks_for(num_tokens) <= self.pool.num_blocks - self.watermark_blocks
+
+    def find_cached_prefix(self, request: Request) -> list[int]:
+        """Blocks that already hold a prefix of the request (no reference taken).
+
+        At least the last token is left uncached: its logits must be computed.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        self._extend_hashes(request, max_blocks)
+        hits = []
+        for index in range(max_blocks):
+            block_id = self.pool.lookup(self._key(request, index))
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def try_admit(self, request: Request, num_new_tokens: int) -> bool:
+        """Give a waiting request blocks for its cached prefix plus
+        ``num_new_tokens`` more, keeping ``watermark_blocks`` free.
+
+        On success sets ``num_computed_tokens`` to the cached prefix length
+        (the caller then schedules from there); on failure changes nothing.
+        """
+        assert request.request_id not in self.block_tables
+        hits = self.find_cached_prefix(request)
+        num_cached = len(hits) * self.block_size
+        num_new_tokens = min(num_new_tokens, request.num_tokens - num_cached)
+        revived = sum(1 for b in hits if self.pool.ref_counts[b] == 0)
+        fresh = self.blocks_for(num_cached + num_new_tokens) - len(hits)
+        if self.pool.num_free_blocks - revived - fresh < self.watermark_blocks:
+            return False
+        self.pool.acquire(hits)
+        self.block_tables[request.request_id] = hits + self.pool.allocate(fresh)
+        self._num_registered[request.request_id] = len(hits)
+        self.prefix_queries += request.num_tokens
+        self.prefix_hits += num_cached
+        request.num_computed_tokens = num_cached
+        return True
+
+    def try_grow(self, request: Request, num_new_tokens: int) -> bool:
+        """Add blocks so a running request can compute ``num_new_tokens`` more."""
+        table = self.block_tables[request.request_id]
+        fresh = self.blocks_for(request.num_computed_tokens + num_new_tokens) - len(table)
+        if fresh <= 0:
+            return True
+        if fresh > self.pool.num_free_blocks:
+            return False
+        table.extend(self.pool.allocate(fresh))
+        return True
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Register the request's newly computed full blocks for reuse."""
+        if not self.enable_prefix_caching:
+            return
+        rid = request.request_id
+        table = self.block_tables[rid]
+        full = min(request.num_computed_tokens // self.block_size, len(table))
+        start = self._num_registered[rid]
+        if full <= start:
+            return
+        self._extend_hashes(request, full)
+        for index in range(start, full):
+            self.pool.register(table[index], self._key(request, index))
+        self._num_registered[rid] = full
+
+    def free(self, request: Request) -> None:
+        """Return all of the request's blocks (cached ones stay revivable)."""
+        table = self.block_tables.pop(request.request_id, None)
+        self._num_registered.pop(request.request_id, None)
+        if table:
+            self.pool.release(table)
+
+    def stats(self) -> KVCacheStats:
+        return KVCacheStats(
+            num_blocks=self.pool.num_blocks, used_blocks=self.pool.num_used_blocks,
+            free_blocks=self.pool.num_free_blocks, cached_blocks=self.pool.num_cached_blocks,
+            prefix_queries=self.prefix_queries, prefix_hits=self.prefix_hits)
+
+    def _extend_hashes(self, request: Request, num_blocks: int) -> None:
+        hashes = request.block_hashes
+        bs = self.block_size
+        while len(hashes) < num_blocks:
+            index = len(hashes)
+            parent = hashes[-1] if hashes else ROOT_HASH
+            hashes.append(chain_hash(block_key(parent, request.token_ids[index * bs:(index + 1) * bs])))
+
+    def _key(self, request: Request, index: int) -> tuple[int, tuple[int, ...]]:
+        parent = request.block_hashes[index - 1] if index else ROOT_HASH
+        bs = self.block_size
+        return block_key(parent, request.token_ids[index * bs:(index + 1) * bs])
+
+    def check_invariants(self) -> None:
+        """Refcounts equal the number of block-table entries per block (tests)."""
+        self.pool.check_invariants()
+        expected = [0] * self.pool.num_blocks
+        for table in self.block_tables.values():
+            for block_id in table:
+                expected[block_id] += 1
+        assert expected == self.pool.ref_counts, "refcounts do not match block tables"

@@ -1,0 +1,77 @@
+"""The scheduler's view of one request. Pure Python."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # waiting again; its KV must be recomputed
+    FINISHED_STOPPED = "stop"  # EOS, a stop token id or a stop string
+    FINISHED_LENGTH = "length"  # max_tokens or the context limit
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in _FINISHED
+
+
+_FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+             RequestStatus.FINISHED_ABORTED}
+
+
+@dataclass(eq=False)
+class Request:
+    """Token state of one request.
+
+    Invariant: ``token_ids`` = prompt followed by outputs, and the KV of
+    ``token_ids[:num_computed_tokens]`` is in the request's blocks. A running
+    request has ``num_computed_tokens < num_tokens`` when it is scheduled:
+    the gap is either a prefill chunk or the one token sampled last step.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    arrival_time: float
+    priority: int = 0  # lower value = more important (vLLM's convention)
+    # Opaque to the scheduler: the engine keeps sampling params, detokenizer...
+    payload: Any = None
+    token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prefix-cache hit on first admission
+    status: RequestStatus = RequestStatus.WAITING
+    num_preemptions: int = 0
+    # Chained hashes of the full blocks of token_ids, filled lazily by the KV manager.
+    block_hashes: list[int] = field(default_factory=list)
+    first_scheduled_time: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def num_pending_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    def append_output(self, token_id: int) -> None:
+        self.token_ids.append(token_id)

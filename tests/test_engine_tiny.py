@@ -1,0 +1,169 @@
+"""Engine mechanics on a tiny random-weight Llama (fast, no download)."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from carpool import LLM, SamplingParams
+from carpool.engine.async_engine import AsyncEngine
+
+PROMPTS = [
+    "The quick brown fox",
+    "Continuous batching keeps the GPU busy while users get fast answers. " * 3,
+    "def add(a, b):",
+    "Emoji: 😀👍🏽",
+    "Numbers 12345 67890 and punctuation!? (yes) [no] {maybe} " * 2,
+    "café",
+]
+
+
+@pytest.fixture(scope="module")
+def roomy(tiny_model_dir):
+    return LLM(str(tiny_model_dir), dtype="float32", kv_cache_memory="64MiB")
+
+
+def greedy(n: int = 24, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, **kw)
+
+
+def test_outputs_in_input_order_with_exact_lengths(roomy):
+    outs = roomy.generate(PROMPTS, [greedy(5 + i) for i in range(len(PROMPTS))])
+    assert [len(o.token_ids) for o in outs] == [5 + i for i in range(len(PROMPTS))]
+    assert all(o.finished and o.finish_reason == "length" for o in outs)
+    assert [o.prompt_token_ids for o in outs] == [roomy.tokenizer.encode(p) for p in PROMPTS]
+
+
+def test_chunked_prefill_and_preemption_do_not_change_greedy_tokens(roomy, tiny_model_dir):
+    expected = [o.token_ids for o in roomy.generate(PROMPTS, greedy())]
+    # 6 blocks of 8 tokens for 6 requests of up to ~60 tokens: constant preemption.
+    tight = LLM(str(tiny_model_dir), dtype="float32", block_size=8, num_blocks=14,
+                max_num_batched_tokens=7, watermark=0.0)
+    got = tight.generate(PROMPTS, greedy())
+    assert [o.token_ids for o in got] == expected
+    assert tight.engine.scheduler.num_preemptions > 0
+    stats = tight.engine.scheduler.kv.stats()
+    assert stats.used_blocks == 0, "blocks leaked"
+    assert stats.prefix_hits > 0, "preempted requests should revive their cached blocks"
+
+
+def test_prefix_cache_hits_across_requests(roomy):
+    shared = PROMPTS[1]
+    roomy.generate([shared + " first"], greedy(2))
+    before = roomy.engine.scheduler.kv.stats()
+    out = roomy.generate([shared + " second"], greedy(2))[0]
+    after = roomy.engine.scheduler.kv.stats()
+    assert out.num_cached_tokens >= 16
+    assert after.prefix_hits - before.prefix_hits == out.num_cached_tokens
+
+
+def test_seeded_sampling_is_independent_of_batch_mates(roomy):
+    params = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
+    alone = roomy.generate([PROMPTS[0]], params)[0].token_ids
+    others = [SamplingParams(max_tokens=20, temperature=0.7, seed=s, ignore_eos=True)
+              for s in range(5)]
+    together = roomy.generate(PROMPTS[1:] + [PROMPTS[0]], others + [params])[-1].token_ids
+    assert alone == together
+    different = roomy.generate([PROMPTS[0]], SamplingParams(
+        max_tokens=16, temperature=1.0, top_p=0.9, seed=4321, ignore_eos=True))[0].token_ids
+    assert different != alone
+
+
+def test_stop_string_truncates_and_reports_stop(roomy):
+    full = roomy.generate([PROMPTS[2]], greedy(32))[0]
+    text = full.text
+    assert len(text) > 8
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    out = roomy.generate([PROMPTS[2]], greedy(32, stop=[stop]))[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == text[:text.index(stop)]
+    out_incl = roomy.generate([PROMPTS[2]], greedy(32, stop=[stop],
+                                                   include_stop_str_in_output=True))[0]
+    assert out_incl.text == text[:text.index(stop) + len(stop)]
+
+
+def test_stop_token_ids_and_eos(roomy):
+    full = roomy.generate([PROMPTS[3]], greedy(12))[0].token_ids
+    out = roomy.generate([PROMPTS[3]], greedy(12, stop_token_ids=[full[4]]))[0]
+    assert out.finish_reason == "stop" and out.token_ids == full[:full.index(full[4]) + 1]
+
+
+def test_logprobs_are_sorted_and_include_the_chosen_token(roomy):
+    out = roomy.generate([PROMPTS[0]], greedy(4, logprobs=5))[0]
+    assert len(out.logprobs) == 4
+    for token_id, entry in zip(out.token_ids, out.logprobs):
+        assert entry.token_id == token_id
+        values = [lp for _, lp in entry.top]
+        assert len(values) == 5 and values == sorted(values, reverse=True)
+        assert entry.top[0][0] == token_id  # greedy picks the most likely token
+        assert entry.logprob == pytest.approx(values[0])
+
+
+def test_bad_requests_raise_clear_errors(roomy):
+    with pytest.raises(ValueError, match="maximum context length"):
+        roomy.generate(["x" * 2000], greedy(8))
+    with pytest.raises(ValueError, match="empty"):
+        roomy.engine.add_request([], greedy())
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0.0)
+    assert not roomy.engine.has_unfinished
+
+
+def test_abort_frees_blocks_immediately(roomy):
+    engine = roomy.engine
+    ids = [engine.add_request(p, greedy(50)) for p in PROMPTS[:3]]
+    for _ in range(3):
+        engine.step()
+    used = engine.scheduler.kv.stats().used_blocks
+    table = list(engine.scheduler.kv.block_tables[ids[1]])
+    output = engine.abort_request(ids[1])
+    assert output.finished and output.finish_reason == "abort"
+    assert engine.scheduler.kv.stats().used_blocks == used - len(table)
+    while engine.has_unfinished:
+        engine.step()
+    assert engine.scheduler.kv.stats().used_blocks == 0
+
+
+def test_async_engine_streams_and_aborts(roomy):
+    engine = roomy.engine
+    expected = roomy.generate([PROMPTS[0]], greedy(12))[0]
+
+    async def main() -> None:
+        streamer = AsyncEngine(engine)
+        try:
+            deltas, last = [], None
+            async for out in await streamer.add_request(PROMPTS[0], greedy(12)):
+                deltas.append(out.delta_text)
+                last = out
+            assert last.finished and "".join(deltas) == expected.text
+            assert last.token_ids == expected.token_ids
+
+            # Leaving the stream early aborts the request and frees its blocks.
+            stream = await streamer.add_request(PROMPTS[1], greedy(200))
+            async for _ in stream:
+                break
+            await stream.aclose()
+            for _ in range(200):
+                if not engine.has_unfinished:
+                    break
+                await asyncio.sleep(0.01)
+            assert not engine.has_unfinished
+            assert engine.scheduler.kv.stats().used_blocks == 0
+
+            with pytest.raises(ValueError, match="maximum context length"):
+                await streamer.add_request("x" * 2000, greedy(8))
+
+            # Several concurrent streams all finish.
+            async def collect(prompt: str) -> int:
+                n = 0
+                async for out in await streamer.add_request(prompt, greedy(10)):
+                    n = len(out.token_ids)
+                return n
+            counts = await asyncio.gather(*(collect(p) for p in PROMPTS))
+            assert counts == [10] * len(PROMPTS)
+        finally:
+            streamer.shutdown()
+
+    asyncio.run(main())
