@@ -56,6 +56,38 @@ def test_padding_columns_are_ignored():
     assert sample_tokens(Sampler(10), logits, rows) == [4, 4]
 
 
+@pytest.mark.parametrize("dtype,width", [(torch.float32, 300), (torch.float32, 320),
+                                         (torch.bfloat16, 300)])
+def test_logits_are_never_modified(dtype, width):
+    torch.manual_seed(2)
+    logits = torch.randn(6, width).to(dtype)
+    before = logits.clone()
+    rows = [make_row(seed=1, temperature=0.7, top_p=0.9, output=[1, 2], repetition_penalty=1.2),
+            make_row(seed=2, temperature=1.3),
+            make_row(seed=3, temperature=0.0, presence_penalty=1.0, output=[5]),
+            make_row(seed=4, temperature=0.9, min_p=0.1, top_k=5),
+            make_row(seed=5, temperature=0.0),
+            make_row(seed=6, temperature=2.0, top_p=0.95, frequency_penalty=0.5, output=[7, 7])]
+    sampler = Sampler(300)
+    sampler.sample(logits, rows)
+    sampler.sample(logits[:2], rows[:2])
+    assert torch.equal(logits, before)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_logits_sample_like_cpu_logits():
+    torch.manual_seed(4)
+    logits = torch.randn(5, 1000) * 2
+    rows = [make_row(seed=s, temperature=0.8, top_p=0.9, logprobs=2, output=[3],
+                     repetition_penalty=1.2) for s in range(4)] + [make_row(temperature=0.0)]
+    sampler = Sampler(1000)
+    on_cpu = sampler.sample(logits, rows)
+    on_gpu = sampler.sample(logits.cuda(), rows)
+    assert [r.token_id for r in on_gpu] == [r.token_id for r in on_cpu]
+    greedy = [make_row(temperature=0.0)] * 5
+    assert sample_tokens(sampler, logits.cuda(), greedy) == logits.argmax(dim=-1).tolist()
+
+
 def test_bad_shape_is_rejected():
     with pytest.raises(ValueError):
         Sampler(10).sample(torch.zeros(2, 9), [make_row(), make_row()])
@@ -69,6 +101,7 @@ def test_bad_shape_is_rejected():
 ROW_KINDS = [
     dict(temperature=1.0),
     dict(temperature=0.7, top_p=0.9),
+    dict(temperature=1.0, top_p=0.3),
     dict(temperature=1.3, top_k=40),
     dict(temperature=1.0, min_p=0.05),
     dict(temperature=0.9, top_k=300, top_p=0.95, min_p=0.01),
@@ -87,11 +120,12 @@ def _random_row(rng: random.Random, vocab: int) -> tuple[torch.Tensor, SamplingR
     return logits * scale, row
 
 
-@pytest.mark.parametrize("vocab,candidates,n_rows", [(1000, 16, 40), (1000, 256, 30),
-                                                     (50_000, 64, 8)])
-def test_row_token_does_not_depend_on_batch(vocab, candidates, n_rows):
+@pytest.mark.parametrize("vocab,candidates,chunk_rows,n_rows", [
+    (1000, 16, 1000, 40), (1000, 256, 7, 30), (50_000, 64, 3, 8), (50_000, 256, 1000, 8)])
+def test_row_token_does_not_depend_on_batch(vocab, candidates, chunk_rows, n_rows):
     rng = random.Random(vocab + candidates)
     sampler = Sampler(vocab, candidates=candidates)
+    sampler.CHUNK_ELEMENTS = chunk_rows * vocab
     items = [_random_row(rng, vocab) for _ in range(n_rows)]
     alone = [sample_tokens(sampler, x.unsqueeze(0), [row])[0] for x, row in items]
     for _ in range(3):
@@ -255,13 +289,13 @@ def allowed_tokens(logits: list[float], temperature: float, top_k: int, top_p: f
     return {i for i, p in enumerate(probs) if p >= cut}
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(
     logits=st.lists(st.one_of(st.floats(-6, 6), st.integers(-3, 3).map(float)),
                     min_size=1, max_size=80),
     temperature=st.floats(0.05, 3.0),
-    top_k=st.integers(0, 90),
-    top_p=st.floats(0.01, 1.0),
+    top_k=st.one_of(st.sampled_from([0, -1]), st.integers(1, 90)),
+    top_p=st.one_of(st.just(1.0), st.floats(0.01, 1.0)),
     min_p=st.one_of(st.just(0.0), st.floats(0.0, 1.0)),
     seed=st.integers(0, 2**63),
     candidates=st.sampled_from([1, 3, 256]),

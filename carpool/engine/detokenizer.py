@@ -54,7 +54,7 @@ class IncrementalDetokenizer:
         self._special = frozenset(tokenizer.all_special_ids) if self._skip else frozenset()
         self._stops = list(params.stop)
         self._include_stop = params.include_stop_str_in_output
-        context = [t for t in list(prompt_token_ids)[-self.CONTEXT_TOKENS:]
+        context = [t for t in list(prompt_token_ids[-self.CONTEXT_TOKENS:])
                    if t not in self._special]
         self._ids: list[int] = context
         # All prompt text counts as produced, even an unfinished last character:
@@ -62,9 +62,16 @@ class IncrementalDetokenizer:
         self._done = len(self._decode(context)) if context else 0
         self._unsettled = ""  # trailing U+FFFD of output text awaiting more bytes
         self._pending = ""  # settled text held back as a possible stop-string start
-        self.output_text = ""
+        self._emitted: list[str] = []
         self.stopped = False
         self.stop_reason: str | None = None
+
+    @property
+    def output_text(self) -> str:
+        """All text emitted so far."""
+        if len(self._emitted) > 1:
+            self._emitted = ["".join(self._emitted)]
+        return self._emitted[0] if self._emitted else ""
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip)
@@ -103,7 +110,7 @@ class IncrementalDetokenizer:
     def _emit(self, new: str, final: bool) -> tuple[str, bool]:
         """Append settled text; cut at a stop string or hold a possible stop prefix."""
         if not self._stops:
-            self.output_text += new
+            self._emitted.append(new)
             return new, False
         text = self._pending + new
         hit = self._find_stop(text)
@@ -111,11 +118,11 @@ class IncrementalDetokenizer:
             start, end, stop = hit
             out = text[:end] if self._include_stop else text[:start]
             self._pending, self.stopped, self.stop_reason = "", True, stop
-            self.output_text += out
+            self._emitted.append(out)
             return out, True
         hold = 0 if final else self._held_suffix(text)
         out, self._pending = text[:len(text) - hold], text[len(text) - hold:]
-        self.output_text += out
+        self._emitted.append(out)
         return out, False
 
     def _find_stop(self, text: str) -> tuple[int, int, str] | None:

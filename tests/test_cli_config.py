@@ -1,0 +1,67 @@
+"""Configuration layering and the ``carpool`` command line."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from carpool.cli import build_parser, engine_config_from_args
+from carpool.config import EngineConfig, parse_size
+
+
+def run_cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "carpool.cli", *args], input=stdin,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_cli_overrides_file_overrides_defaults(tmp_path):
+    config_file = tmp_path / "engine.yaml"
+    config_file.write_text("scheduler: {max_num_seqs: 3, policy: priority}\n"
+                           "cache: {block_size: 32}\nmax_num_batched_tokens: 99\n")
+    args = build_parser().parse_args(
+        ["generate", "hi", "--config", str(config_file), "--max-num-seqs", "7"])
+    config = engine_config_from_args(args)
+    assert config.scheduler.max_num_seqs == 7  # flag beats file
+    assert config.scheduler.policy == "priority"  # file beats default
+    assert config.cache.block_size == 32
+    assert config.scheduler.max_num_batched_tokens == 99  # flat keys work too
+    assert config.cache.kv_cache_memory == EngineConfig().cache.kv_cache_memory
+
+
+def test_bad_config_values_are_rejected(tmp_path):
+    with pytest.raises(ValueError, match="unknown config key 'bogus'"):
+        EngineConfig.from_dict({"bogus": 1})
+    with pytest.raises(ValueError, match="block_size"):
+        EngineConfig.from_dict({"block_size": 12}).validate()
+    with pytest.raises(ValueError, match="policy"):
+        EngineConfig.from_dict({"policy": "random"}).validate()
+    assert parse_size("1GiB") == 2**30 and parse_size("512MB") == 512 * 10**6
+    with pytest.raises(ValueError, match="cannot parse size"):
+        parse_size("lots")
+
+
+def test_missing_model_is_one_clear_line(tmp_path):
+    result = run_cli("generate", "hi", "--model", str(tmp_path / "nope.gguf"))
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "nope.gguf" in lines[0], result.stderr
+
+
+def test_generate_and_chat_on_tiny_model(tiny_model_dir):
+    result = run_cli("generate", "The quick brown fox", "--model", str(tiny_model_dir),
+                     "--max-tokens", "8", "--raw")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip()
+    chat = run_cli("chat", "--model", str(tiny_model_dir), "--max-tokens", "4",
+                   stdin="hello\n/reset\nagain\n")
+    assert chat.returncode == 0, chat.stderr
+    assert chat.stdout.count("> ") >= 3
+
+
+@pytest.mark.real_model
+def test_generate_on_the_default_model(real_model_path):
+    result = run_cli("generate", "What is the capital of France?", "--model",
+                     str(real_model_path), "--max-tokens", "16")
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout
