@@ -19,7 +19,7 @@ ENGINE_FLAGS: list[tuple[str, str, type, str]] = [
                               "CPUs with native bf16, else fp32)"),
     ("--device", "device", str, "auto | cpu | cuda[:N]"),
     ("--max-model-len", "max_model_len", int, "context limit (default: the model's)"),
-    ("--attention-backend", "attention_backend", str, "auto | torch | sdpa"),
+    ("--attention-backend", "attention_backend", str, "auto | torch | sdpa | cpu (our C++ decode kernel)"),
     ("--cache-dir", "cache_dir", str, "where models are fetched and converted "
                                       "(default: $CARPOOL_CACHE or ~/.cache/carpool)"),
     ("--threads", "threads", int, "torch CPU threads (default: torch's choice)"),

@@ -73,7 +73,7 @@ class ModelSettings:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda
     max_model_len: int | None = None  # defaults to the model's context length
-    attention_backend: str = "auto"  # auto | torch | sdpa
+    attention_backend: str = "auto"  # auto | torch | sdpa | cpu
     cache_dir: str | None = None  # defaults to $CARPOOL_CACHE or ~/.cache/carpool
     threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
     seed: int = 0  # seeds the per-request seeds of requests that give none
@@ -83,8 +83,8 @@ class ModelSettings:
             raise ValueError(f"dtype must be auto|float32|bfloat16|float16, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto|cpu|cuda[:N], got {self.device!r}")
-        if self.attention_backend not in ("auto", "torch", "sdpa"):
-            raise ValueError(f"attention_backend must be auto|torch|sdpa, "
+        if self.attention_backend not in ("auto", "torch", "sdpa", "cpu"):
+            raise ValueError(f"attention_backend must be auto|torch|sdpa|cpu, "
                              f"got {self.attention_backend!r}")
 
 

@@ -45,6 +45,7 @@ class AttentionMetadata:
     num_decodes: int  # the first num_decodes tokens are single-token spans
     decode_blocks: torch.Tensor | None = None  # [B, max_blocks] block tables, padded
     decode_mask: torch.Tensor | None = None  # [B, max_blocks * block_size] True where attended
+    decode_context_lens: torch.Tensor | None = None  # [B]
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
@@ -92,6 +93,7 @@ def _add_decode_metadata(meta: AttentionMetadata, spans: Sequence[SeqSpan], bloc
     meta.decode_blocks = torch.tensor(tables, dtype=torch.long, device=device)
     padded_len = max_blocks * block_size
     meta.decode_mask = torch.arange(padded_len, device=device)[None, :] < lens_t[:, None]
+    meta.decode_context_lens = lens_t
 
 
 def _prefill_chunk(span: SeqSpan, q_start: int, block_size: int,
@@ -186,8 +188,32 @@ class SdpaAttention(TorchAttention):
         return out[:, :, 0, :]
 
 
+class CpuPagedAttention(TorchAttention):
+    """CPU path: decodes through our C++ kernel (``csrc/paged_attention.cpp``),
+    which reads K/V straight from the blocks instead of gathering them."""
+
+    name = "cpu"
+
+    def __init__(self, kernel) -> None:  # noqa: ANN001 - the compiled extension module
+        self._kernel = kernel
+
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return self._kernel.paged_decode_attention(q, k_cache, v_cache, meta.decode_blocks,
+                                                   meta.decode_context_lens, scale)
+
+
 def select_backend(name: str, device: torch.device) -> TorchAttention:
-    """``auto``: SDPA on CUDA, the portable torch path elsewhere."""
+    """``auto``: SDPA on CUDA; on CPU our C++ decode kernel when it builds,
+    else the portable torch path."""
     if name == "sdpa" or (name == "auto" and device.type == "cuda"):
         return SdpaAttention()
+    if name in ("auto", "cpu") and device.type == "cpu":
+        from carpool.model.cpu_kernels import load_paged_attention
+
+        kernel = load_paged_attention()
+        if kernel is not None:
+            return CpuPagedAttention(kernel)
+        if name == "cpu":
+            raise ValueError("attention_backend=cpu needs a C++ compiler to build its kernel")
     return TorchAttention()

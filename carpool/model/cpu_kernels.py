@@ -1,0 +1,34 @@
+"""Our C++ CPU kernels, compiled on first use with torch's extension builder.
+
+The build needs a C++ compiler and ninja (a dependency); it is cached under
+torch's extension directory, so only the first run on a machine pays for it
+(~1 minute). Without a compiler the engine falls back to the portable torch
+path, with a one-line warning.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from types import ModuleType
+
+_SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+
+
+def load_paged_attention() -> ModuleType | None:
+    """The compiled kernel module, or None (with a warning) if it cannot be built."""
+    try:
+        return _build()
+    except Exception as exc:  # noqa: BLE001 - any build problem means "fall back"
+        first_line = str(exc).splitlines()[0] if str(exc) else ""
+        print(f"carpool: CPU attention kernel unavailable ({type(exc).__name__}: {first_line}); "
+              "using the portable torch path", file=sys.stderr)
+        return None
+
+
+def _build() -> ModuleType:
+    from torch.utils.cpp_extension import load
+
+    return load(name="carpool_paged_attention", sources=[str(_SOURCE)],
+                # -ffast-math: tree reductions in the dot products and vector exp.
+                extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
+                extra_ldflags=["-fopenmp"], verbose=False)
