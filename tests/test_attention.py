@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from carpool.model.attention import (CpuPagedAttention, SeqSpan, TorchAttention, build_metadata)
-from carpool.model.cpu_kernels import load_paged_attention
+from carpool.model.cpu_kernels import load_cpu_ops
 
 HEADS, KV_HEADS, DIM, BLOCK = 6, 2, 32, 4
 
@@ -65,7 +65,24 @@ def test_torch_path_matches_dense_reference(dtype, tol):
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 def test_cpu_kernel_matches_dense_reference(dtype, tol):
-    kernel = load_paged_attention()
-    assert kernel is not None, "the C++ kernel must build on the CI machine"
+    kernel = load_cpu_ops()
+    assert kernel is not None, "the C++ kernels must build on the CI machine"
     out, expected = run_backend(CpuPagedAttention(kernel), SPANS, dtype)
     assert (out - expected).abs().max().item() < tol
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_fused_cpu_ops_match_torch(dtype, tol):
+    from carpool.model.llama import RMSNorm
+
+    ops = load_cpu_ops()
+    gen = torch.Generator().manual_seed(1)
+    x = (torch.randn(37, 96, generator=gen) * 3).to(dtype)
+    norm = RMSNorm(96, 1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(96, generator=gen))
+        assert (norm(x, ops).float() - norm(x).float()).abs().max().item() < tol * 4
+    gate_up = torch.randn(37, 2 * 48, generator=gen).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    expected = torch.nn.functional.silu(gate) * up
+    assert (ops.silu_and_mul(gate_up).float() - expected.float()).abs().max().item() < tol * 4

@@ -62,7 +62,13 @@ class TorchExecutor(Executor):
         self.model.to(device=self.device, dtype=self.dtype).eval()
         # Rotary tables stay fp32 whatever the weights' dtype.
         self.model.rotary.float()
-        self.attention = select_backend(settings.attention_backend, self.device)
+        self.cpu_ops = None
+        if self.device.type == "cpu" and settings.attention_backend in ("auto", "cpu"):
+            from carpool.model.cpu_kernels import load_cpu_ops
+
+            self.cpu_ops = load_cpu_ops()
+        self.model.ops = self.cpu_ops
+        self.attention = select_backend(settings.attention_backend, self.device, self.cpu_ops)
         self.num_blocks = self._num_blocks(model_config, cache)
         shape = (model_config.num_kv_heads, self.num_blocks, self.block_size, model_config.head_dim)
         self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),

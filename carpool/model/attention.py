@@ -203,17 +203,13 @@ class CpuPagedAttention(TorchAttention):
                                                    meta.decode_context_lens, scale)
 
 
-def select_backend(name: str, device: torch.device) -> TorchAttention:
-    """``auto``: SDPA on CUDA; on CPU our C++ decode kernel when it builds,
-    else the portable torch path."""
+def select_backend(name: str, device: torch.device, cpu_ops=None) -> TorchAttention:  # noqa: ANN001
+    """``auto``: SDPA on CUDA; on CPU our C++ decode kernel when ``cpu_ops``
+    (the compiled extension) is available, else the portable torch path."""
     if name == "sdpa" or (name == "auto" and device.type == "cuda"):
         return SdpaAttention()
-    if name in ("auto", "cpu") and device.type == "cpu":
-        from carpool.model.cpu_kernels import load_paged_attention
-
-        kernel = load_paged_attention()
-        if kernel is not None:
-            return CpuPagedAttention(kernel)
-        if name == "cpu":
-            raise ValueError("attention_backend=cpu needs a C++ compiler to build its kernel")
+    if name in ("auto", "cpu") and device.type == "cpu" and cpu_ops is not None:
+        return CpuPagedAttention(cpu_ops)
+    if name == "cpu":
+        raise ValueError("attention_backend=cpu needs the C++ kernels (a C++ compiler and ninja)")
     return TorchAttention()

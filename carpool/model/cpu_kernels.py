@@ -11,16 +11,18 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-_SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+_SOURCES = [str(Path(__file__).parent / "csrc" / name)
+            for name in ("paged_attention.cpp", "elementwise.cpp")]
 
 
-def load_paged_attention() -> ModuleType | None:
-    """The compiled kernel module, or None (with a warning) if it cannot be built."""
+def load_cpu_ops() -> ModuleType | None:
+    """The compiled kernels (paged decode attention, RMSNorm, SwiGLU), or None
+    (with a warning) if they cannot be built."""
     try:
         return _build()
     except Exception as exc:  # noqa: BLE001 - any build problem means "fall back"
         first_line = str(exc).splitlines()[0] if str(exc) else ""
-        print(f"carpool: CPU attention kernel unavailable ({type(exc).__name__}: {first_line}); "
+        print(f"carpool: CPU kernels unavailable ({type(exc).__name__}: {first_line}); "
               "using the portable torch path", file=sys.stderr)
         return None
 
@@ -28,7 +30,7 @@ def load_paged_attention() -> ModuleType | None:
 def _build() -> ModuleType:
     from torch.utils.cpp_extension import load
 
-    return load(name="carpool_paged_attention", sources=[str(_SOURCE)],
+    return load(name="carpool_cpu_ops", sources=_SOURCES,
                 # -ffast-math: tree reductions in the dot products and vector exp.
                 extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
                 extra_ldflags=["-fopenmp"], verbose=False)

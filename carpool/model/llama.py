@@ -23,7 +23,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ops=None) -> torch.Tensor:  # noqa: ANN001
+        if ops is not None:
+            return ops.rms_norm(x, self.weight, self.eps)
         # Normalise in fp32 and cast back before the weight, as the reference does.
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -101,16 +103,20 @@ class DecoderLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata, kv: tuple[torch.Tensor, torch.Tensor],
-                attention: TorchAttention) -> torch.Tensor:
+                attention: TorchAttention, ops=None) -> torch.Tensor:  # noqa: ANN001
+        """``ops``: our compiled CPU kernels (fused RMSNorm and SwiGLU), or None."""
         tokens = hidden.shape[0]
-        qkv = self.qkv_proj(self.input_layernorm(hidden))
+        qkv = self.qkv_proj(self.input_layernorm(hidden, ops))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = Rotary.apply(q.view(tokens, self.num_heads, self.head_dim), *rope)
         k = Rotary.apply(k.view(tokens, self.num_kv_heads, self.head_dim), *rope)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         attn = attention.forward(q, k, v, kv[0], kv[1], meta, self.scale)
         hidden = hidden + self.o_proj(attn.reshape(tokens, self.q_size))
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(hidden)).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(self.post_attention_layernorm(hidden, ops))
+        if ops is not None:
+            return hidden + self.down_proj(ops.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return hidden + self.down_proj(F.silu(gate) * up)
 
 
@@ -126,6 +132,7 @@ class LlamaModel(nn.Module):
         self.rotary = Rotary(config, max_positions)
         self.lm_head = (None if config.tie_word_embeddings
                         else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
+        self.ops = None  # compiled CPU kernels, set by the executor when available
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -134,13 +141,13 @@ class LlamaModel(nn.Module):
         hidden = self.embed_tokens(input_ids)
         rope = self.rotary.tables(meta.positions, hidden.dtype)
         for layer, kv in zip(self.layers, kv_caches):
-            hidden = layer(hidden, rope, meta, kv, attention)
+            hidden = layer(hidden, rope, meta, kv, attention, self.ops)
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [S, vocab] in float32 for the given rows only."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(self.norm(hidden), weight).float()
+        return F.linear(self.norm(hidden, self.ops), weight).float()
 
     @torch.no_grad()
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:

@@ -138,7 +138,12 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
   return out;
 }
 
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+torch::Tensor silu_and_mul(torch::Tensor x);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "Decode attention over paged K/V (one query token per sequence)");
+  m.def("rms_norm", &rms_norm, "RMSNorm over rows, fp32 math");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up for rows of [gate | up]");
 }
