@@ -81,3 +81,17 @@ def real_model_path() -> Path:
     from carpool.model.hub import default_cache_dir, fetch_default_model
 
     return fetch_default_model(default_cache_dir())
+
+
+@pytest.fixture(scope="session")
+def hf_reference(real_model_path: Path):
+    """(model, tokenizer) that transformers itself loads from the GGUF, fp32:
+    the reference implementation, loaded once per session."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs = {"gguf_file": real_model_path.name}
+    model = AutoModelForCausalLM.from_pretrained(real_model_path.parent, dtype=torch.float32,
+                                                 **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(real_model_path.parent, **kwargs)
+    return model.eval(), tokenizer

@@ -40,16 +40,8 @@ def build_prompts(tokenizer) -> list[list[int]]:
     return prompts
 
 
-@pytest.fixture(scope="module")
-def hf_model(real_model_path):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(
-        real_model_path.parent, gguf_file=real_model_path.name, dtype=torch.float32)
-    return model.eval()
-
-
-def test_greedy_tokens_and_logits_match_transformers(real_model_path, hf_model):
+def test_greedy_tokens_and_logits_match_transformers(real_model_path, hf_reference):
+    hf_model = hf_reference[0]
     # 40 blocks of 16 tokens (640 slots) for 16 requests needing ~1,900: preemption.
     llm = LLM(str(real_model_path), dtype="float32", num_blocks=40, block_size=16,
               max_num_batched_tokens=64, max_num_seqs=16)

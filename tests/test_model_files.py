@@ -430,24 +430,17 @@ def test_fetch_failure_is_a_load_error(tmp_path: Path, monkeypatch: pytest.Monke
 # ------------------------------------------------------------- real model
 
 @pytest.fixture(scope="module")
-def real_gguf() -> Path:
-    env = os.environ.get("CARPOOL_TEST_GGUF")
-    return Path(env) if env else hub.fetch_default_model(hub.default_cache_dir())
+def ours(real_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> loader.LoadedModel:
+    # A fresh cache dir on purpose: this exercises the conversion itself.
+    return load_model(str(real_model_path), tmp_path_factory.mktemp("cache"))
 
 
 @pytest.fixture(scope="module")
-def ours(real_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> loader.LoadedModel:
-    return load_model(str(real_gguf), tmp_path_factory.mktemp("cache"))
-
-
-@pytest.fixture(scope="module")
-def hf(real_gguf: Path) -> tuple[Any, Any, Any]:
+def hf(hf_reference: tuple[Any, Any]) -> tuple[Any, Any, Any]:
     """(transformers module, model, tokenizer) loaded from the GGUF by transformers itself."""
-    transformers = pytest.importorskip("transformers")
-    kwargs = {"gguf_file": real_gguf.name}
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(real_gguf.parent), **kwargs)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(real_gguf.parent), **kwargs)
-    return transformers, model.eval(), tokenizer
+    import transformers
+
+    return transformers, *hf_reference
 
 
 STRINGS = [

@@ -16,8 +16,9 @@ from carpool.config import EngineConfig
 from carpool.engine.detokenizer import IncrementalDetokenizer
 from carpool.engine.outputs import RequestOutput, TokenLogprob
 from carpool.executor.base import BatchItem, Executor
+from carpool.model.sampler import SampleResult, SamplingRow
 from carpool.sampling_params import SamplingParams
-from carpool.scheduler import Request, RequestStatus, Scheduler, SchedulerOutput
+from carpool.scheduler import Request, RequestStatus, ScheduledSpan, Scheduler
 
 
 @dataclass
@@ -76,7 +77,7 @@ class LLMEngine:
         cache_dir = Path(config.model.cache_dir) if config.model.cache_dir else default_cache_dir()
         loaded = load_model(config.model.model, cache_dir)
         max_len = loaded.config.max_position_embeddings
-        if getattr(loaded.config, "sliding_window", None):
+        if loaded.config.sliding_window:
             # Windowed attention is not implemented; within the window it is exact.
             max_len = min(max_len, loaded.config.sliding_window)
         if config.model.max_model_len:
@@ -150,9 +151,7 @@ class LLMEngine:
         self.counters.busy_seconds += time.perf_counter() - started
         return [self._process_sample(request, result) for request, result in sampled]
 
-    def _batch_item(self, span) -> BatchItem:
-        from carpool.model.sampler import SamplingRow
-
+    def _batch_item(self, span: ScheduledSpan) -> BatchItem:
         request = span.request
         state: RequestState = request.payload
         sampling = None
@@ -162,7 +161,7 @@ class LLMEngine:
         return BatchItem(request.request_id, request.token_ids, span.start, span.num_tokens,
                          self.scheduler.kv.block_tables[request.request_id], sampling)
 
-    def _process_sample(self, request: Request, result) -> RequestOutput:
+    def _process_sample(self, request: Request, result: SampleResult) -> RequestOutput:
         state: RequestState = request.payload
         params = state.params
         token_id = result.token_id
@@ -181,7 +180,7 @@ class LLMEngine:
             delta, stopped = state.detokenizer.add_token(token_id)
             state.pending_text.append(delta)
             if stopped:
-                finish, state.stop_reason = "stop", self._matched_stop(state)
+                finish, state.stop_reason = "stop", state.detokenizer.stop_reason
         if finish is None and (request.num_output_tokens >= params.max_tokens
                                or request.num_tokens >= self.max_model_len):
             finish = "length"
@@ -191,10 +190,6 @@ class LLMEngine:
             self.scheduler.finish_request(request, status)
             return self._finish_output(request, finish)
         return self._output(request, finished=False)
-
-    @staticmethod
-    def _matched_stop(state: RequestState) -> str | None:
-        return getattr(state.detokenizer, "stop_reason", None)
 
     def _finish_output(self, request: Request, reason: str) -> RequestOutput:
         state: RequestState = request.payload

@@ -70,9 +70,12 @@ class TorchExecutor(Executor):
         self.model.ops = self.cpu_ops
         self.attention = select_backend(settings.attention_backend, self.device, self.cpu_ops)
         self.num_blocks = self._num_blocks(model_config, cache)
-        shape = (model_config.num_kv_heads, self.num_blocks, self.block_size, model_config.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                           torch.zeros(shape, dtype=self.dtype, device=self.device))
+        # Layouts: see carpool/model/attention.py (K blocks are stored transposed).
+        heads, dim = model_config.num_kv_heads, model_config.head_dim
+        k_shape = (heads, self.num_blocks, dim, self.block_size)
+        v_shape = (heads, self.num_blocks, self.block_size, dim)
+        self.kv_caches = [(torch.zeros(k_shape, dtype=self.dtype, device=self.device),
+                           torch.zeros(v_shape, dtype=self.dtype, device=self.device))
                           for _ in range(model_config.num_layers)]
         self.sampler = Sampler(model_config.vocab_size)
 

@@ -1,9 +1,10 @@
 """Paged attention over a ragged batch, behind a small backend interface.
 
-Layout: per layer, K and V caches of shape ``[num_kv_heads, num_blocks,
-block_size, head_dim]``; token slot ``s`` lives at block ``s // block_size``,
-offset ``s % block_size``. Heads outermost make a gathered context land as
-``[heads, seqs, len, dim]``, which batched matmuls read without a copy. A step's tokens are flattened into one ragged
+Layout: per layer, a V cache ``[num_kv_heads, num_blocks, block_size,
+head_dim]`` and a K cache ``[num_kv_heads, num_blocks, head_dim, block_size]``
+(each block transposed, so query-key scores of a whole block are plain
+vector multiply-adds, with no horizontal sums). Token slot ``s`` lives at
+block ``s // block_size``, offset ``s % block_size``. A step's tokens are flattened into one ragged
 batch, single-token spans (decodes) first, then multi-token spans (prefill
 chunks); nothing is padded across sequences in the batch itself. Decodes are
 attended together over their gathered contexts (padded and masked only
@@ -32,7 +33,8 @@ class PrefillChunk:
     q_start: int  # offset in the flattened batch
     q_len: int
     context_len: int  # tokens attended to, new ones included
-    gather: torch.Tensor  # [context_len] slots of the context
+    gather_blocks: torch.Tensor  # [context_len] block of each context position
+    gather_offsets: torch.Tensor  # [context_len] offset in that block
     causal_mask: torch.Tensor | None  # [q_len, context_len] bool; None when context == chunk
 
 
@@ -40,7 +42,8 @@ class PrefillChunk:
 class AttentionMetadata:
     """Built once per step, shared by every layer."""
 
-    slot_mapping: torch.Tensor  # [T] slot for each new token's K/V
+    slot_blocks: torch.Tensor  # [T] block of each new token's K/V
+    slot_offsets: torch.Tensor  # [T] offset in that block
     positions: torch.Tensor  # [T]
     num_decodes: int  # the first num_decodes tokens are single-token spans
     decode_blocks: torch.Tensor | None = None  # [B, max_blocks] block tables, padded
@@ -57,8 +60,9 @@ def build_metadata(spans: Sequence[SeqSpan], block_size: int,
         num_decodes += 1
     assert all(s.num_tokens > 1 for s in spans[num_decodes:]), "decodes must come first"
     positions, slots = _positions_and_slots(spans, block_size)
+    slots_t = torch.tensor(slots, dtype=torch.long, device=device)
     meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        slot_blocks=slots_t // block_size, slot_offsets=slots_t % block_size,
         positions=torch.tensor(positions, dtype=torch.long, device=device),
         num_decodes=num_decodes)
     if num_decodes:
@@ -102,12 +106,12 @@ def _prefill_chunk(span: SeqSpan, q_start: int, block_size: int,
     positions = torch.arange(context_len, device=device)
     table = torch.tensor(list(span.block_table[:-(-context_len // block_size)]),
                          dtype=torch.long, device=device)
-    gather = table[positions // block_size] * block_size + positions % block_size
     mask = None
     if span.start > 0:
         query_pos = torch.arange(span.start, context_len, device=device)
         mask = positions[None, :] <= query_pos[:, None]
-    return PrefillChunk(q_start, span.num_tokens, context_len, gather, mask)
+    return PrefillChunk(q_start, span.num_tokens, context_len, table[positions // block_size],
+                        positions % block_size, mask)
 
 
 class TorchAttention:
@@ -120,40 +124,45 @@ class TorchAttention:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:
-        """q: [T, H, D]; k, v: [T, KVH, D]; caches [KVH, blocks, block_size, D].
+        """q: [T, H, D]; k, v: [T, KVH, D]; caches as in the module docstring.
         Writes the new K/V into the caches, returns [T, H, D]."""
-        num_kv = k_cache.shape[0]
-        flat_k = k_cache.view(num_kv, -1, k_cache.shape[-1])  # [KVH, slots, D]
-        flat_v = v_cache.view(num_kv, -1, v_cache.shape[-1])
         # Every new K/V is written before any attention, so a chunk can
-        # attend to tokens written in this very step.
-        flat_k.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-        flat_v.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+        # attend to tokens written in this very step. (Advanced indices split
+        # by a slice put the token dimension first: [T, KVH, D] on both sides.)
+        k_cache[:, meta.slot_blocks, :, meta.slot_offsets] = k
+        v_cache[:, meta.slot_blocks, meta.slot_offsets, :] = v.transpose(0, 1)
         out = torch.empty_like(q)
         if meta.num_decodes:
             out[:meta.num_decodes] = self._decode(q[:meta.num_decodes], k_cache, v_cache, meta,
                                                   scale)
         for chunk in meta.prefills:
             rows = slice(chunk.q_start, chunk.q_start + chunk.q_len)
-            out[rows] = self._prefill(q[rows], flat_k, flat_v, chunk, scale)
+            out[rows] = self._prefill(q[rows], k_cache, v_cache, chunk, scale)
         return out
 
     @staticmethod
-    def _gather(cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """[KVH, B, L, D] contexts of the decodes (padded to whole blocks)."""
-        num_kv, num_blocks, block_size, head_dim = cache.shape
+    def _gather_blocks(cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """[KVH, B, max_blocks, *block] blocks of the decodes' contexts."""
+        num_kv, num_blocks = cache.shape[:2]
         batch, max_blocks = meta.decode_blocks.shape
         # index_select over whole blocks is several times faster on CPU than
         # advanced indexing of a middle dimension.
-        rows = cache.view(num_kv, num_blocks, block_size * head_dim)
+        rows = cache.view(num_kv, num_blocks, -1)
         picked = rows.index_select(1, meta.decode_blocks.view(-1))
-        return picked.view(num_kv, batch, max_blocks * block_size, head_dim)
+        return picked.view(num_kv, batch, max_blocks, *cache.shape[2:])
+
+    def _gather(self, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [KVH, B, L, D] of the decodes (padded to whole blocks)."""
+        keys = self._gather_blocks(k_cache, meta).transpose(3, 4).flatten(2, 3)
+        values = self._gather_blocks(v_cache, meta).flatten(2, 3)
+        return keys, values
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         batch, num_heads, head_dim = q.shape
         num_kv = k_cache.shape[0]
-        keys, values = self._gather(k_cache, meta), self._gather(v_cache, meta)
+        keys, values = self._gather(k_cache, v_cache, meta)
         # [KVH, B, G, D]: the G query heads sharing a KV head are one matrix.
         queries = q.view(batch, num_kv, num_heads // num_kv, head_dim).transpose(0, 1)
         scores = torch.matmul(queries, keys.transpose(2, 3)).float() * scale  # [KVH, B, G, L]
@@ -162,10 +171,11 @@ class TorchAttention:
         out = torch.matmul(probs, values)  # [KVH, B, G, D]
         return out.transpose(0, 1).reshape(batch, num_heads, head_dim)
 
-    def _prefill(self, q: torch.Tensor, flat_k: torch.Tensor, flat_v: torch.Tensor,
+    def _prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  chunk: PrefillChunk, scale: float) -> torch.Tensor:
-        keys = flat_k.index_select(1, chunk.gather)[None]  # [1, KVH, L, D]
-        values = flat_v.index_select(1, chunk.gather)[None]
+        blocks, offsets = chunk.gather_blocks, chunk.gather_offsets
+        keys = k_cache[:, blocks, :, offsets].transpose(0, 1)[None]  # [1, KVH, L, D]
+        values = v_cache[:, blocks, offsets, :][None]
         queries = q.transpose(0, 1)[None]  # [1, H, Q, D]
         out = F.scaled_dot_product_attention(
             queries, keys, values, attn_mask=chunk.causal_mask,
@@ -180,8 +190,8 @@ class SdpaAttention(TorchAttention):
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        keys = self._gather(k_cache, meta).transpose(0, 1)  # [B, KVH, L, D]
-        values = self._gather(v_cache, meta).transpose(0, 1)
+        keys, values = self._gather(k_cache, v_cache, meta)
+        keys, values = keys.transpose(0, 1), values.transpose(0, 1)  # [B, KVH, L, D]
         out = F.scaled_dot_product_attention(q[:, :, None, :], keys, values,
                                              attn_mask=meta.decode_mask[:, None, None, :],
                                              scale=scale, enable_gqa=True)

@@ -145,9 +145,10 @@ class LlamaModel(nn.Module):
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits [S, vocab] in float32 for the given rows only."""
+        """Logits [S, vocab] for the given rows only, in the model's dtype: the
+        sampler widens what it needs (an all-greedy batch needs nothing)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(self.norm(hidden, self.ops), weight).float()
+        return F.linear(self.norm(hidden, self.ops), weight)
 
     @torch.no_grad()
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:

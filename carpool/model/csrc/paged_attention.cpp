@@ -2,8 +2,10 @@
 // its context straight from the KV blocks, reading each K/V row once (the
 // portable torch path must first gather every context into a new tensor).
 //
-// Shapes: q [B, H, D]; k_cache, v_cache [KVH, NB, BS, D]; block_tables
-// [B, MB] int64; context_lens [B] int64. Returns [B, H, D] in q's dtype.
+// Shapes: q [B, H, D]; k_cache [KVH, NB, D, BS] (blocks transposed, so the
+// scores of a block are vertical multiply-adds over BS lanes); v_cache
+// [KVH, NB, BS, D]; block_tables [B, MB] int64; context_lens [B] int64.
+// Returns [B, H, D] in q's dtype.
 // Work is split over (sequence, kv head) pairs; the H / KVH query heads that
 // share a KV head are handled together so each K/V row is loaded once.
 #include <torch/extension.h>
@@ -38,29 +40,125 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return sum;
 }
 
+// Scores of one K block ([D][BS] floats) for `groups` query heads, written
+// to lane[g * BS + t]. With G and BS known at compile time the G accumulators
+// live in vector registers; the generic loop keeps them in memory.
+template <int G, int BS>
+void block_scores_fixed(const float* block, const float* queries, int64_t head_dim,
+                        float* lane) {
+  float acc[G][BS] = {};
+  for (int64_t d = 0; d < head_dim; ++d) {
+    const float* kd = block + d * BS;
+#pragma GCC unroll 8
+    for (int g = 0; g < G; ++g) {
+      const float qd = queries[g * head_dim + d];
+#pragma omp simd
+      for (int t = 0; t < BS; ++t) acc[g][t] += qd * kd[t];
+    }
+  }
+  std::copy(&acc[0][0], &acc[0][0] + G * BS, lane);
+}
+
+inline void block_scores(const float* block, const float* queries, int64_t groups,
+                         int64_t head_dim, int64_t block_size, float* lane) {
+  if (block_size == 16) {
+    switch (groups) {
+      case 1: return block_scores_fixed<1, 16>(block, queries, head_dim, lane);
+      case 2: return block_scores_fixed<2, 16>(block, queries, head_dim, lane);
+      case 3: return block_scores_fixed<3, 16>(block, queries, head_dim, lane);
+      case 4: return block_scores_fixed<4, 16>(block, queries, head_dim, lane);
+      case 5: return block_scores_fixed<5, 16>(block, queries, head_dim, lane);
+      case 6: return block_scores_fixed<6, 16>(block, queries, head_dim, lane);
+      case 7: return block_scores_fixed<7, 16>(block, queries, head_dim, lane);
+      case 8: return block_scores_fixed<8, 16>(block, queries, head_dim, lane);
+      default: break;
+    }
+  }
+  std::fill(lane, lane + groups * block_size, 0.f);
+  for (int64_t d = 0; d < head_dim; ++d) {
+    const float* kd = block + d * block_size;
+    for (int64_t g = 0; g < groups; ++g) {
+      const float qd = queries[g * head_dim + d];
+      float* lg = lane + g * block_size;
+#pragma omp simd
+      for (int64_t t = 0; t < block_size; ++t) lg[t] += qd * kd[t];
+    }
+  }
+}
+
+// acc[g] += sum over t < count of p[g * stride + t] * rows[t] (rows [count][D]).
+// Compile-time G and D keep the accumulators in vector registers.
+template <int G, int D>
+void weighted_rows_fixed(const float* rows, const float* p, int64_t stride, int64_t count,
+                         float* acc) {
+  float sum[G][D];
+  std::copy(acc, acc + G * D, &sum[0][0]);
+  for (int64_t t = 0; t < count; ++t) {
+    const float* r = rows + t * D;
+#pragma GCC unroll 8
+    for (int g = 0; g < G; ++g) {
+      const float w = p[g * stride + t];
+#pragma omp simd
+      for (int d = 0; d < D; ++d) sum[g][d] += w * r[d];
+    }
+  }
+  std::copy(&sum[0][0], &sum[0][0] + G * D, acc);
+}
+
+inline void weighted_rows(const float* rows, const float* p, int64_t stride, int64_t count,
+                          int64_t groups, int64_t head_dim, float* acc) {
+  if (head_dim == 64) {
+    switch (groups) {
+      case 1: return weighted_rows_fixed<1, 64>(rows, p, stride, count, acc);
+      case 2: return weighted_rows_fixed<2, 64>(rows, p, stride, count, acc);
+      case 3: return weighted_rows_fixed<3, 64>(rows, p, stride, count, acc);
+      case 4: return weighted_rows_fixed<4, 64>(rows, p, stride, count, acc);
+      case 5: return weighted_rows_fixed<5, 64>(rows, p, stride, count, acc);
+      case 6: return weighted_rows_fixed<6, 64>(rows, p, stride, count, acc);
+      default: break;
+    }
+  } else if (head_dim == 128) {
+    switch (groups) {
+      case 1: return weighted_rows_fixed<1, 128>(rows, p, stride, count, acc);
+      case 2: return weighted_rows_fixed<2, 128>(rows, p, stride, count, acc);
+      case 3: return weighted_rows_fixed<3, 128>(rows, p, stride, count, acc);
+      default: break;
+    }
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+    float* a = acc + g * head_dim;
+    for (int64_t t = 0; t < count; ++t) {
+      const float w = p[g * stride + t];
+      const float* r = rows + t * head_dim;
+#pragma omp simd
+      for (int64_t d = 0; d < head_dim; ++d) a[d] += w * r[d];
+    }
+  }
+}
+
 // One (sequence, kv head): scores for the `groups` query heads over the
-// context, block by block (a block's rows are contiguous), softmax, then the
-// weighted sum of V rows.
+// context block by block, softmax, then the weighted sum of V rows.
 template <typename T>
 void decode_one(const T* q, const T* k_head, const T* v_head, const int64_t* table,
                 int64_t context_len, int64_t groups, int64_t head_dim, int64_t block_size,
                 float scale, T* out, std::vector<float>& work) {
   const int64_t block_elems = block_size * head_dim;
-  work.resize(groups * head_dim * 2 + groups * context_len + block_elems);
+  work.resize(groups * head_dim * 2 + groups * context_len + block_elems + groups * block_size);
   float* queries = work.data();
   float* acc = queries + groups * head_dim;
   float* scores = acc + groups * head_dim;
-  float* rows = scores + groups * context_len;
+  float* block = scores + groups * context_len;
+  float* lane = block + block_elems;
   to_float(q, queries, groups * head_dim);
   std::fill(acc, acc + groups * head_dim, 0.f);
   const int64_t num_blocks = (context_len + block_size - 1) / block_size;
   for (int64_t j = 0; j < num_blocks; ++j) {
     const int64_t count = std::min(block_size, context_len - j * block_size);
-    to_float(k_head + table[j] * block_elems, rows, count * head_dim);
+    to_float(k_head + table[j] * block_elems, block, block_elems);  // [D][BS]
+    block_scores(block, queries, groups, head_dim, block_size, lane);
     for (int64_t g = 0; g < groups; ++g) {
       float* s = scores + g * context_len + j * block_size;
-      for (int64_t t = 0; t < count; ++t)
-        s[t] = dot(queries + g * head_dim, rows + t * head_dim, head_dim) * scale;
+      for (int64_t t = 0; t < count; ++t) s[t] = lane[g * block_size + t] * scale;
     }
   }
   for (int64_t g = 0; g < groups; ++g) {
@@ -78,17 +176,8 @@ void decode_one(const T* q, const T* k_head, const T* v_head, const int64_t* tab
   }
   for (int64_t j = 0; j < num_blocks; ++j) {
     const int64_t count = std::min(block_size, context_len - j * block_size);
-    to_float(v_head + table[j] * block_elems, rows, count * head_dim);
-    for (int64_t g = 0; g < groups; ++g) {
-      const float* s = scores + g * context_len + j * block_size;
-      float* a = acc + g * head_dim;
-      for (int64_t t = 0; t < count; ++t) {
-        const float p = s[t];
-        const float* r = rows + t * head_dim;
-#pragma omp simd
-        for (int64_t d = 0; d < head_dim; ++d) a[d] += p * r[d];
-      }
-    }
+    to_float(v_head + table[j] * block_elems, block, count * head_dim);  // [BS][D]
+    weighted_rows(block, scores + j * block_size, context_len, count, groups, head_dim, acc);
   }
   for (int64_t i = 0; i < groups * head_dim; ++i) out[i] = static_cast<T>(acc[i]);
 }
@@ -98,8 +187,9 @@ void decode_one(const T* q, const T* k_head, const T* v_head, const int64_t* tab
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
                                      torch::Tensor v_cache, torch::Tensor block_tables,
                                      torch::Tensor context_lens, double scale) {
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
-              "bad shapes");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "bad shapes");
+  TORCH_CHECK(k_cache.size(2) == v_cache.size(3) && k_cache.size(3) == v_cache.size(2),
+              "k_cache must be [KVH, NB, D, BS] and v_cache [KVH, NB, BS, D]");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "q and cache dtypes differ");
   TORCH_CHECK(block_tables.scalar_type() == torch::kLong && context_lens.scalar_type() == torch::kLong,
               "block tables and context lengths must be int64");
@@ -107,9 +197,9 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
   block_tables = block_tables.contiguous();
   context_lens = context_lens.contiguous();
   const int64_t batch = q.size(0), heads = q.size(1), head_dim = q.size(2);
-  const int64_t kv_heads = k_cache.size(0), num_blocks = k_cache.size(1),
-                block_size = k_cache.size(2), max_blocks = block_tables.size(1);
-  TORCH_CHECK(heads % kv_heads == 0 && k_cache.size(3) == head_dim, "bad head layout");
+  const int64_t kv_heads = v_cache.size(0), num_blocks = v_cache.size(1),
+                block_size = v_cache.size(2), max_blocks = block_tables.size(1);
+  TORCH_CHECK(heads % kv_heads == 0 && v_cache.size(3) == head_dim, "bad head layout");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   const int64_t groups = heads / kv_heads;
   auto out = torch::empty_like(q);
