@@ -39,6 +39,3 @@ class Executor(ABC):
     def execute(self, items: Sequence[BatchItem]) -> list[Any]:
         """Run one ragged batch; return one sample result per item whose
         ``sampling`` is set, in item order."""
-
-    def shutdown(self) -> None:
-        """Release resources (default: nothing to do)."""
