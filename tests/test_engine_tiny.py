@@ -167,3 +167,28 @@ def test_async_engine_streams_and_aborts(roomy):
             streamer.shutdown()
 
     asyncio.run(main())
+
+
+def test_engine_failure_fails_streams_instead_of_hanging(roomy, monkeypatch):
+    from carpool.engine.async_engine import EngineDeadError
+
+    def broken_step():
+        raise RuntimeError("simulated kernel failure")
+
+    monkeypatch.setattr(roomy.engine, "step", broken_step)
+
+    async def main() -> None:
+        streamer = AsyncEngine(roomy.engine)
+        with pytest.raises(EngineDeadError, match="simulated kernel failure"):
+            async for _ in await asyncio.wait_for(streamer.add_request(PROMPTS[0], greedy(4)), 10):
+                pass
+        assert not streamer.is_alive
+        with pytest.raises(EngineDeadError):
+            await streamer.add_request(PROMPTS[0], greedy(4))
+
+    asyncio.run(main())
+    monkeypatch.undo()
+    # The synchronous engine is still usable: abort what the failed loop left behind.
+    for request_id in list(roomy.engine.scheduler.requests):
+        roomy.engine.abort_request(request_id)
+    assert roomy.engine.scheduler.kv.stats().used_blocks == 0

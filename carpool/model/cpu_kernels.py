@@ -8,6 +8,7 @@ path, with a one-line warning.
 from __future__ import annotations
 
 import sys
+import threading
 from pathlib import Path
 from types import ModuleType
 
@@ -30,7 +31,15 @@ def load_cpu_ops() -> ModuleType | None:
 def _build() -> ModuleType:
     from torch.utils.cpp_extension import load
 
-    return load(name="carpool_cpu_ops", sources=_SOURCES,
-                # -ffast-math: tree reductions in the dot products and vector exp.
-                extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
-                extra_ldflags=["-fopenmp"], verbose=False)
+    # A cached build loads in well under a second; say so when compiling.
+    notice = threading.Timer(3.0, print, ["carpool: compiling the CPU kernels (first run on "
+                                          "this machine, about a minute) ..."],
+                             {"file": sys.stderr, "flush": True})
+    notice.start()
+    try:
+        return load(name="carpool_cpu_ops", sources=_SOURCES,
+                    # -ffast-math: tree reductions in the dot products and vector exp.
+                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
+                    extra_ldflags=["-fopenmp"], verbose=False)
+    finally:
+        notice.cancel()
