@@ -65,3 +65,20 @@ def test_generate_on_the_default_model(real_model_path):
                      str(real_model_path), "--max-tokens", "16")
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout
+
+
+def test_bench_throughput_runs_both_sides(tiny_model_dir, tmp_path):
+    out = tmp_path / "bench.json"
+    result = run_cli("bench", "throughput", "--model", str(tiny_model_dir), "--num-requests", "6",
+                     "--input-len", "12", "--output-len", "5", "--hf-batch-sizes", "1,4",
+                     "--hf-dtypes", "float32", "--hf-batches", "1", "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    import json
+
+    report = json.loads(out.read_text())
+    systems = [r["system"] for r in report["results"]]
+    assert systems == ["carpool (continuous)", "HF static b=1 float32", "HF static b=4 float32"]
+    ours = report["results"][0]
+    assert ours["requests"] == 6 and ours["output_tokens"] == 30 and ours["prompt_tokens"] == 72
+    assert report["results"][2]["output_tokens"] == 4 * 5
+    assert "carpool vs best static batching" in result.stdout
