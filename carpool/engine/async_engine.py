@@ -53,11 +53,6 @@ class AsyncEngine:
     def is_alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
 
-    @property
-    def num_pending(self) -> int:
-        with self._lock:
-            return len(self._streams)
-
     async def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                           request_id: str | None = None,
                           priority: int = 0) -> AsyncIterator[RequestOutput]:

@@ -35,7 +35,6 @@ class RequestOutput:
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None
-    error: str | None = None  # set when the engine failed this request
 
     @property
     def num_prompt_tokens(self) -> int:

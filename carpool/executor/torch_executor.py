@@ -91,10 +91,6 @@ class TorchExecutor(Executor):
                              f"({per_block} bytes each)")
         return int(num_blocks)
 
-    @property
-    def kv_cache_bytes(self) -> int:
-        return sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)
-
     @torch.inference_mode()
     def execute(self, items: Sequence[BatchItem]) -> list[SampleResult]:
         # Decodes first: attention batches them together (see attention.py).

@@ -108,11 +108,6 @@ class BlockPool:
         self._cached[key] = block_id
         self._key_of[block_id] = key
 
-    def evict_all_cached(self) -> None:
-        """Forget every unreferenced cached block (e.g. after a weight reload)."""
-        for block_id in list(self._free):
-            self._uncache(block_id)
-
     def _uncache(self, block_id: int) -> None:
         key = self._key_of.pop(block_id, None)
         if key is not None:
