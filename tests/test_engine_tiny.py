@@ -163,8 +163,21 @@ def test_async_engine_streams_and_aborts(roomy):
                 return n
             counts = await asyncio.gather(*(collect(p) for p in PROMPTS))
             assert counts == [10] * len(PROMPTS)
+            # Shutting down with a request in flight ends its stream with an error.
+            stream = await streamer.add_request(PROMPTS[1], greedy(300))
+            await stream.__anext__()
         finally:
             streamer.shutdown()
+        from carpool.engine.async_engine import EngineDeadError
+
+        with pytest.raises(EngineDeadError, match="shut down"):
+            async for _ in stream:
+                pass
+        for request_id in list(engine.scheduler.requests):  # leave the shared engine clean
+            engine.abort_request(request_id)
+
+        with pytest.raises(EngineDeadError, match="shut down"):
+            await streamer.add_request(PROMPTS[0], greedy(4))  # an error, never a hang
 
     asyncio.run(main())
 

@@ -64,6 +64,8 @@ class AsyncEngine:
         request_id = request_id or self.engine.new_request_id()
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._wake:
+            if self._stopping or not self._thread.is_alive():
+                raise EngineDeadError("the engine is shut down")
             if request_id in self._streams:
                 raise ValueError(f"duplicate request id {request_id!r}")
             self._streams[request_id] = stream
@@ -123,6 +125,8 @@ class AsyncEngine:
                         self._deliver(output)
                 for output in self.engine.step():
                     self._deliver(output)
+            # Shut down: whatever was still in flight ends with an error, not a hang.
+            self._fail_all(EngineDeadError("the engine was shut down"))
         except BaseException as exc:  # noqa: BLE001 - fail every stream, never hang
             traceback.print_exc()
             self.error = exc
