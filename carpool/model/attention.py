@@ -4,11 +4,14 @@ Layout: per layer, a V cache ``[num_kv_heads, num_blocks, block_size,
 head_dim]`` and a K cache ``[num_kv_heads, num_blocks, head_dim, block_size]``
 (each block transposed, so query-key scores of a whole block are plain
 vector multiply-adds, with no horizontal sums). Token slot ``s`` lives at
-block ``s // block_size``, offset ``s % block_size``. A step's tokens are flattened into one ragged
-batch, single-token spans (decodes) first, then multi-token spans (prefill
-chunks); nothing is padded across sequences in the batch itself. Decodes are
-attended together over their gathered contexts (padded and masked only
-inside attention); each prefill chunk attends over its own context.
+block ``s // block_size``, offset ``s % block_size``.
+
+A step's tokens are flattened into one ragged batch, single-token spans
+(decodes) first, then multi-token spans (prefill chunks); nothing is padded
+across sequences in the batch itself. Decodes are attended together (the C++
+kernel reads their blocks in place; the portable path gathers them, padded
+and masked only inside attention); each prefill chunk attends over its own
+context.
 """
 from __future__ import annotations
 
