@@ -64,7 +64,8 @@ def add_throughput_args(parser: argparse.ArgumentParser) -> None:
                     help="dtypes to try for the baseline; the best is the reference")
     hf.add_argument("--hf-batches", type=int, default=2,
                     help="static batches run per baseline batch size (the first requests "
-                         "of the workload); tok/s is a rate, so a sample suffices")
+                         "of the workload; 0 = all of them); tok/s is a rate, so a sample "
+                         "suffices and keeps batch size 1 affordable")
     parser.add_argument("--json", default=None, help="write the results here as JSON")
 
 
@@ -126,7 +127,7 @@ def run_hf_static(model_dir: Path, workload: list[BenchRequest], batch_size: int
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
-    count = min(len(workload), batch_size * num_batches)
+    count = len(workload) if num_batches <= 0 else min(len(workload), batch_size * num_batches)
     requests = workload[:count]
     output_tokens = 0
     started = time.perf_counter()
