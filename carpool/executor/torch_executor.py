@@ -95,28 +95,23 @@ class TorchExecutor(Executor):
     def execute(self, items: Sequence[BatchItem]) -> list[SampleResult]:
         # Decodes first: attention batches them together (see attention.py).
         order = sorted(range(len(items)), key=lambda i: items[i].num_tokens > 1)
-        ordered = [items[i] for i in order]
         input_ids: list[int] = []
-        sample_rows: list[int] = []
-        sampling = []
-        for item in ordered:
+        sample_rows: list[int] = []  # rows of the flattened batch to sample
+        sampled_items: list[int] = []  # their indices in `items`
+        for index in order:
+            item = items[index]
             input_ids.extend(item.token_ids[item.start:item.start + item.num_tokens])
             if item.sampling is not None:
                 sample_rows.append(len(input_ids) - 1)
-                sampling.append(item.sampling)
-        spans = [SeqSpan(i.start, i.num_tokens, i.block_table) for i in ordered]
+                sampled_items.append(index)
+        spans = [SeqSpan(items[i].start, items[i].num_tokens, items[i].block_table) for i in order]
         meta = build_metadata(spans, self.block_size, self.device)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         hidden = self.model(ids, meta, self.kv_caches, self.attention)
-        if not sampling:
+        if not sampled_items:
             return []
         rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
         logits = self.model.compute_logits(hidden[rows])
-        results = self.sampler.sample(logits, sampling)
-        # Back to item order.
-        by_item = {}
-        sampled_positions = [order[k] for k, item in enumerate(ordered) if item.sampling is not None]
-        for position, result in zip(sampled_positions, results):
-            by_item[position] = result
-        return [by_item[i] for i in sorted(by_item)]
-
+        results = self.sampler.sample(logits, [items[i].sampling for i in sampled_items])
+        # Back to item order (indices are unique, so results are never compared).
+        return [result for _, result in sorted(zip(sampled_items, results))]
