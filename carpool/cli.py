@@ -1,4 +1,4 @@
-"""``carpool`` command line: generate, chat, bench throughput.
+"""``carpool`` command line: serve, generate, chat, bench throughput.
 
 Every engine knob is a flag; ``--config x.yaml`` loads a file first and
 flags given on the command line win (CLI > file > defaults).
@@ -31,6 +31,29 @@ ENGINE_FLAGS: list[tuple[str, str, type, str]] = [
     ("--max-num-seqs", "max_num_seqs", int, "most requests running at once"),
     ("--max-num-batched-tokens", "max_num_batched_tokens", int, "token budget of one step"),
     ("--scheduling-policy", "policy", str, "fcfs | priority"),
+    ("--max-queue-requests", "max_queue_requests", int,
+     "waiting requests beyond which new ones are rejected (HTTP 429)"),
+    ("--max-queue-tokens", "max_queue_tokens", int,
+     "waiting prompt tokens beyond which new requests are rejected"),
+    ("--queue-timeout", "queue_timeout", float,
+     "seconds a request may wait to start before it is rejected"),
+    ("--session-ttl", "session_ttl", float,
+     "seconds a session's prefix stays preferred in the KV cache"),
+]
+
+# (flag, ServerConfig field, type, help)
+SERVER_FLAGS: list[tuple[str, str, type, str]] = [
+    ("--host", "host", str, "address to listen on (default 127.0.0.1; 0.0.0.0 for all)"),
+    ("--port", "port", int, "port to listen on (default 8000; 0 = any free port)"),
+    ("--served-model-name", "served_model_name", str, "model name in the API"),
+    ("--api-key", "api_key", str, "require 'Authorization: Bearer KEY' "
+                                  "(default: $CARPOOL_API_KEY; none = open)"),
+    ("--shutdown-timeout", "shutdown_timeout", float,
+     "seconds in-flight requests get to finish after SIGTERM"),
+    ("--status-interval", "status_interval", float, "seconds between status lines while busy"),
+    ("--max-body-bytes", "max_body_bytes", int, "largest request body accepted"),
+    ("--max-n", "max_n", int, "largest n accepted"),
+    ("--max-tokens-cap", "max_tokens_cap", int, "largest max_tokens accepted"),
 ]
 
 
@@ -43,12 +66,63 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                        action="store_false", default=None, help="disable prefix caching")
 
 
+def _config_layers(args: argparse.Namespace) -> list[dict]:
+    """Settings files in increasing precedence: the profile, then --config."""
+    from carpool.profiles import load_profile, read_yaml
+
+    layers = []
+    if getattr(args, "profile", None):
+        layers.append(load_profile(args.profile))
+    if args.config:
+        layers.append(read_yaml(args.config))
+    return layers
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    config = EngineConfig.from_yaml(args.config) if args.config else EngineConfig()
+    """defaults < --profile < --config file < flags (a file's ``server:``
+    section is for ``carpool serve``)."""
+    config = EngineConfig()
+    for layer in _config_layers(args):
+        config.update({k: v for k, v in layer.items() if k != "server"})
     overrides = {name[len("engine_"):]: value for name, value in vars(args).items()
                  if name.startswith("engine_") and value is not None}
     config.update(overrides)
     return config.validate()
+
+
+def server_config_from_args(args: argparse.Namespace):
+    from carpool.server.config import ServerConfig
+
+    config = ServerConfig()
+    for layer in _config_layers(args):
+        section = layer.get("server") or {}
+        if not isinstance(section, dict):
+            raise ValueError("the 'server' section of a config file must be a mapping")
+        for key, value in section.items():
+            if not hasattr(config, key):
+                raise ValueError(f"unknown config key 'server.{key}'")
+            setattr(config, key, value)
+    for _, key, _, _ in SERVER_FLAGS:
+        value = getattr(args, f"server_{key}")
+        if value is not None:
+            setattr(config, key, value)
+    if args.cors_origins:
+        config.cors_origins = list(args.cors_origins)
+    return config.validate()
+
+
+def add_serve_parser(commands) -> None:
+    serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
+    serve.add_argument("model_path", nargs="?", default=None,
+                       help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    serve.add_argument("--profile", default=None,
+                       help="settings profile: a built-in name or a YAML file (flags override it)")
+    group = serve.add_argument_group("server")
+    for flag, key, kind, help_text in SERVER_FLAGS:
+        group.add_argument(flag, dest=f"server_{key}", type=kind, default=None, help=help_text)
+    group.add_argument("--cors-origins", nargs="*", default=None,
+                       help="allowed CORS origins (CORS is off unless given)")
+    add_engine_flags(serve)
 
 
 def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
@@ -86,6 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_flags(chat)
     add_engine_flags(chat)
 
+    add_serve_parser(commands)
+
     bench = commands.add_parser("bench", help="benchmarks")
     bench_commands = bench.add_subparsers(dest="bench_command", required=True)
     from carpool.bench.throughput import add_throughput_args
@@ -100,7 +176,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.command == "serve" and args.model_path:
+            args.engine_model = args.model_path
         config = engine_config_from_args(args)
+        if args.command == "serve":
+            from carpool.server.launcher import run_server
+
+            return run_server(config, server_config_from_args(args))
         if args.command == "generate":
             from carpool.repl import run_generate
 

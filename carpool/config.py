@@ -54,6 +54,18 @@ class SchedulerConfig:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 1024
     policy: str = "fcfs"  # fcfs | priority
+    # Admission control, per replica: a new request that would push the
+    # waiting queue past either bound is turned away with a retry-after
+    # estimate instead of queueing without limit. Requeued (preempted)
+    # requests never count as arrivals.
+    max_queue_requests: int = 200  # waiting requests; must be >= 1
+    max_queue_tokens: int | None = None  # prompt tokens waiting; None = unbounded
+    # Seconds a request may wait before it is first scheduled; past that it is
+    # rejected with reason "queue_timeout". None = wait forever.
+    queue_timeout: float | None = None
+    # Seconds a session's cached prefix stays protected from eviction after
+    # its latest request finished; 0 = no protection (order is still kept).
+    session_ttl: float = 1800.0
 
     def validate(self) -> None:
         if self.max_num_seqs < 1:
@@ -63,6 +75,17 @@ class SchedulerConfig:
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        if self.max_queue_requests < 1:
+            raise ValueError(f"max_queue_requests must be >= 1 (an unbounded queue is not "
+                             f"supported), got {self.max_queue_requests}")
+        if self.max_queue_tokens is not None and self.max_queue_tokens < 1:
+            raise ValueError(f"max_queue_tokens must be >= 1 or null (unbounded), "
+                             f"got {self.max_queue_tokens}")
+        if self.queue_timeout is not None and not self.queue_timeout > 0:
+            raise ValueError(f"queue_timeout must be > 0 seconds or null (wait forever), "
+                             f"got {self.queue_timeout}")
+        if not self.session_ttl >= 0:  # also rejects NaN
+            raise ValueError(f"session_ttl must be >= 0 seconds, got {self.session_ttl}")
 
 
 @dataclass
@@ -111,12 +134,9 @@ class EngineConfig:
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "EngineConfig":
-        import yaml
-
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f) or {}
-        if not isinstance(data, dict):
-            raise ValueError(f"{path}: expected a mapping at the top level")
+        """Engine settings from a YAML file (its ``server:`` section is ignored)."""
+        data = read_yaml(path)
+        data.pop("server", None)
         return cls.from_dict(data)
 
     def update(self, data: dict[str, Any]) -> None:
@@ -132,6 +152,20 @@ class EngineConfig:
             if not owners:
                 raise ValueError(f"unknown config key {key!r}")
             _set_field(owners[0], key, value, key)
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """A YAML settings file as a dict; a clear ``ValueError`` if it is not a mapping."""
+    import yaml
+
+    with open(path, encoding="utf-8") as f:
+        try:
+            data = yaml.safe_load(f) or {}
+        except yaml.YAMLError as exc:
+            raise ValueError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping at the top level")
+    return data
 
 
 def _field_names(obj: Any) -> set[str]:

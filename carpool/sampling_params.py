@@ -4,6 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+# Temperatures below this sample greedily (as vLLM): dividing logits by a
+# temperature that rounds to zero in float32 would give inf/NaN probabilities.
+GREEDY_TEMPERATURE = 1e-5
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 
@@ -12,7 +15,7 @@ MAX_STOP_STRING_CHARS = 256
 class SamplingParams:
     """How to pick tokens for one request and when to stop.
 
-    ``temperature == 0`` means greedy. ``top_k <= 0`` disables top-k. ``seed``
+    ``temperature == 0`` (or below ``GREEDY_TEMPERATURE``) means greedy. ``top_k <= 0`` disables top-k. ``seed``
     makes sampling reproducible regardless of which requests share the batch.
     ``logprobs = N`` returns the chosen token's logprob plus the top N (N <= 20).
     """
@@ -42,7 +45,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def needs_penalties(self) -> bool:

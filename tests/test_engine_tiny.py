@@ -47,6 +47,15 @@ def test_chunked_prefill_and_preemption_do_not_change_greedy_tokens(roomy, tiny_
     assert stats.prefix_hits > 0, "preempted requests should revive their cached blocks"
 
 
+def test_offline_generate_feeds_more_prompts_than_the_queue_holds(roomy, tiny_model_dir):
+    expected = [o.token_ids for o in roomy.generate(PROMPTS, greedy(6))]
+    small_queue = LLM(str(tiny_model_dir), dtype="float32", kv_cache_memory="16MiB",
+                      max_num_seqs=1, max_queue_requests=2)
+    got = small_queue.generate(PROMPTS, greedy(6))
+    assert [o.token_ids for o in got] == expected
+    assert small_queue.engine.scheduler.rejections.get("queue_full", 0) > 0
+
+
 def test_prefix_cache_hits_across_requests(roomy):
     shared = PROMPTS[1]
     roomy.generate([shared + " first"], greedy(2))

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import sys
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from carpool.config import CacheConfig, SchedulerConfig
-from carpool.scheduler import Request, RequestStatus, Scheduler
+from carpool.scheduler import RejectedError, Request, RequestStatus, Scheduler
 from carpool.scheduler.block_pool import BlockPool
 
 BLOCK = 4
@@ -27,9 +28,12 @@ class FakeClock:
 
 
 def make_scheduler(num_blocks: int, max_seqs: int, budget: int, policy: str,
-                   caching: bool = True) -> Scheduler:
-    return Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
-                                     policy=policy),
+                   caching: bool = True, **config) -> Scheduler:
+    """A scheduler on a ``FakeClock``; ``config`` sets further SchedulerConfig fields."""
+    scheduler_config = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
+                                       policy=policy, **config)
+    scheduler_config.validate()
+    return Scheduler(scheduler_config,
                      CacheConfig(block_size=BLOCK, enable_prefix_caching=caching, watermark=0.05),
                      num_blocks, FakeClock())
 
@@ -104,6 +108,107 @@ def test_random_operations_keep_bookkeeping_consistent(ops, num_blocks, max_seqs
     for request in added:
         if request.status == RequestStatus.FINISHED_LENGTH:
             assert request.num_output_tokens == request.max_tokens
+
+
+overload_ops = st.lists(st.one_of(
+    st.tuples(st.just("add"), prompts, st.integers(1, 6), st.integers(0, 2),
+              st.sampled_from([None, "a", "b"]), st.one_of(st.none(), st.floats(0.0, 0.3))),
+    st.tuples(st.just("step"), st.integers(1, 4)),
+    st.tuples(st.just("abort"), st.integers(0, 80)),
+    st.tuples(st.just("wait"), st.floats(0.0, 2.0)),
+), min_size=10, max_size=80)
+
+
+class Ledger:
+    """How each accepted request ended; ending twice or never fails the test."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        self.accepted: list[Request] = []
+        self.ended: dict[str, str] = {}
+
+    def end(self, request: Request, how: str) -> None:
+        assert request.request_id not in self.ended, f"{request.request_id} ended twice"
+        assert request in self.accepted and request.status.finished
+        self.ended[request.request_id] = how
+
+    def step(self) -> None:
+        for request in run_step(self.scheduler):
+            self.end(request, "finished")
+        for request in self.scheduler.pop_rejected():
+            assert request.status == RequestStatus.FINISHED_REJECTED
+            assert request.first_scheduled_time is None, "a scheduled request expired"
+            self.end(request, request.reject_reason)
+
+    def check(self, config: SchedulerConfig) -> None:
+        self.scheduler.check_invariants()
+        fresh = [r for r in self.scheduler.waiting if r.first_scheduled_time is None]
+        assert len(fresh) <= config.max_queue_requests
+        if config.max_queue_tokens is not None:
+            assert sum(r.num_prompt_tokens for r in fresh) <= config.max_queue_tokens
+        # A session's request runs only after every earlier one of it ended.
+        for index, request in enumerate(self.accepted):
+            if request.session_id is None or request.first_scheduled_time is None:
+                continue
+            assert all(e.request_id in self.ended for e in self.accepted[:index]
+                       if e.session_id == request.session_id), "session order broken"
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=overload_ops, num_blocks=st.integers(8, 16), max_seqs=st.integers(1, 4),
+       budget=st.integers(1, 16), policy=st.sampled_from(["fcfs", "priority"]),
+       max_queue=st.integers(1, 6), max_queue_tokens=st.one_of(st.none(), st.integers(8, 40)),
+       queue_timeout=st.one_of(st.none(), st.floats(0.05, 1.0)),
+       ttl=st.sampled_from([0.0, 0.5, 1800.0]))
+def test_every_accepted_request_ends_exactly_once_under_overload(
+        ops, num_blocks, max_seqs, budget, policy, max_queue, max_queue_tokens, queue_timeout,
+        ttl):
+    scheduler = make_scheduler(num_blocks, max_seqs, budget, policy,
+                               max_queue_requests=max_queue, max_queue_tokens=max_queue_tokens,
+                               queue_timeout=queue_timeout, session_ttl=ttl)
+    ledger = Ledger(scheduler)
+    for index, op in enumerate(ops):
+        if op[0] == "add":
+            _, prompt, max_tokens, priority, session, slack = op
+            now = scheduler.clock()
+            request = Request(f"r{index}", prompt, max_tokens, now, priority, session_id=session,
+                              deadline=None if slack is None else now + slack)
+            if not scheduler.kv.can_ever_fit(len(prompt) + max_tokens):
+                continue
+            if max_queue_tokens is not None and len(prompt) > max_queue_tokens:
+                with pytest.raises(ValueError, match="max_queue_tokens"):
+                    scheduler.add_request(request)
+                continue
+            try:
+                scheduler.add_request(request)
+                ledger.accepted.append(request)
+            except RejectedError as exc:
+                assert exc.reason in ("queue_full", "queue_tokens")
+                assert 1 <= exc.retry_after <= 60
+        elif op[0] == "step":
+            for _ in range(op[1]):
+                ledger.step()
+                ledger.check(scheduler.config)
+        elif op[0] == "abort" and ledger.accepted:
+            victim = ledger.accepted[op[1] % len(ledger.accepted)]
+            if scheduler.abort_request(victim.request_id) is not None:
+                ledger.end(victim, "abort")
+        elif op[0] == "wait":
+            scheduler.clock.now += op[1]
+        ledger.check(scheduler.config)
+
+    limit = 10 + sum(r.num_prompt_tokens + 2 * r.max_tokens for r in ledger.accepted) * 4
+    for _ in range(limit):
+        if not scheduler.has_unfinished:
+            break
+        ledger.step()
+        ledger.check(scheduler.config)
+    assert not scheduler.has_unfinished, "some request never finished"
+    assert set(ledger.ended) == {r.request_id for r in ledger.accepted}, "a request was lost"
+    assert scheduler.kv.pool.num_free_blocks == num_blocks
+    rejected = [how for how in ledger.ended.values() if how in ("deadline", "queue_timeout")]
+    for reason in ("deadline", "queue_timeout"):
+        assert rejected.count(reason) == scheduler.rejections.get(reason, 0)
 
 
 @settings(max_examples=200, deadline=None)

@@ -95,6 +95,10 @@ def run_carpool(config: EngineConfig, workload: list[BenchRequest]) -> tuple[Ben
     from carpool.engine.llm_engine import LLMEngine
     from carpool.sampling_params import SamplingParams
 
+    # An offline benchmark queues its whole workload at once, as static batching sees it.
+    queue = config.scheduler
+    queue.max_queue_requests = max(queue.max_queue_requests, len(workload))
+    queue.max_queue_tokens = None
     engine = LLMEngine.from_config(config)
     # Warm up (first-call allocations, thread pools) outside the timing.
     engine.add_request(workload[0].prompt_token_ids, SamplingParams(max_tokens=4, temperature=0))

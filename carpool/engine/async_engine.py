@@ -8,13 +8,19 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 import traceback
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 from carpool.engine.llm_engine import LLMEngine
 from carpool.engine.outputs import RequestOutput
+from carpool.engine.stats import EngineStats
 from carpool.sampling_params import SamplingParams
+from carpool.scheduler import RejectedError
+
+# How often the engine thread publishes a stats snapshot while busy.
+STATS_INTERVAL_S = 0.25
 
 
 class EngineDeadError(RuntimeError):
@@ -27,6 +33,16 @@ class _Stream:
     queue: asyncio.Queue
 
 
+@dataclass
+class _Add:
+    request_id: str
+    prompt: str | Sequence[int]
+    params: SamplingParams
+    priority: int
+    session_id: str | None
+    deadline: float | None
+
+
 class AsyncEngine:
     """Thread-safe front of an ``LLMEngine``.
 
@@ -35,17 +51,26 @@ class AsyncEngine:
     the iteration early (or cancelling the task) aborts the request, whose
     blocks are freed before the next step. ``abort(request_id)`` does the
     same from anywhere.
+
+    ``stats`` is a snapshot refreshed by the engine thread (at most every
+    ``STATS_INTERVAL_S`` while busy, and whenever it goes idle);
+    ``last_progress`` is the monotonic time of the last step or idle wait.
+    ``on_failure`` (if set) is called from the engine thread when the loop dies.
     """
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine,
+                 on_failure: Callable[[BaseException], None] | None = None) -> None:
         self.engine = engine
+        self.on_failure = on_failure
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
-        self._adds: list[tuple[str, object, SamplingParams, int]] = []
+        self._adds: list[_Add] = []
         self._aborts: list[str] = []
         self._streams: dict[str, _Stream] = {}
         self._stopping = False
         self.error: BaseException | None = None
+        self.stats: EngineStats = engine.stats()
+        self.last_progress = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="carpool-engine", daemon=True)
         self._thread.start()
 
@@ -53,10 +78,17 @@ class AsyncEngine:
     def is_alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
 
+    @property
+    def num_in_flight(self) -> int:
+        """Requests added whose final output has not been delivered yet."""
+        return len(self._streams)
+
     async def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                          request_id: str | None = None,
-                          priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Validate and queue; raises ``ValueError`` at once for bad input."""
+                          request_id: str | None = None, priority: int = 0,
+                          session_id: str | None = None,
+                          deadline: float | None = None) -> AsyncIterator[RequestOutput]:
+        """Validate and queue; raises ``ValueError`` at once for bad input and
+        ``RejectedError`` when admission control turns the request away."""
         if self.error is not None:
             raise EngineDeadError(f"engine loop failed: {self.error!r}")
         params = params or SamplingParams()
@@ -69,11 +101,11 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise ValueError(f"duplicate request id {request_id!r}")
             self._streams[request_id] = stream
-            self._adds.append((request_id, prompt, params, priority))
+            self._adds.append(_Add(request_id, prompt, params, priority, session_id, deadline))
             self._wake.notify()
         first = await stream.queue.get()
         if isinstance(first, BaseException):
-            raise first  # rejected at admission (e.g. prompt too long)
+            raise first  # bad input or rejected at admission
         return self._iterate(request_id, stream, first)
 
     async def _iterate(self, request_id: str, stream: _Stream,
@@ -109,11 +141,16 @@ class AsyncEngine:
 
     def _run(self) -> None:
         try:
+            published = 0.0
             while True:
                 with self._wake:
-                    while not (self._adds or self._aborts or self._stopping
-                               or self.engine.has_unfinished):
-                        self._wake.wait()
+                    if not (self._adds or self._aborts or self._stopping
+                            or self.engine.has_unfinished):
+                        self._publish_stats()
+                        while not (self._adds or self._aborts or self._stopping
+                                   or self.engine.has_unfinished):
+                            self._wake.wait(timeout=1.0)
+                            self.last_progress = time.monotonic()
                     if self._stopping:
                         break
                     adds, self._adds = self._adds, []
@@ -125,21 +162,32 @@ class AsyncEngine:
                         self._deliver(output)
                 for output in self.engine.step():
                     self._deliver(output)
+                self.last_progress = time.monotonic()
+                if self.last_progress - published >= STATS_INTERVAL_S:
+                    self._publish_stats()
+                    published = self.last_progress
             # Shut down: whatever was still in flight ends with an error, not a hang.
             self._fail_all(EngineDeadError("the engine was shut down"))
         except BaseException as exc:  # noqa: BLE001 - fail every stream, never hang
             traceback.print_exc()
             self.error = exc
             self._fail_all(EngineDeadError(f"engine loop failed: {exc!r}"))
+            if self.on_failure is not None:
+                self.on_failure(exc)
 
-    def _admit(self, adds: list[tuple[str, object, SamplingParams, int]]) -> None:
-        for request_id, prompt, params, priority in adds:
+    def _publish_stats(self) -> None:
+        self.stats = self.engine.stats()
+
+    def _admit(self, adds: list[_Add]) -> None:
+        for add in adds:
             try:
-                self.engine.add_request(prompt, params, request_id=request_id, priority=priority)
-            except ValueError as exc:
-                self._send(request_id, exc, final=True)
+                self.engine.add_request(add.prompt, add.params, request_id=add.request_id,
+                                        priority=add.priority, session_id=add.session_id,
+                                        deadline=add.deadline)
+            except (ValueError, RejectedError) as exc:
+                self._send(add.request_id, exc, final=True)
             else:
-                self._send(request_id, None, final=False)  # "accepted"
+                self._send(add.request_id, None, final=False)  # "accepted"
 
     def _deliver(self, output: RequestOutput) -> None:
         self._send(output.request_id, output, final=output.finished)

@@ -1,6 +1,7 @@
 """Offline batch generation: ``LLM(model).generate(prompts, params)``."""
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -8,6 +9,7 @@ from carpool.config import EngineConfig
 from carpool.engine.llm_engine import LLMEngine
 from carpool.engine.outputs import RequestOutput
 from carpool.sampling_params import SamplingParams
+from carpool.scheduler import RejectedError
 
 
 class LLM:
@@ -43,9 +45,16 @@ class LLM:
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        pending = deque(zip(prompts, params))
+        ids: list[str] = []
         final: dict[str, RequestOutput] = {}
-        while self.engine.has_unfinished:
+        while pending or self.engine.has_unfinished:
+            while pending:
+                try:
+                    ids.append(self.engine.add_request(*pending[0]))
+                except RejectedError:
+                    break  # the waiting queue is full: feed the rest as it drains
+                pending.popleft()
             for output in self.engine.step():
                 if on_output is not None:
                     on_output(output)

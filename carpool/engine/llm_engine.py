@@ -15,6 +15,7 @@ from pathlib import Path
 from carpool.config import EngineConfig
 from carpool.engine.detokenizer import IncrementalDetokenizer
 from carpool.engine.outputs import RequestOutput, TokenLogprob
+from carpool.engine.stats import LONG_PROMPT_TOKENS, EngineCounters, EngineStats
 from carpool.executor.base import BatchItem, Executor
 from carpool.model.sampler import SampleResult, SamplingRow
 from carpool.sampling_params import SamplingParams
@@ -35,18 +36,6 @@ class RequestState:
     sent_tokens: int = 0
     sent_logprobs: int = 0
     pending_text: list[str] = field(default_factory=list)
-
-
-@dataclass
-class EngineCounters:
-    """Cumulative counters since start (for metrics and benchmarks)."""
-
-    steps: int = 0
-    prompt_tokens: int = 0  # prompt tokens of finished requests
-    generation_tokens: int = 0
-    computed_tokens: int = 0  # tokens run through the model, recomputation included
-    busy_seconds: float = 0.0
-    finished: dict[str, int] = field(default_factory=dict)
 
 
 class LLMEngine:
@@ -94,8 +83,16 @@ class LLMEngine:
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0,
-                    arrival_time: float | None = None) -> str:
-        """Queue a request; raise ``ValueError`` with a clear message on bad input."""
+                    arrival_time: float | None = None, session_id: str | None = None,
+                    deadline: float | None = None) -> str:
+        """Queue a request; raise ``ValueError`` with a clear message on bad input.
+
+        Raises ``carpool.scheduler.RejectedError`` (reason, retry_after) when
+        admission control turns it away. ``deadline`` is an engine-clock time
+        by which the request must have started; past it, it is rejected.
+        Requests sharing a ``session_id`` run in order and keep their prefix
+        cached for the session TTL.
+        """
         params = params or SamplingParams()
         params.validate()
         token_ids = (self.tokenizer.encode(prompt) if isinstance(prompt, str)
@@ -107,8 +104,10 @@ class LLMEngine:
                              logprobs=[] if params.logprobs is not None else None)
         request = Request(request_id, token_ids, params.max_tokens,
                           self.clock() if arrival_time is None else arrival_time, priority,
-                          payload=state)
+                          payload=state, session_id=session_id, deadline=deadline)
         self.scheduler.add_request(request)
+        self.counters.requests_added += 1
+        self.counters.long_requests_added += len(token_ids) > LONG_PROMPT_TOKENS
         return request_id
 
     def _check_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
@@ -139,8 +138,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; return outputs of requests that progressed."""
         schedule = self.scheduler.schedule()
+        rejected = [self._finish_output(r, "rejected") for r in self.scheduler.pop_rejected()]
         if schedule.is_empty:
-            return []
+            return rejected
         started = time.perf_counter()
         items = [self._batch_item(span) for span in schedule.spans]
         results = iter(self.executor.execute(items))
@@ -148,8 +148,27 @@ class LLMEngine:
         self.scheduler.commit(schedule, [(r, res.token_id) for r, res in sampled])
         self.counters.steps += 1
         self.counters.computed_tokens += schedule.num_tokens
+        self.counters.slot_tokens += schedule.num_tokens
         self.counters.busy_seconds += time.perf_counter() - started
-        return [self._process_sample(request, result) for request, result in sampled]
+        return rejected + [self._process_sample(request, result) for request, result in sampled]
+
+    def stats(self) -> EngineStats:
+        """A snapshot for metrics; call it from the thread that steps the engine."""
+        scheduler = self.scheduler
+        kv = scheduler.kv.stats()
+        config = self.config.scheduler
+        return EngineStats(
+            time=self.clock(), num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            waiting_tokens=sum(r.num_pending_tokens for r in scheduler.waiting),
+            kv_num_blocks=kv.num_blocks, kv_used_blocks=kv.used_blocks,
+            prefix_queries=kv.prefix_queries, prefix_hits=kv.prefix_hits,
+            num_preemptions=scheduler.num_preemptions, counters=self.counters.copy(),
+            rejections=dict(scheduler.rejections),
+            sessions=dict(scheduler.session_stats().__dict__),
+            knobs={"max_num_seqs": config.max_num_seqs,
+                   "max_num_batched_tokens": config.max_num_batched_tokens,
+                   "max_queue_requests": config.max_queue_requests})
 
     def _batch_item(self, span: ScheduledSpan) -> BatchItem:
         request = span.request
@@ -196,11 +215,13 @@ class LLMEngine:
         # After a stop string the detokenizer has nothing held back; otherwise
         # text that might have begun a stop string is released now.
         state.pending_text.append(state.detokenizer.flush())
-        self.counters.prompt_tokens += request.num_prompt_tokens
+        if reason != "rejected":
+            self.counters.prompt_tokens += request.num_prompt_tokens
         self.counters.finished[reason] = self.counters.finished.get(reason, 0) + 1
         output = self._output(request, finished=True)
         output.finish_reason = reason
         output.finish_time = self.clock()
+        output.reject_reason = request.reject_reason
         return output
 
     def _output(self, request: Request, finished: bool) -> RequestOutput:
@@ -220,4 +241,5 @@ class LLMEngine:
             text=state.text, token_ids=token_ids, delta_text=delta_text, delta_token_ids=delta_ids,
             finished=finished, stop_reason=state.stop_reason, logprobs=state.logprobs,
             delta_logprobs=delta_logprobs, num_cached_tokens=request.num_cached_tokens,
-            arrival_time=request.arrival_time, first_token_time=state.first_token_time)
+            arrival_time=request.arrival_time, first_token_time=state.first_token_time,
+            first_scheduled_time=request.first_scheduled_time)

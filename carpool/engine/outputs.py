@@ -17,7 +17,9 @@ class RequestOutput:
 
     ``delta_*`` fields hold what is new since the previous output of this
     request; ``text`` and ``token_ids`` are cumulative. ``finish_reason`` is
-    ``stop``, ``length`` or ``abort`` once ``finished``.
+    ``stop``, ``length``, ``abort`` or ``rejected`` once ``finished``; a
+    rejected request (it waited past its deadline or queue timeout) names
+    why in ``reject_reason`` and never produced a token.
     """
 
     request_id: str
@@ -33,8 +35,10 @@ class RequestOutput:
     delta_logprobs: list[TokenLogprob] | None = None
     num_cached_tokens: int = 0
     arrival_time: float = 0.0
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
+    reject_reason: str | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -30,12 +30,17 @@ class BlockPool:
     """A pool of ``num_blocks`` blocks.
 
     Invariants:
-    - every block is either referenced (``ref_count > 0``) or in ``_free``,
-      never both;
+    - every block is either referenced (``ref_count > 0``) or in exactly one
+      of the free lists ``_free`` and ``_free_protected``, never both;
     - a block in ``_cached`` holds the KV of its key's tokens; when
       unreferenced it stays cached (and can be revived by a hit) until it
       is evicted, least recently freed first;
-    - a block id appears at most once in ``_cached``.
+    - a block id appears at most once in ``_cached``;
+    - protection: ``_owners[b]`` is the non-empty set of owners (sessions)
+      protecting cached block ``b``, and ``_owned`` is its exact inverse.
+      A free block is in ``_free_protected`` iff it has owners. Eviction
+      takes ``_free`` first and ``_free_protected`` only when ``_free`` is
+      empty; an evicted block loses its cache entry and its owners.
     """
 
     def __init__(self, num_blocks: int, enable_prefix_caching: bool = True) -> None:
@@ -46,28 +51,38 @@ class BlockPool:
         self.ref_counts = [0] * num_blocks
         # Block id -> None, in eviction order (front = evicted first).
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._free_protected: OrderedDict[int, None] = OrderedDict()
         self._cached: dict[tuple[int, tuple[int, ...]], int] = {}
         self._key_of: dict[int, tuple[int, tuple[int, ...]]] = {}
+        self._owners: dict[int, set[str]] = {}
+        self._owned: dict[str, set[int]] = {}
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self._free_protected)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_protected_blocks(self) -> int:
+        """Cached blocks (referenced or free) that some owner protects."""
+        return len(self._owners)
 
     @property
     def num_cached_blocks(self) -> int:
         return len(self._cached)
 
     def allocate(self, count: int) -> list[int]:
-        """Take ``count`` fresh blocks (ref_count 1), evicting cached ones LRU."""
-        if count > len(self._free):
-            raise RuntimeError(f"asked for {count} blocks, {len(self._free)} free")
+        """Take ``count`` fresh blocks (ref_count 1), evicting cached ones LRU,
+        unprotected before protected."""
+        if count > self.num_free_blocks:
+            raise RuntimeError(f"asked for {count} blocks, {self.num_free_blocks} free")
         blocks = []
         for _ in range(count):
-            block_id, _ = self._free.popitem(last=False)
+            free = self._free if self._free else self._free_protected
+            block_id, _ = free.popitem(last=False)
             self._uncache(block_id)
             self.ref_counts[block_id] = 1
             blocks.append(block_id)
@@ -81,7 +96,7 @@ class BlockPool:
         """Take a reference on cached blocks found by ``lookup``."""
         for block_id in block_ids:
             if self.ref_counts[block_id] == 0:
-                del self._free[block_id]
+                self._free_list(block_id).pop(block_id)
             self.ref_counts[block_id] += 1
 
     def release(self, block_ids: Sequence[int]) -> None:
@@ -97,7 +112,7 @@ class BlockPool:
                 raise RuntimeError(f"block {block_id} released more often than taken")
             self.ref_counts[block_id] = count - 1
             if count == 1:
-                self._free[block_id] = None
+                self._free_list(block_id)[block_id] = None
 
     def register(self, block_id: int, key: tuple[int, tuple[int, ...]]) -> None:
         """Record that ``block_id`` now holds the KV of ``key`` (a full block)."""
@@ -108,16 +123,77 @@ class BlockPool:
         self._cached[key] = block_id
         self._key_of[block_id] = key
 
+    # -- protection (session prefixes) ------------------------------------------
+
+    def protect(self, owner: str, block_ids: Iterable[int]) -> None:
+        """Protect the cached ones among ``block_ids`` on behalf of ``owner``.
+
+        Protected free blocks are evicted only when no unprotected free
+        block is left. Uncached blocks are ignored: nothing could hit them.
+        """
+        for block_id in block_ids:
+            if block_id not in self._key_of:
+                continue
+            owners = self._owners.setdefault(block_id, set())
+            if not owners and self.ref_counts[block_id] == 0:
+                del self._free[block_id]
+                self._free_protected[block_id] = None
+            owners.add(owner)
+            self._owned.setdefault(owner, set()).add(block_id)
+
+    def unprotect(self, owner: str) -> None:
+        """Drop every protection ``owner`` holds.
+
+        Free blocks left without owners go to the front of the eviction
+        order: they were already kept past their LRU turn.
+        """
+        for block_id in self._owned.pop(owner, ()):
+            owners = self._owners[block_id]
+            owners.discard(owner)
+            if owners:
+                continue
+            del self._owners[block_id]
+            if self.ref_counts[block_id] == 0:
+                del self._free_protected[block_id]
+                self._free[block_id] = None
+                self._free.move_to_end(block_id, last=False)
+
+    def protected_by(self, owner: str) -> frozenset[int]:
+        """The blocks ``owner`` currently protects."""
+        return frozenset(self._owned.get(owner, ()))
+
+    def protection_owners(self) -> set[str]:
+        """The owners that protect at least one block."""
+        return set(self._owned)
+
+    def _free_list(self, block_id: int) -> OrderedDict[int, None]:
+        return self._free_protected if block_id in self._owners else self._free
+
     def _uncache(self, block_id: int) -> None:
         key = self._key_of.pop(block_id, None)
         if key is not None:
             del self._cached[key]
+        for owner in self._owners.pop(block_id, ()):
+            owned = self._owned[owner]
+            owned.discard(block_id)
+            if not owned:
+                del self._owned[owner]
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if the bookkeeping is inconsistent (tests)."""
+        assert not self._free.keys() & self._free_protected.keys(), "block in both free lists"
         for block_id, count in enumerate(self.ref_counts):
             assert count >= 0, f"block {block_id} has ref_count {count}"
-            assert (count == 0) == (block_id in self._free), f"block {block_id} free-list mismatch"
+            is_free = block_id in self._free or block_id in self._free_protected
+            assert (count == 0) == is_free, f"block {block_id} free-list mismatch"
+            if is_free:
+                assert (block_id in self._free_protected) == (block_id in self._owners), \
+                    f"free block {block_id} in the wrong free list"
         assert len(self._cached) == len(self._key_of)
         for key, block_id in self._cached.items():
             assert self._key_of[block_id] == key
+        pairs = {(b, o) for b, owners in self._owners.items() for o in owners}
+        assert pairs == {(b, o) for o, blocks in self._owned.items() for b in blocks}, \
+            "protection maps are not inverse"
+        assert all(self._owners.values()) and all(self._owned.values()), "empty protection set"
+        assert self._owners.keys() <= self._key_of.keys(), "an uncached block is protected"

@@ -13,6 +13,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"  # EOS, a stop token id or a stop string
     FINISHED_LENGTH = "length"  # max_tokens or the context limit
     FINISHED_ABORTED = "abort"
+    FINISHED_REJECTED = "rejected"  # expired in the queue; see ``reject_reason``
 
     @property
     def finished(self) -> bool:
@@ -20,7 +21,7 @@ class RequestStatus(enum.Enum):
 
 
 _FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-             RequestStatus.FINISHED_ABORTED}
+             RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_REJECTED}
 
 
 @dataclass(eq=False)
@@ -40,6 +41,10 @@ class Request:
     priority: int = 0  # lower value = more important (vLLM's convention)
     # Opaque to the scheduler: the engine keeps sampling params, detokenizer...
     payload: Any = None
+    # Requests sharing a session run in arrival order and keep their prefix cached.
+    session_id: str | None = None
+    # Clock time by which the request must first be scheduled; None = no deadline.
+    deadline: float | None = None
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prefix-cache hit on first admission
@@ -48,6 +53,7 @@ class Request:
     # Chained hashes of the full blocks of token_ids, filled lazily by the KV manager.
     block_hashes: list[int] = field(default_factory=list)
     first_scheduled_time: float | None = None
+    reject_reason: str | None = None  # "deadline" or "queue_timeout" once rejected
 
     def __post_init__(self) -> None:
         if not self.token_ids:

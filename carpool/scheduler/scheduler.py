@@ -6,16 +6,26 @@ at most ``max_num_batched_tokens`` tokens, running requests first (a decode
 needs one, an unfinished prompt gets a chunk), then waiting requests while
 budget, sequence slots and KV blocks last. Pure Python and deterministic:
 time only comes from the injected clock.
+
+Admission control bounds the waiting queue (``RejectedError`` at arrival)
+and expires requests that waited past their deadline or queue timeout;
+those leave through ``pop_rejected``. Every accepted request leaves exactly
+once: through ``finish_request`` / ``abort_request`` (the caller knows) or
+through ``pop_rejected``. Requests sharing a session id run in arrival
+order and their cached prefix is protected between turns (``sessions``).
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from carpool.config import CacheConfig, SchedulerConfig
+from carpool.scheduler.admission import DepartureRate, ExpiryQueue, RejectedError
 from carpool.scheduler.kv_manager import KVCacheManager
 from carpool.scheduler.queues import make_queue
 from carpool.scheduler.request import Request, RequestStatus
+from carpool.scheduler.sessions import SessionStats, SessionTracker
 
 
 @dataclass
@@ -59,11 +69,22 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.departures = DepartureRate()
+        self.expiries = ExpiryQueue()
+        self.sessions = SessionTracker(self.kv.pool, config.session_ttl)
+        # Rejections by reason, at arrival and by expiry (a Prometheus counter).
+        self.rejections: dict[str, int] = {}
+        self._rejected: list[Request] = []  # expired, not yet handed out by pop_rejected
 
     # -- requests in and out -------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        """Queue a request. Its full length must fit the pool on its own."""
+        """Queue a request.
+
+        Raises ``ValueError`` when it can never run (duplicate id, longer
+        than the pool, prompt over ``max_queue_tokens``) and
+        ``RejectedError`` when admission control turns it away for now.
+        """
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
         if not self.kv.can_ever_fit(request.num_prompt_tokens + request.max_tokens):
@@ -71,21 +92,79 @@ class Scheduler:
                 f"request {request.request_id!r} needs "
                 f"{request.num_prompt_tokens + request.max_tokens} tokens of KV cache, more "
                 f"than the pool holds; raise the KV cache memory or lower max_tokens")
+        limit = self.config.max_queue_tokens
+        if limit is not None and request.num_prompt_tokens > limit:
+            raise ValueError(f"the prompt has {request.num_prompt_tokens} tokens, more than "
+                             f"the queue admits (max_queue_tokens={limit})")
+        now = self.clock()
+        self._check_admission(request, now)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.add(request)
+        self.sessions.add(request)
+        self.expiries.add(request, self.config.queue_timeout)
+        self.expiries.compact(self._is_unscheduled)
+        self.departures.set_busy(now, True)
+
+    def _check_admission(self, request: Request, now: float) -> None:
+        if request.deadline is not None and request.deadline < now:
+            self._reject_at_arrival("deadline", 1.0, (
+                f"the request's deadline ({request.deadline:.3f}) passed before it arrived "
+                f"({now:.3f})"))
+        waiting = len(self.waiting)
+        limit = self.config.max_queue_requests
+        if waiting >= limit:
+            retry = self.departures.retry_after(now, waiting + 1 - limit)
+            self._reject_at_arrival("queue_full", retry, (
+                f"the queue is full ({waiting} requests waiting, limit {limit}); "
+                f"retry in ~{retry:.0f} s"))
+        token_limit = self.config.max_queue_tokens
+        queued = self.waiting.num_prompt_tokens
+        if token_limit is not None and queued + request.num_prompt_tokens > token_limit:
+            # The queue sheds whole requests: convert the excess at the mean size.
+            mean = queued / max(1, waiting)
+            excess = math.ceil((queued + request.num_prompt_tokens - token_limit) / max(1.0, mean))
+            retry = self.departures.retry_after(now, excess)
+            self._reject_at_arrival("queue_tokens", retry, (
+                f"the queue holds too many prompt tokens ({queued} waiting + "
+                f"{request.num_prompt_tokens} in this request > limit {token_limit}); "
+                f"retry in ~{retry:.0f} s"))
+
+    def _reject_at_arrival(self, reason: str, retry_after: float, message: str) -> None:
+        self.rejections[reason] = self.rejections.get(reason, 0) + 1
+        raise RejectedError(reason, retry_after, message)
 
     def finish_request(self, request: Request, status: RequestStatus) -> None:
         """Remove a request (finished or aborted) and free its blocks."""
         assert status.finished
-        if self.requests.pop(request.request_id, None) is None:
+        if self.requests.get(request.request_id) is not request:
             return
+        self._remove(request, status)
+
+    def _remove(self, request: Request, status: RequestStatus) -> None:
+        now = self.clock()
+        del self.requests[request.request_id]
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
+        # Protect before releasing, so the blocks go straight to the protected free list.
+        self.sessions.finish(request, self.kv.block_tables.get(request.request_id, ()), now)
         self.kv.free(request)
         request.status = status
+        self.departures.record(now)
+        self.departures.set_busy(now, bool(self.requests))
+
+    def pop_rejected(self) -> list[Request]:
+        """Requests expired in the queue since the last call (status
+        ``FINISHED_REJECTED``, ``reject_reason`` set); each is returned once."""
+        rejected, self._rejected = self._rejected, []
+        return rejected
+
+    def session_stats(self) -> SessionStats:
+        """Session counters and gauges (expired protections are dropped first)."""
+        self.sessions.expire(self.clock())
+        return self.sessions.stats()
 
     def abort_request(self, request_id: str) -> Request | None:
         request = self.requests.get(request_id)
@@ -95,18 +174,36 @@ class Scheduler:
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self.requests)
+        """True while a request is queued, running or expired but not yet popped."""
+        return bool(self.requests or self._rejected)
 
     # -- one step ---------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
         """Pick this step's spans; see the module docstring for the order."""
+        now = self.clock()
+        self._expire_waiting(now)
+        self.sessions.expire(now)
         output = SchedulerOutput()
         budget = self._schedule_running(output, self.config.max_num_batched_tokens)
         # After a preemption blocks are short: admitting would only thrash.
         if not output.preempted:
             self._schedule_waiting(output, budget)
         return output
+
+    def _is_unscheduled(self, request: Request) -> bool:
+        """Still accepted here and never scheduled: the only state that expires."""
+        return (self.requests.get(request.request_id) is request
+                and request.first_scheduled_time is None)
+
+    def _expire_waiting(self, now: float) -> None:
+        for request, reason in self.expiries.pop_expired(now):
+            if not self._is_unscheduled(request):
+                continue  # scheduled, finished or aborted since: a stale entry
+            self._remove(request, RequestStatus.FINISHED_REJECTED)
+            request.reject_reason = reason
+            self._rejected.append(request)
+            self.rejections[reason] = self.rejections.get(reason, 0) + 1
 
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
         for request in list(self.running):
@@ -129,18 +226,26 @@ class Scheduler:
 
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting.peek()
+            # Requests waiting on an earlier turn of their session are passed over,
+            # so they never hold up unrelated requests behind them.
+            request = self.waiting.first_eligible(self._not_session_blocked)
+            if request is None:
+                break
             if not self.kv.try_admit(request, budget):
                 break  # head of line waits for blocks: keeps FCFS/priority order fair
-            self.waiting.pop()
+            self.waiting.remove(request)
             num_tokens = min(request.num_pending_tokens, budget)
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = self.clock()
                 request.num_cached_tokens = request.num_computed_tokens
+                self.sessions.first_admitted(request)
             self.running.append(request)
             output.spans.append(self._span(request, num_tokens))
             budget -= num_tokens
+
+    def _not_session_blocked(self, request: Request) -> bool:
+        return not self.sessions.is_blocked(request)
 
     def _span(self, request: Request, num_tokens: int) -> ScheduledSpan:
         start = request.num_computed_tokens
@@ -192,3 +297,7 @@ class Scheduler:
         running = {r.request_id for r in self.running}
         assert not queued & running
         assert queued | running == set(self.requests)
+        assert self.waiting.num_prompt_tokens == sum(r.num_prompt_tokens for r in self.waiting)
+        assert all(r.status == RequestStatus.FINISHED_REJECTED and r.reject_reason
+                   and self.requests.get(r.request_id) is not r for r in self._rejected)
+        self.sessions.check_invariants(self.requests)

@@ -1,0 +1,157 @@
+"""Admission control: bounded queues, retry-after estimates and deadlines.
+
+Pure Python; every time is a value of the scheduler's injected clock.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections import deque
+from collections.abc import Callable
+
+from carpool.scheduler.request import Request
+
+# Retry-after estimates are whole seconds in this range.
+MIN_RETRY_AFTER = 1.0
+MAX_RETRY_AFTER = 60.0
+# Departures are counted over the last RATE_WINDOW seconds of busy time.
+RATE_WINDOW = 30.0
+# A single departure a few milliseconds into a busy period says little;
+# rates are measured over at least this many seconds.
+MIN_RATE_SPAN = 1.0
+_MIN_COMPACT = 64
+
+
+class RejectedError(Exception):
+    """A request turned away by admission control; retrying later may work.
+
+    ``reason`` is ``"queue_full"``, ``"queue_tokens"`` or ``"deadline"``;
+    ``retry_after`` is a whole number of seconds in [1, 60] (the value for
+    an HTTP ``Retry-After`` header).
+    """
+
+    def __init__(self, reason: str, retry_after: float, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.retry_after = retry_after
+
+
+class DepartureRate:
+    """Online estimate of how fast requests leave the scheduler.
+
+    Departures (finished, aborted or expired requests) are stamped in
+    *busy time*: clock seconds during which the scheduler held at least one
+    request. The rate is the number of departures in the last
+    ``RATE_WINDOW`` busy seconds divided by the busy seconds observed in
+    that window (at least ``MIN_RATE_SPAN``), so idle periods do not dilute
+    the estimate of how fast a loaded server drains its queue.
+    """
+
+    def __init__(self) -> None:
+        self._busy_total = 0.0  # busy seconds before _busy_since
+        self._busy_since: float | None = None  # set while busy
+        self._stamps: deque[float] = deque()  # busy-time stamps of departures, ascending
+
+    def busy_time(self, now: float) -> float:
+        """Busy seconds since the estimator was created, up to ``now``."""
+        if self._busy_since is None:
+            return self._busy_total
+        return self._busy_total + max(0.0, now - self._busy_since)
+
+    def set_busy(self, now: float, busy: bool) -> None:
+        """Tell the estimator whether the scheduler holds any request from ``now``."""
+        if busy and self._busy_since is None:
+            self._busy_since = now
+        elif not busy and self._busy_since is not None:
+            self._busy_total = self.busy_time(now)
+            self._busy_since = None
+
+    def record(self, now: float) -> None:
+        """Note one departure at ``now``."""
+        stamp = self.busy_time(now)
+        self._stamps.append(stamp)
+        self._prune(stamp)
+
+    def rate(self, now: float) -> float | None:
+        """Departures per second, or ``None`` when none was seen in the window."""
+        busy = self.busy_time(now)
+        self._prune(busy)
+        if not self._stamps:
+            return None
+        span = max(MIN_RATE_SPAN, min(RATE_WINDOW, busy))
+        return len(self._stamps) / span
+
+    def retry_after(self, now: float, departures_needed: int) -> float:
+        """Seconds until ``departures_needed`` more requests have left.
+
+        ``ceil(departures_needed / rate)`` clamped to [1, 60]. With no
+        departure in the window the rate is taken as one per busy second
+        observed so far (at least one per ``MIN_RATE_SPAN``): a cold server
+        answers 1 s, a stalled one backs clients off longer and longer.
+        """
+        rate = self.rate(now)
+        if rate is None:
+            span = min(RATE_WINDOW, self.busy_time(now))
+            rate = 1.0 / max(MIN_RATE_SPAN, span)
+        seconds = math.ceil(max(1, departures_needed) / rate)
+        return float(min(MAX_RETRY_AFTER, max(MIN_RETRY_AFTER, seconds)))
+
+    def _prune(self, busy: float) -> None:
+        while self._stamps and self._stamps[0] < busy - RATE_WINDOW:
+            self._stamps.popleft()
+
+
+class ExpiryQueue:
+    """Waiting requests that carry a deadline or queue timeout, soonest first.
+
+    Entries are never removed eagerly: a request that got scheduled,
+    finished or aborted leaves a stale entry that is dropped when it
+    reaches the top, or in a compaction once stale entries dominate, so
+    each step costs O(1) when nothing expires.
+    """
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, str, Request]] = []
+        self._seq = itertools.count()
+        self._compact_at = _MIN_COMPACT
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def add(self, request: Request, queue_timeout: float | None) -> None:
+        """Track ``request`` if it has a deadline or a queue timeout applies.
+
+        The earlier of the two wins; on a tie the reason is ``"deadline"``.
+        """
+        candidates = []
+        if request.deadline is not None:
+            candidates.append((request.deadline, 0, "deadline"))
+        if queue_timeout is not None:
+            candidates.append((request.arrival_time + queue_timeout, 1, "queue_timeout"))
+        if candidates:
+            expiry, _, reason = min(candidates)
+            heapq.heappush(self._heap, (expiry, next(self._seq), reason, request))
+
+    def pop_expired(self, now: float) -> list[tuple[Request, str]]:
+        """Entries whose expiry time is strictly before ``now``, earliest first.
+
+        The caller decides which are still waiting; the others are stale.
+        """
+        expired = []
+        while self._heap and self._heap[0][0] < now:
+            _, _, reason, request = heapq.heappop(self._heap)
+            expired.append((request, reason))
+        return expired
+
+    def compact(self, is_live: Callable[[Request], bool]) -> None:
+        """Drop stale entries when the heap has doubled since the last compaction.
+
+        A compaction of n entries happens only after n/2 pushes, so the
+        cost is amortised O(1) per request.
+        """
+        if len(self._heap) < self._compact_at:
+            return
+        self._heap = [entry for entry in self._heap if is_live(entry[3])]
+        heapq.heapify(self._heap)
+        self._compact_at = max(_MIN_COMPACT, 2 * len(self._heap))

@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP server (FastAPI on uvicorn) in front of AsyncEngine."""

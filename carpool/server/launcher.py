@@ -1,0 +1,174 @@
+"""``carpool serve``: load the engine, run uvicorn, drain on SIGTERM.
+
+Exit codes: 0 after a signal-initiated drain, 1 when the engine loop
+failed (so a supervisor restarts the process).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import prometheus_client
+import uvicorn
+
+from carpool.config import EngineConfig
+from carpool.engine.async_engine import AsyncEngine
+from carpool.engine.llm_engine import LLMEngine
+from carpool.server.app import build_app
+from carpool.server.config import ServerConfig
+from carpool.server.metrics import Metrics
+from carpool.server.serving import ServerContext
+
+log = logging.getLogger("carpool.server")
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+# After an engine failure the server stays up this long, so in-flight
+# responses flush their error events and health checks see 503.
+FAILURE_GRACE_S = 2.0
+# Test hook: make the engine loop raise on this step (exercises the failure path).
+FAULT_ENV = "CARPOOL_FAULT_AT_STEP"
+
+
+def model_name(engine_config: EngineConfig, server_config: ServerConfig) -> str:
+    if server_config.served_model_name:
+        return server_config.served_model_name
+    if not engine_config.model.model:
+        return DEFAULT_MODEL_NAME
+    path = Path(engine_config.model.model)
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, except that the first SIGTERM/SIGINT drains instead of exiting."""
+
+    def __init__(self, config: uvicorn.Config, runner: "_Runner") -> None:
+        super().__init__(config)
+        self.runner = runner
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if self.runner.draining_since is None:
+            self.runner.loop.call_soon_threadsafe(self.runner.start_drain, sig)
+        else:  # a second signal: stop now
+            super().handle_exit(sig, frame)
+            self.force_exit = True
+
+
+class _Runner:
+    def __init__(self, ctx: ServerContext, config: ServerConfig) -> None:
+        self.ctx = ctx
+        self.config = config
+        self.loop = asyncio.get_running_loop()
+        self.exit_code = 0
+        self.draining_since: float | None = None
+        uv_config = uvicorn.Config(
+            build_app(ctx), host=config.host, port=config.port, log_level="warning",
+            access_log=False, lifespan="off", timeout_graceful_shutdown=5,
+            h11_max_incomplete_event_size=config.max_header_bytes + 4096)
+        self.server = _Server(uv_config, self)
+        ctx.engine.on_failure = lambda exc: self.loop.call_soon_threadsafe(self.fail, exc)
+
+    def start_drain(self, sig: int) -> None:
+        self.draining_since = time.monotonic()
+        self.ctx.draining = True
+        log.warning("received %s: draining %d in-flight requests (up to %.0f s)",
+                    signal.Signals(sig).name, self.ctx.engine.num_in_flight,
+                    self.config.shutdown_timeout)
+        asyncio.ensure_future(self._drain())
+
+    async def _drain(self) -> None:
+        deadline = self.draining_since + self.config.shutdown_timeout
+        while self.ctx.engine.num_in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.ctx.engine.num_in_flight:
+            log.warning("shutdown timeout: aborting %d requests", self.ctx.engine.num_in_flight)
+        self.ctx.engine.shutdown()  # anything left ends with an error event
+        self.server.should_exit = True
+
+    def fail(self, exc: BaseException) -> None:
+        log.error("engine loop failed (%r); exiting with status 1", exc)
+        self.exit_code = 1
+        self.loop.call_later(FAILURE_GRACE_S, setattr, self.server, "should_exit", True)
+
+    async def run(self) -> int:
+        serve = asyncio.ensure_future(self.server.serve())
+        while not self.server.started and not serve.done():
+            await asyncio.sleep(0.02)
+        if self.server.started:
+            self._announce()
+            status = asyncio.ensure_future(self._status_lines())
+            await serve
+            status.cancel()
+        else:
+            await serve  # failed to bind: uvicorn has said why
+            return 1
+        return self.exit_code
+
+    def _announce(self) -> None:
+        host, port = self.server.servers[0].sockets[0].getsockname()[:2]
+        ctx = self.ctx
+        stats = ctx.engine.stats
+        print(f"carpool: serving {ctx.model_name!r} on http://{host}:{port} "
+              f"(context {ctx.max_model_len} tokens, KV cache {stats.kv_num_blocks} blocks)",
+              flush=True)
+
+    async def _status_lines(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.status_interval)
+            stats, rates = self.ctx.metrics.snapshot()
+            gen = rates["generation_tokens_per_second"]
+            if stats.num_running or stats.num_waiting or (gen == gen and gen > 0):
+                print(status_line(stats, rates), file=sys.stderr, flush=True)
+
+
+def status_line(stats, rates: dict[str, float]) -> str:
+    def rate(name: str) -> float:
+        value = rates[name]
+        return 0.0 if math.isnan(value) else value
+
+    return (f"running {stats.num_running} | waiting {stats.num_waiting} | "
+            f"KV {stats.kv_usage:.1%} | gen {rate('generation_tokens_per_second'):.1f} tok/s | "
+            f"all {rate('effective_tokens_per_second'):.1f} tok/s | "
+            f"busy {rate('engine_busy_fraction'):.0%} | prefix hit {stats.prefix_hit_rate:.1%} | "
+            f"mode {stats.mode}")
+
+
+def _inject_fault(engine: LLMEngine, at_step: int) -> None:
+    step = engine.step
+
+    def faulty_step():
+        if engine.counters.steps + 1 >= at_step:
+            raise RuntimeError(f"injected fault at step {at_step} ({FAULT_ENV})")
+        return step()
+
+    engine.step = faulty_step
+
+
+def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
+    """Load the model and serve until a signal drains the server or the engine fails."""
+    logging.basicConfig(level=logging.INFO, format="carpool: %(message)s")
+    prometheus_client.disable_created_metrics()  # as vLLM: no *_created series
+    server_config.validate()
+    if server_config.api_key is None:
+        server_config.api_key = os.environ.get("CARPOOL_API_KEY") or None
+    print("carpool: loading the model...", file=sys.stderr, flush=True)
+    engine = LLMEngine.from_config(engine_config)
+    if os.environ.get(FAULT_ENV):
+        _inject_fault(engine, int(os.environ[FAULT_ENV]))
+
+    async def main() -> int:
+        async_engine = AsyncEngine(engine)
+        name = model_name(engine_config, server_config)
+        ctx = ServerContext(async_engine, engine.tokenizer, name, engine.max_model_len,
+                            server_config, Metrics(name, lambda: async_engine.stats))
+        try:
+            return await _Runner(ctx, server_config).run()
+        finally:
+            async_engine.shutdown()
+
+    return asyncio.run(main())

@@ -1,0 +1,77 @@
+"""Run ``carpool serve`` in a subprocess on a free loopback port, for tests."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+
+_READY = re.compile(r"serving '.*' on (http://[0-9.]+:\d+)")
+
+
+class ServerProcess:
+    """``with ServerProcess([...flags]) as server:`` -> ``server.url``.
+
+    Output is drained by threads (so pipes never fill) and kept in
+    ``server.output`` for assertions and failure messages.
+    """
+
+    def __init__(self, args: list[str], env: dict[str, str] | None = None,
+                 startup_timeout: float = 300.0) -> None:
+        self.args = args
+        self.env = {**os.environ, **(env or {})}
+        self.startup_timeout = startup_timeout
+        self.output: list[str] = []
+        self.url = ""
+        self._ready = threading.Event()
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> "ServerProcess":
+        cmd = [sys.executable, "-m", "carpool.cli", "serve", *self.args,
+               "--host", "127.0.0.1", "--port", "0"]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, env=self.env)
+        threading.Thread(target=self._drain, daemon=True).start()
+        deadline = time.monotonic() + self.startup_timeout
+        while not self._ready.wait(0.1):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError("carpool serve did not start:\n" + self.text())
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.kill()
+
+    def _drain(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.output.append(line)
+            match = _READY.search(line)
+            if match and not self._ready.is_set():
+                self.url = match.group(1)
+                self._ready.set()
+
+    def text(self) -> str:
+        return "".join(self.output)
+
+    def client(self, api_key: str | None = None, timeout: float = 120.0) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        return httpx.Client(base_url=self.url, headers=headers, timeout=timeout)
+
+    def signal(self, sig: int = signal.SIGTERM) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+
+    def wait(self, timeout: float = 60.0) -> int:
+        assert self.proc is not None
+        return self.proc.wait(timeout)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
