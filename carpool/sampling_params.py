@@ -7,6 +7,8 @@ MAX_LOGPROBS = 20
 # Temperatures below this sample greedily (as vLLM): dividing logits by a
 # temperature that rounds to zero in float32 would give inf/NaN probabilities.
 GREEDY_TEMPERATURE = 1e-5
+# Dividing logits by a smaller repetition penalty could overflow float32.
+MIN_REPETITION_PENALTY = 0.01
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 
@@ -67,8 +69,9 @@ class SamplingParams:
             bad("top_p", f"must be in (0, 1], got {self.top_p}")
         if not 0.0 <= self.min_p <= 1.0:
             bad("min_p", f"must be in [0, 1], got {self.min_p}")
-        if not 0.0 < self.repetition_penalty <= 10.0:
-            bad("repetition_penalty", f"must be in (0, 10], got {self.repetition_penalty}")
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= 10.0:
+            bad("repetition_penalty", f"must be in [{MIN_REPETITION_PENALTY}, 10], "
+                                      f"got {self.repetition_penalty}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not -2.0 <= value <= 2.0:

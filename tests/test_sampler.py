@@ -309,3 +309,32 @@ def test_sampled_token_is_always_allowed(logits, temperature, top_k, top_p, min_
     row = make_row(seed=seed, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     token = sample_tokens(sampler, torch.tensor([logits]), [row])[0]
     assert token in allowed_tokens(logits, temperature, top_k, top_p, min_p)
+
+
+# -- any validated parameters, however extreme, sample a real token -------------------
+
+_EXTREMES = st.fixed_dictionaries({
+    "temperature": st.sampled_from([0.0, 1e-300, 9.9e-6, 1e-5, 1e-3, 1.0, 2.0, 100.0]),
+    "top_k": st.sampled_from([-1, 0, 1, 2, 10**9]),
+    "top_p": st.sampled_from([5e-324, 1e-9, 0.5, 1.0]),
+    "min_p": st.sampled_from([0.0, 0.5, 1.0]),
+    "repetition_penalty": st.sampled_from([0.01, 1.0, 10.0]),
+    "presence_penalty": st.sampled_from([-2.0, 0.0, 2.0]),
+    "frequency_penalty": st.sampled_from([-2.0, 0.0, 2.0]),
+    "logprobs": st.sampled_from([None, 0, 20]),
+})
+
+
+@settings(max_examples=150, deadline=None)
+@given(params=st.lists(_EXTREMES, min_size=1, max_size=4), scale=st.sampled_from([1.0, 50.0]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**32))
+def test_validated_extremes_never_break_the_sampler(params, scale, dtype, seed):
+    vocab = 64
+    generator = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(len(params), vocab, generator=generator) * scale).to(dtype)
+    rows = [make_row(seed=i, prompt=[1, 2, 3], output=[4, 4, 5], max_tokens=4, **p)
+            for i, p in enumerate(params)]
+    for row, result in zip(rows, Sampler(vocab).sample(logits, rows)):
+        assert 0 <= result.token_id < vocab
+        if row.params.logprobs is not None:
+            assert math.isfinite(result.logprob) or result.logprob == -math.inf

@@ -37,7 +37,7 @@ class _SamplingFields(BaseModel):
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    repetition_penalty: float = Field(1.0, ge=0.01, le=10.0)
     ignore_eos: StrictBool = False
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     include_stop_str_in_output: StrictBool = False
