@@ -29,6 +29,7 @@ class ServerProcess:
         self.output: list[str] = []
         self.url = ""
         self._ready = threading.Event()
+        self._new_line = threading.Condition()
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> "ServerProcess":
@@ -50,7 +51,9 @@ class ServerProcess:
     def _drain(self) -> None:
         assert self.proc is not None and self.proc.stdout is not None
         for line in self.proc.stdout:
-            self.output.append(line)
+            with self._new_line:
+                self.output.append(line)
+                self._new_line.notify_all()
             match = _READY.search(line)
             if match and not self._ready.is_set():
                 self.url = match.group(1)
@@ -58,6 +61,11 @@ class ServerProcess:
 
     def text(self) -> str:
         return "".join(self.output)
+
+    def wait_for_output(self, needle: str, timeout: float = 10.0) -> bool:
+        """Whether ``needle`` shows up in the server's output within ``timeout``."""
+        with self._new_line:
+            return self._new_line.wait_for(lambda: needle in self.text(), timeout)
 
     def client(self, api_key: str | None = None, timeout: float = 120.0) -> httpx.Client:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}

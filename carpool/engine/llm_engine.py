@@ -22,6 +22,10 @@ from carpool.sampling_params import SamplingParams
 from carpool.scheduler import Request, RequestStatus, ScheduledSpan, Scheduler
 
 
+class ContextLengthError(ValueError):
+    """Prompt plus max_tokens exceed the model's context length."""
+
+
 @dataclass
 class RequestState:
     """Engine-side state of a request (the scheduler's ``payload``)."""
@@ -118,7 +122,7 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         total = len(token_ids) + params.max_tokens
         if total > self.max_model_len:
-            raise ValueError(
+            raise ContextLengthError(
                 f"this model's maximum context length is {self.max_model_len} tokens; the request "
                 f"asks for {total} ({len(token_ids)} in the prompt + {params.max_tokens} max_tokens)")
 

@@ -20,6 +20,7 @@ import anyio
 from starlette.responses import JSONResponse, StreamingResponse
 
 from carpool.engine.async_engine import AsyncEngine, EngineDeadError
+from carpool.engine.llm_engine import ContextLengthError
 from carpool.engine.outputs import RequestOutput
 from carpool.sampling_params import SamplingParams
 from carpool.scheduler import RejectedError
@@ -219,9 +220,12 @@ class OpenAIServing:
                 if sampling.seed is not None and i:
                     seed = (sampling.seed + i * _SEED_STRIDE) % 2**63
                     choice = dataclasses.replace(sampling, seed=seed)
+                # One API call is one turn of its session: only its first choice
+                # carries the session id, so n samples are not serialized.
+                session_id = ext.session_id if p == i == 0 else None
                 jobs.append(self.ctx.engine.add_request(
                     prompt, choice, request_id=f"{base_id}-{p * n + i}", priority=ext.priority,
-                    session_id=ext.session_id, deadline=ext.deadline))
+                    session_id=session_id, deadline=ext.deadline))
         results = await asyncio.gather(*jobs, return_exceptions=True)
         failure = next((r for r in results if isinstance(r, BaseException)), None)
         if failure is None:
@@ -246,9 +250,10 @@ def _api_error(exc: BaseException) -> APIError:
         return APIError(429, str(exc), code=exc.reason, headers={"Retry-After": str(retry)})
     if isinstance(exc, EngineDeadError):
         return APIError(503, str(exc), code="engine_unavailable")
+    if isinstance(exc, ContextLengthError):
+        return APIError(400, str(exc), code="context_length_exceeded")
     if isinstance(exc, ValueError):
-        code = "context_length_exceeded" if "context length" in str(exc) else "invalid_value"
-        return APIError(400, str(exc), code=code)
+        return APIError(400, str(exc), code="invalid_value")
     raise exc
 
 
