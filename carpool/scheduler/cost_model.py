@@ -1,0 +1,114 @@
+"""Online cost model of one scheduler step, fitted while the engine runs.
+
+``step_seconds ≈ c0 + c1 * tokens + c2 * seqs``: a fixed per-step cost
+(Python, kernel launches), a cost per token computed (the linear layers,
+which dominate), and a cost per sequence (attention over its context,
+sampling). Fitted by ridge-regularised least squares over the last
+``window`` steps, so it follows the machine as load and context lengths
+drift. Pure Python: the scheduler, the admission controller and the
+simulator use it alike.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+_FEATURES = 3
+# Ridge on the slopes only: pure-decode windows have tokens == seqs, and
+# without it the two slopes would be undetermined.
+_RIDGE = 1e-6
+
+
+def _features(tokens: int, seqs: int) -> tuple[float, float, float]:
+    return (1.0, float(tokens), float(seqs))
+
+
+class StepCostModel:
+    """Least squares over a sliding window of (tokens, seqs, seconds) steps.
+
+    Invariant: ``_xtx`` and ``_xty`` are the sums over the steps in
+    ``_steps`` (added on record, subtracted on eviction), so a fit costs a
+    3x3 solve, not a pass over the window.
+    """
+
+    def __init__(self, window: int = 256, min_steps: int = 8) -> None:
+        self.window = window
+        self.min_steps = min_steps
+        self._steps: deque[tuple[int, int, float]] = deque()
+        self._xtx = [[0.0] * _FEATURES for _ in range(_FEATURES)]
+        self._xty = [0.0] * _FEATURES
+        self._coef: list[float] | None = None
+
+    @property
+    def ready(self) -> bool:
+        """Whether enough steps were seen for predictions to mean something."""
+        return len(self._steps) >= self.min_steps
+
+    @property
+    def coefficients(self) -> tuple[float, float, float] | None:
+        """(seconds per step, per token, per sequence), or None before ``ready``."""
+        coef = self._fit()
+        return None if coef is None else (coef[0], coef[1], coef[2])
+
+    def record(self, tokens: int, seqs: int, seconds: float) -> None:
+        """Add one measured step."""
+        self._accumulate(tokens, seqs, seconds, +1.0)
+        self._steps.append((tokens, seqs, seconds))
+        if len(self._steps) > self.window:
+            self._accumulate(*self._steps.popleft(), -1.0)
+        self._coef = None
+
+    def predict(self, tokens: int, seqs: int) -> float | None:
+        """Predicted seconds of a step with this many tokens and sequences."""
+        coef = self._fit()
+        if coef is None:
+            return None
+        x = _features(tokens, seqs)
+        return max(0.0, sum(c * v for c, v in zip(coef, x)))
+
+    def max_tokens_within(self, seconds: float, seqs: int) -> int | None:
+        """The most tokens a step with ``seqs`` sequences can take and still
+        finish within ``seconds`` (at least ``seqs``: every sequence gets one)."""
+        coef = self._fit()
+        if coef is None:
+            return None
+        per_token = max(coef[1], 1e-12)
+        room = seconds - coef[0] - coef[2] * seqs
+        return max(seqs, int(room / per_token))
+
+    def _accumulate(self, tokens: int, seqs: int, seconds: float, sign: float) -> None:
+        x = _features(tokens, seqs)
+        for i in range(_FEATURES):
+            self._xty[i] += sign * x[i] * seconds
+            for j in range(_FEATURES):
+                self._xtx[i][j] += sign * x[i] * x[j]
+
+    def _fit(self) -> list[float] | None:
+        if not self.ready:
+            return None
+        if self._coef is None:
+            matrix = [row[:] for row in self._xtx]
+            for i in range(1, _FEATURES):  # scale-free: relative to the feature's own moment
+                matrix[i][i] += _RIDGE * max(self._xtx[i][i], 1.0)
+            self._coef = _solve(matrix, self._xty[:])
+        return self._coef
+
+
+def _solve(matrix: list[list[float]], rhs: list[float]) -> list[float]:
+    """Gaussian elimination with partial pivoting (n = 3)."""
+    n = len(rhs)
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(matrix[r][col]))
+        matrix[col], matrix[pivot] = matrix[pivot], matrix[col]
+        rhs[col], rhs[pivot] = rhs[pivot], rhs[col]
+        if abs(matrix[col][col]) < 1e-30:
+            matrix[col][col] = 1e-30  # degenerate window: that coefficient becomes ~0
+        for row in range(col + 1, n):
+            factor = matrix[row][col] / matrix[col][col]
+            for k in range(col, n):
+                matrix[row][k] -= factor * matrix[col][k]
+            rhs[row] -= factor * rhs[col]
+    coef = [0.0] * n
+    for row in reversed(range(n)):
+        total = rhs[row] - sum(matrix[row][k] * coef[k] for k in range(row + 1, n))
+        coef[row] = total / matrix[row][row]
+    return coef

@@ -1,0 +1,72 @@
+"""The emergency switch: a degrade mode entered under sustained overload.
+
+Overload means the waiting queue at or over ``queue_threshold`` requests,
+or the engine busy more than ``busy_threshold`` of the time, continuously
+for ``sustain_s`` seconds. Degrade mode ends (hysteresis) only once the
+queue is under half the threshold *and* busy under ``busy_threshold -
+0.1``, so the switch does not flap at the boundary. While degraded the
+scheduler sheds the lowest priorities first (see ``Scheduler``).
+"""
+from __future__ import annotations
+
+from collections import deque
+
+
+class BusyWindow:
+    """Fraction of the last ``window_s`` clock seconds spent running steps."""
+
+    def __init__(self, window_s: float = 10.0) -> None:
+        self.window_s = window_s
+        self._steps: deque[tuple[float, float]] = deque()  # (end time, seconds)
+        self._total = 0.0
+
+    def record(self, now: float, seconds: float) -> None:
+        self._steps.append((now, seconds))
+        self._total += seconds
+        self._prune(now)
+
+    def fraction(self, now: float) -> float:
+        self._prune(now)
+        return min(1.0, self._total / self.window_s)
+
+    def _prune(self, now: float) -> None:
+        while self._steps and self._steps[0][0] < now - self.window_s:
+            self._total -= self._steps.popleft()[1]
+
+
+class OverloadGuard:
+    """Tracks whether the replica is in degrade mode, and why."""
+
+    def __init__(self, queue_threshold: int, busy_threshold: float = 0.9,
+                 sustain_s: float = 5.0) -> None:
+        self.queue_threshold = queue_threshold
+        self.busy_threshold = busy_threshold
+        self.sustain_s = sustain_s
+        self.degraded = False
+        self.reason = ""
+        self._overloaded_since: float | None = None
+        self.switches = 0
+
+    def update(self, now: float, queue_len: int, busy: float) -> bool:
+        """Feed the current state; return True when the mode changed."""
+        overloaded = queue_len >= self.queue_threshold or busy > self.busy_threshold
+        if not self.degraded:
+            if not overloaded:
+                self._overloaded_since = None
+                return False
+            if self._overloaded_since is None:
+                self._overloaded_since = now
+            if now - self._overloaded_since < self.sustain_s:
+                return False
+            self.degraded, self.switches = True, self.switches + 1
+            self.reason = (f"queue {queue_len} >= {self.queue_threshold}"
+                           if queue_len >= self.queue_threshold
+                           else f"busy {busy:.0%} > {self.busy_threshold:.0%}")
+            return True
+        calm = (queue_len < self.queue_threshold / 2
+                and busy < self.busy_threshold - 0.1)
+        if calm:
+            self.degraded, self.switches, self.reason = False, self.switches + 1, ""
+            self._overloaded_since = None
+            return True
+        return False

@@ -1,0 +1,113 @@
+"""Request-level batching regimes, as baselines beside continuous batching.
+
+Under ``static`` and ``dynamic`` batching a batch is formed from waiting
+requests, runs to completion, and nobody joins it mid-flight; only then is
+the next batch formed. ``BatchGate`` decides *which* waiting requests form
+the next batch and *when*; the scheduler still runs the batch with its
+token budget, KV blocks and chunked prefill, so the regimes differ only in
+what they are about (batch formation), not in the engine under them.
+
+- ``static``: a batch of exactly ``batch_size`` requests in arrival order,
+  or fewer once the oldest has waited ``max_wait`` (if set).
+- ``dynamic`` (Triton/TensorRT-style request-level batching): requests are
+  grouped by prompt length into buckets of +-``bucket_tolerance``; a bucket
+  is dispatched when it holds ``preferred_batch_size`` requests (at most
+  ``max_batch_size`` go), or when its oldest request has waited
+  ``max_wait``. The bucket of the oldest request goes first.
+
+Pure Python; time comes from the caller.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from carpool.scheduler.request import Request
+
+REGIMES = ("static", "dynamic", "continuous")
+
+
+@dataclass
+class GateStats:
+    """Cumulative counters of batch formation."""
+
+    batches: int = 0
+    batched_requests: int = 0
+    formation_wait_s: float = 0.0  # summed over batches: oldest member's wait at dispatch
+
+    @property
+    def mean_batch_size(self) -> float:
+        return self.batched_requests / self.batches if self.batches else 0.0
+
+
+class BatchGate:
+    """Forms request-level batches for the ``static`` and ``dynamic`` regimes.
+
+    Invariant: while ``members`` is not empty a batch is in flight; no other
+    request may start until every member has left (finished, aborted or
+    rejected), which the scheduler reports with ``member_left``.
+    """
+
+    def __init__(self, regime: str, preferred_batch_size: int, max_batch_size: int,
+                 max_wait: float | None, bucket_tolerance: float = 0.1) -> None:
+        if regime not in ("static", "dynamic"):
+            raise ValueError(f"a batch gate is for static or dynamic batching, not {regime!r}")
+        self.regime = regime
+        self.preferred = preferred_batch_size
+        self.max_size = max_batch_size if regime == "dynamic" else preferred_batch_size
+        self.max_wait = max_wait
+        # Geometric buckets: lengths within a factor (1 + 2 * tol) share a bucket.
+        self._log_width = math.log1p(2 * bucket_tolerance)
+        self.members: set[str] = set()
+        self.stats = GateStats()
+
+    @property
+    def in_flight(self) -> bool:
+        return bool(self.members)
+
+    def may_start(self, request: Request) -> bool:
+        """Whether ``request`` belongs to the batch in flight."""
+        return request.request_id in self.members
+
+    def member_left(self, request: Request) -> None:
+        self.members.discard(request.request_id)
+
+    def next_batch(self, waiting: Iterable[Request], now: float) -> list[Request]:
+        """Form the next batch if one is due (no batch in flight); else []."""
+        if self.members:
+            return []
+        queue = list(waiting)
+        if not queue:
+            return []
+        if self.regime == "static":
+            batch = self._static(queue, now)
+        else:
+            batch = self._dynamic(queue, now)
+        if batch:
+            self.members = {r.request_id for r in batch}
+            self.stats.batches += 1
+            self.stats.batched_requests += len(batch)
+            self.stats.formation_wait_s += now - min(r.arrival_time for r in batch)
+        return batch
+
+    def _overdue(self, request: Request, now: float) -> bool:
+        return self.max_wait is not None and now - request.arrival_time >= self.max_wait
+
+    def _static(self, queue: list[Request], now: float) -> list[Request]:
+        if len(queue) >= self.preferred or self._overdue(queue[0], now):
+            return queue[:self.preferred]
+        return []
+
+    def bucket_of(self, request: Request) -> int:
+        return int(math.log(max(1, request.num_prompt_tokens)) / self._log_width)
+
+    def _dynamic(self, queue: list[Request], now: float) -> list[Request]:
+        buckets: dict[int, list[Request]] = {}
+        for request in queue:  # arrival order is kept inside each bucket
+            buckets.setdefault(self.bucket_of(request), []).append(request)
+        # Oldest first: the bucket whose head arrived first gets the first look.
+        for bucket in sorted(buckets.values(), key=lambda b: b[0].arrival_time):
+            if len(bucket) >= self.preferred or self._overdue(bucket[0], now):
+                return bucket[:self.max_size]
+        return []
