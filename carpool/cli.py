@@ -39,6 +39,14 @@ ENGINE_FLAGS: list[tuple[str, str, type, str]] = [
      "seconds a request may wait to start before it is rejected"),
     ("--session-ttl", "session_ttl", float,
      "seconds a session's prefix stays preferred in the KV cache"),
+    ("--aging-interval", "aging_interval", float,
+     "policy priority: seconds of waiting that raise a request one priority class "
+     "(null in a config file: no aging)"),
+    ("--long-prompt-threshold", "long_prompt_threshold", int,
+     "prompts longer than this many tokens share the long-prefill allowance"),
+    ("--long-prefill-share", "long_prefill_share", float,
+     "fraction of the step token budget long prompts get for prefill while short "
+     "requests wait (1 = no cap)"),
 ]
 
 # (flag, ServerConfig field, type, help)

@@ -66,6 +66,15 @@ class SchedulerConfig:
     # Seconds a session's cached prefix stays protected from eviction after
     # its latest request finished; 0 = no protection (order is still kept).
     session_ttl: float = 1800.0
+    # policy priority: a waiting request's effective priority improves by one
+    # class per aging_interval seconds waited, so low classes cannot starve.
+    # None = no aging.
+    aging_interval: float | None = 30.0
+    # Dual queue (both policies): prompts longer than long_prompt_threshold
+    # tokens get together at most long_prefill_share of the step's token
+    # budget for prefill while short requests wait or prefill; 1 = no cap.
+    long_prompt_threshold: int = 512
+    long_prefill_share: float = 0.5
 
     def validate(self) -> None:
         if self.max_num_seqs < 1:
@@ -86,6 +95,14 @@ class SchedulerConfig:
                              f"got {self.queue_timeout}")
         if not self.session_ttl >= 0:  # also rejects NaN
             raise ValueError(f"session_ttl must be >= 0 seconds, got {self.session_ttl}")
+        if self.aging_interval is not None and not self.aging_interval > 0:
+            raise ValueError(f"aging_interval must be > 0 seconds or null (no aging), "
+                             f"got {self.aging_interval}")
+        if self.long_prompt_threshold < 1:
+            raise ValueError(f"long_prompt_threshold must be >= 1 token, "
+                             f"got {self.long_prompt_threshold}")
+        if not 0.0 < self.long_prefill_share <= 1.0:  # also rejects NaN
+            raise ValueError(f"long_prefill_share must be in (0, 1], got {self.long_prefill_share}")
 
 
 @dataclass

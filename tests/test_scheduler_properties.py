@@ -13,7 +13,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from carpool.config import CacheConfig, SchedulerConfig
-from carpool.scheduler import RejectedError, Request, RequestStatus, Scheduler
+from carpool.scheduler import (
+    RejectedError,
+    Request,
+    RequestStatus,
+    Scheduler,
+    SchedulerOutput,
+)
 from carpool.scheduler.block_pool import BlockPool
 
 BLOCK = 4
@@ -40,6 +46,41 @@ def make_scheduler(num_blocks: int, max_seqs: int, budget: int, policy: str,
 
 def run_step(scheduler: Scheduler) -> list[Request]:
     """One step with a fake model; returns requests that finished."""
+    return run_step_output(scheduler)[1]
+
+
+def is_long(scheduler: Scheduler, request: Request) -> bool:
+    return request.num_prompt_tokens > scheduler.config.long_prompt_threshold
+
+
+def long_prefill_tokens(scheduler: Scheduler, out: SchedulerOutput) -> int:
+    """Tokens of long prompts' spans in ``out`` that are not decodes (before commit)."""
+    return sum(s.num_tokens for s in out.spans if is_long(scheduler, s.request)
+               and not (s.request.num_output_tokens > 0 and s.start == s.request.num_tokens - 1))
+
+
+def check_output(scheduler: Scheduler, out: SchedulerOutput, waiting_before: list[Request],
+                 shorts_before: list[Request], priority_preemptions_before: int) -> None:
+    """Per-step properties of priorities, preemption and the dual queue."""
+    preempted = {id(r) for r in out.preempted}
+    assert not preempted & {id(s.request) for s in out.spans}, "preempted and scheduled"
+    if scheduler.num_priority_preemptions > priority_preemptions_before:
+        was_waiting = {id(r) for r in waiting_before}
+        admitted = [s.request.priority for s in out.spans if id(s.request) in was_waiting]
+        assert admitted and min(admitted) < min(r.priority for r in out.preempted), \
+            "a preemption for priority admitted nothing better than its victims"
+    # Expired requests never wanted the budget; every other short one did.
+    if scheduler.long_prefill_cap is not None and any(
+            r.status != RequestStatus.FINISHED_REJECTED for r in shorts_before):
+        assert long_prefill_tokens(scheduler, out) <= scheduler.long_prefill_cap
+
+
+def run_step_output(scheduler: Scheduler) -> tuple[SchedulerOutput, list[Request]]:
+    """One step with a fake model: its output and the requests that finished."""
+    waiting_before = list(scheduler.waiting)
+    shorts_before = [r for r in waiting_before + scheduler.running if not is_long(scheduler, r)
+                     and not (r.num_output_tokens > 0 and r.num_pending_tokens == 1)]
+    priority_preemptions_before = scheduler.num_priority_preemptions
     out = scheduler.schedule()
     assert out.num_tokens <= scheduler.config.max_num_batched_tokens
     assert len(scheduler.running) <= scheduler.config.max_num_seqs
@@ -51,6 +92,7 @@ def run_step(scheduler: Scheduler) -> list[Request]:
         # every computed token has a block to live in
         table = scheduler.kv.block_tables[span.request.request_id]
         assert len(table) * BLOCK >= span.start + span.num_tokens
+    check_output(scheduler, out, waiting_before, shorts_before, priority_preemptions_before)
     sampled = [(s.request, (s.request.num_tokens * 7) % 11) for s in out.spans if s.sample]
     scheduler.commit(out, sampled)
     finished = []
@@ -59,24 +101,32 @@ def run_step(scheduler: Scheduler) -> list[Request]:
             scheduler.finish_request(request, RequestStatus.FINISHED_LENGTH)
             finished.append(request)
     scheduler.clock.now += 0.01
-    return finished
+    return out, finished
 
 
 prompts = st.lists(st.integers(0, 3), min_size=1, max_size=24)  # small alphabet: many prefix hits
+priorities = st.integers(-1, 2)
 ops = st.lists(st.one_of(
-    st.tuples(st.just("add"), prompts, st.integers(1, 8), st.integers(0, 2)),
+    st.tuples(st.just("add"), prompts, st.integers(1, 8), priorities),
     st.tuples(st.just("step")),
     st.tuples(st.just("abort"), st.integers(0, 50)),
 ), max_size=60)
+# Queue knobs: aging from none to every other step, and a long-prompt class
+# that the small prompts above reach.
+queue_knobs = st.fixed_dictionaries({
+    "aging_interval": st.sampled_from([None, 0.02, 0.1, 30.0]),
+    "long_prompt_threshold": st.integers(4, 16),
+    "long_prefill_share": st.sampled_from([0.25, 0.5, 1.0]),
+})
 
 
 @settings(max_examples=150, deadline=None)
 @given(ops=ops, num_blocks=st.integers(8, 40), max_seqs=st.integers(1, 6),
        budget=st.integers(1, 32), policy=st.sampled_from(["fcfs", "priority"]),
-       caching=st.booleans())
+       caching=st.booleans(), knobs=queue_knobs)
 def test_random_operations_keep_bookkeeping_consistent(ops, num_blocks, max_seqs, budget,
-                                                       policy, caching):
-    scheduler = make_scheduler(num_blocks, max_seqs, budget, policy, caching)
+                                                       policy, caching, knobs):
+    scheduler = make_scheduler(num_blocks, max_seqs, budget, policy, caching, **knobs)
     added: list[Request] = []
     done: set[str] = set()
     for op in ops:
@@ -111,7 +161,7 @@ def test_random_operations_keep_bookkeeping_consistent(ops, num_blocks, max_seqs
 
 
 overload_ops = st.lists(st.one_of(
-    st.tuples(st.just("add"), prompts, st.integers(1, 6), st.integers(0, 2),
+    st.tuples(st.just("add"), prompts, st.integers(1, 6), priorities,
               st.sampled_from([None, "a", "b"]), st.one_of(st.none(), st.floats(0.0, 0.3))),
     st.tuples(st.just("step"), st.integers(1, 4)),
     st.tuples(st.just("abort"), st.integers(0, 80)),
@@ -159,13 +209,13 @@ class Ledger:
        budget=st.integers(1, 16), policy=st.sampled_from(["fcfs", "priority"]),
        max_queue=st.integers(1, 6), max_queue_tokens=st.one_of(st.none(), st.integers(8, 40)),
        queue_timeout=st.one_of(st.none(), st.floats(0.05, 1.0)),
-       ttl=st.sampled_from([0.0, 0.5, 1800.0]))
+       ttl=st.sampled_from([0.0, 0.5, 1800.0]), knobs=queue_knobs)
 def test_every_accepted_request_ends_exactly_once_under_overload(
         ops, num_blocks, max_seqs, budget, policy, max_queue, max_queue_tokens, queue_timeout,
-        ttl):
+        ttl, knobs):
     scheduler = make_scheduler(num_blocks, max_seqs, budget, policy,
                                max_queue_requests=max_queue, max_queue_tokens=max_queue_tokens,
-                               queue_timeout=queue_timeout, session_ttl=ttl)
+                               queue_timeout=queue_timeout, session_ttl=ttl, **knobs)
     ledger = Ledger(scheduler)
     for index, op in enumerate(ops):
         if op[0] == "add":

@@ -5,8 +5,9 @@ simulator run exactly this code."""
 from carpool.scheduler.admission import RejectedError
 from carpool.scheduler.kv_manager import KVCacheManager, KVCacheStats
 from carpool.scheduler.request import Request, RequestStatus
-from carpool.scheduler.scheduler import ScheduledSpan, Scheduler, SchedulerOutput
+from carpool.scheduler.scheduler import Scheduler
 from carpool.scheduler.sessions import SessionStats
+from carpool.scheduler.step import ScheduledSpan, SchedulerOutput
 
 __all__ = ["KVCacheManager", "KVCacheStats", "RejectedError", "Request", "RequestStatus",
            "ScheduledSpan", "Scheduler", "SchedulerOutput", "SessionStats"]

@@ -1,6 +1,7 @@
 """Per-request block tables on top of the block pool, with prefix reuse."""
 from __future__ import annotations
 
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 from carpool.scheduler.block_pool import ROOT_HASH, BlockPool, block_key, chain_hash
@@ -79,12 +80,10 @@ class KVCacheManager:
         """
         assert request.request_id not in self.block_tables
         hits = self.find_cached_prefix(request)
-        num_cached = len(hits) * self.block_size
-        num_new_tokens = min(num_new_tokens, request.num_tokens - num_cached)
-        revived = sum(1 for b in hits if self.pool.ref_counts[b] == 0)
-        fresh = self.blocks_for(num_cached + num_new_tokens) - len(hits)
-        if self.pool.num_free_blocks - revived - fresh < self.watermark_blocks:
+        shortfall, fresh = self._admit_need(request, num_new_tokens, hits, frozenset())
+        if shortfall > 0:
             return False
+        num_cached = len(hits) * self.block_size
         self.pool.acquire(hits)
         self.block_tables[request.request_id] = hits + self.pool.allocate(fresh)
         self._num_registered[request.request_id] = len(hits)
@@ -92,6 +91,28 @@ class KVCacheManager:
         self.prefix_hits += num_cached
         request.num_computed_tokens = num_cached
         return True
+
+    def admit_shortfall(self, request: Request, num_new_tokens: int,
+                        released: AbstractSet[int] = frozenset(),
+                        hits: list[int] | None = None) -> int:
+        """Blocks missing for ``try_admit(request, num_new_tokens)`` to succeed
+        (<= 0: it would), as if the blocks in ``released`` had no reference
+        left. ``hits``: ``find_cached_prefix(request)`` if already known
+        (releasing blocks does not change it). Changes nothing."""
+        if hits is None:
+            hits = self.find_cached_prefix(request)
+        return self._admit_need(request, num_new_tokens, hits, released)[0]
+
+    def _admit_need(self, request: Request, num_new_tokens: int, hits: list[int],
+                    released: AbstractSet[int]) -> tuple[int, int]:
+        """(blocks missing, fresh blocks to allocate) to admit with ``hits`` reused."""
+        num_cached = len(hits) * self.block_size
+        num_new_tokens = min(num_new_tokens, request.num_tokens - num_cached)
+        # A reused block with no other reference comes off the free list too.
+        revived = sum(1 for b in hits if self.pool.ref_counts[b] == 0 or b in released)
+        fresh = self.blocks_for(num_cached + num_new_tokens) - len(hits)
+        free = self.pool.num_free_blocks + len(released)
+        return revived + fresh + self.watermark_blocks - free, fresh
 
     def try_grow(self, request: Request, num_new_tokens: int) -> bool:
         """Add blocks so a running request can compute ``num_new_tokens`` more."""

@@ -3,9 +3,18 @@
 There is no prefill phase and no decode phase. Each request has a number of
 computed tokens catching up with its number of tokens; every step hands out
 at most ``max_num_batched_tokens`` tokens, running requests first (a decode
-needs one, an unfinished prompt gets a chunk), then waiting requests while
+needs one, an unfinished prompt gets a chunk; under ``policy: priority`` in
+(priority, arrival) order), then waiting requests in queue order while
 budget, sequence slots and KV blocks last. Pure Python and deterministic:
 time only comes from the injected clock.
+
+Queues (``queues.LaneQueue``): FIFO lanes per priority class and prompt
+length class, merged by arrival (FCFS) or by aged priority. Under
+``policy: priority`` a waiting request that does not fit preempts running
+requests of strictly worse base priority (``step.plan_room``). Dual queue
+(both policies): while short requests wait or prefill, long prompts get at
+most ``long_prefill_cap`` prefill tokens per step, and waiting long
+requests are passed over once that is spent.
 
 Admission control bounds the waiting queue (``RejectedError`` at arrival)
 and expires requests that waited past their deadline or queue timeout;
@@ -18,7 +27,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 
 from carpool.config import CacheConfig, SchedulerConfig
 from carpool.scheduler.admission import DepartureRate, ExpiryQueue, RejectedError
@@ -26,34 +34,15 @@ from carpool.scheduler.kv_manager import KVCacheManager
 from carpool.scheduler.queues import make_queue
 from carpool.scheduler.request import Request, RequestStatus
 from carpool.scheduler.sessions import SessionStats, SessionTracker
-
-
-@dataclass
-class ScheduledSpan:
-    """Compute tokens ``[start, start + num_tokens)`` of ``request.token_ids``.
-
-    ``sample`` is true when the span reaches the end of the known tokens,
-    so the step yields the request's next token.
-    """
-
-    request: Request
-    start: int
-    num_tokens: int
-    sample: bool
-
-
-@dataclass
-class SchedulerOutput:
-    spans: list[ScheduledSpan] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(span.num_tokens for span in self.spans)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.spans
+from carpool.scheduler.step import (
+    RoomPlan,
+    SchedulerOutput,
+    StepBudget,
+    is_decoding,
+    plan_room,
+    span_for,
+    trim_span,
+)
 
 
 class Scheduler:
@@ -65,10 +54,18 @@ class Scheduler:
         self.clock = clock
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching,
                                  cache.watermark)
-        self.waiting = make_queue(config.policy)
+        self._by_priority = config.policy == "priority"
+        self.waiting = make_queue(config.policy, clock, config.aging_interval,
+                                  config.long_prompt_threshold)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
-        self.num_preemptions = 0
+        self.num_preemptions = 0  # every preemption, for blocks or for priority
+        self.num_priority_preemptions = 0  # of those, made room for a better-priority request
+        # Long-prompt prefill tokens per step while short requests want the
+        # budget; None = no cap (share 1).
+        share_tokens = math.floor(config.long_prefill_share * config.max_num_batched_tokens)
+        self.long_prefill_cap: int | None = (
+            None if share_tokens >= config.max_num_batched_tokens else max(1, share_tokens))
         self.departures = DepartureRate()
         self.expiries = ExpiryQueue()
         self.sessions = SessionTracker(self.kv.pool, config.session_ttl)
@@ -185,10 +182,9 @@ class Scheduler:
         self._expire_waiting(now)
         self.sessions.expire(now)
         output = SchedulerOutput()
-        budget = self._schedule_running(output, self.config.max_num_batched_tokens)
-        # After a preemption blocks are short: admitting would only thrash.
-        if not output.preempted:
-            self._schedule_waiting(output, budget)
+        step = StepBudget(self.config.max_num_batched_tokens, self._long_allowance())
+        self._schedule_running(output, step)
+        self._schedule_waiting(output, step)
         return output
 
     def _is_unscheduled(self, request: Request) -> bool:
@@ -205,62 +201,125 @@ class Scheduler:
             self._rejected.append(request)
             self.rejections[reason] = self.rejections.get(reason, 0) + 1
 
-    def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
-        for request in list(self.running):
-            if budget <= 0:
+    def _long_allowance(self) -> float:
+        """Long-prompt prefill tokens allowed this step.
+
+        The rule: ``long_prefill_cap`` while some short request is waiting
+        or prefilling (decodes are neither), otherwise unlimited, so long
+        prompts never starve when no short request wants the budget.
+        """
+        if self.long_prefill_cap is None:
+            return math.inf
+        if self.waiting.num_short or any(
+                not self.waiting.is_long(r) and not is_decoding(r) for r in self.running):
+            return self.long_prefill_cap
+        return math.inf
+
+    def _is_capped(self, request: Request) -> bool:
+        """Whether the request's next tokens count against the long allowance."""
+        return self.waiting.is_long(request) and not is_decoding(request)
+
+    def _schedule_running(self, output: SchedulerOutput, step: StepBudget) -> None:
+        order = list(self.running)
+        if self._by_priority:
+            order.sort(key=lambda r: (r.priority, r.arrival_time))
+        for request in order:
+            if step.tokens <= 0:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_tokens = min(request.num_pending_tokens, budget)
-            assert num_tokens > 0, "a running request always has a token to compute"
+            assert request.num_pending_tokens > 0, "a running request always has a token to compute"
+            capped = self._is_capped(request)
+            num_tokens = min(request.num_pending_tokens, step.limit(capped))
+            if num_tokens <= 0:
+                continue  # the long allowance is spent; decodes and short ones still run
             while not self.kv.try_grow(request, num_tokens):
                 victim = self._pick_victim()
-                self._preempt(victim, output)
+                self._preempt(victim, output, step)
                 if victim is request:
                     break
             if request.status != RequestStatus.RUNNING:
                 continue
-            output.spans.append(self._span(request, num_tokens))
-            budget -= num_tokens
-        return budget
+            output.spans.append(span_for(request, num_tokens))
+            step.grant(request, num_tokens, capped)
 
-    def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            # Requests waiting on an earlier turn of their session are passed over,
-            # so they never hold up unrelated requests behind them.
-            request = self.waiting.first_eligible(self._not_session_blocked)
-            if request is None:
-                break
-            if not self.kv.try_admit(request, budget):
-                break  # head of line waits for blocks: keeps FCFS/priority order fair
-            self.waiting.remove(request)
-            num_tokens = min(request.num_pending_tokens, budget)
-            request.status = RequestStatus.RUNNING
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = self.clock()
-                request.num_cached_tokens = request.num_computed_tokens
-                self.sessions.first_admitted(request)
-            self.running.append(request)
-            output.spans.append(self._span(request, num_tokens))
-            budget -= num_tokens
+    def _schedule_waiting(self, output: SchedulerOutput, step: StepBudget) -> None:
+        """Admit waiting requests in queue order while tokens, slots and blocks last.
+
+        Requests waiting on an earlier turn of their session, and long ones
+        once the long allowance is spent, are passed over, so they never
+        hold up requests behind them; any other request that does not fit
+        stops admission (head of line keeps the FCFS / priority order fair).
+        Under ``policy: priority`` that request first makes room at the
+        expense of running requests of strictly worse base priority: their
+        spans are shortened for tokens, they are preempted for slots and
+        blocks (``plan_room``); it is then admitted in this same step.
+        """
+        long_blocked = False  # a long head could not make room for the long allowance
+        while self.waiting:
+            include_long = step.long_left > 0 or (self._by_priority and not long_blocked)
+            request = self.waiting.first_eligible(self._not_session_blocked, include_long)
+            if request is None or request.priority >= step.admit_below:
+                return
+            capped = self._is_capped(request)
+            limit = step.limit(capped)
+            if (limit > 0 and len(self.running) < self.config.max_num_seqs
+                    and self.kv.try_admit(request, limit)):
+                self._admit(request, limit, capped, output, step)
+                continue
+            plan = self._plan_room(request, capped, step) if self._by_priority else None
+            if plan is None:
+                if capped and step.long_left <= 0:
+                    long_blocked = True  # pass over the long lanes from now on
+                    continue
+                return
+            for trimmed, num_tokens in plan.trims:
+                self._trim_span(trimmed, num_tokens, output, step)
+            for victim in plan.victims:
+                self._preempt(victim, output, step, by_priority=True)
+            if not self.kv.try_admit(request, plan.num_tokens):
+                return  # plan_room mirrors try_admit exactly; kept as a safe stop
+            self._admit(request, plan.num_tokens, capped, output, step)
+
+    def _plan_room(self, request: Request, capped: bool, step: StepBudget) -> RoomPlan | None:
+        # Requests admitted this step won the queue order: never displace them for a later head.
+        candidates = [r for r in self.running
+                      if r.priority > request.priority and r not in step.admitted]
+        # Preemption order as for blocks: worst priority, then latest arrival.
+        candidates.sort(key=lambda r: (r.priority, r.arrival_time), reverse=True)
+        return plan_room(request, capped, candidates, step, self.kv,
+                         self.config.max_num_seqs - len(self.running))
+
+    def _admit(self, request: Request, limit: int, capped: bool, output: SchedulerOutput,
+               step: StepBudget) -> None:
+        """Start ``request`` after ``kv.try_admit(request, limit)`` succeeded."""
+        self.waiting.remove(request)
+        num_tokens = min(request.num_pending_tokens, limit)
+        request.status = RequestStatus.RUNNING
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = self.clock()
+            request.num_cached_tokens = request.num_computed_tokens
+            self.sessions.first_admitted(request)
+        self.running.append(request)
+        output.spans.append(span_for(request, num_tokens))
+        step.grant(request, num_tokens, capped)
+        step.admitted.add(request)
 
     def _not_session_blocked(self, request: Request) -> bool:
         return not self.sessions.is_blocked(request)
-
-    def _span(self, request: Request, num_tokens: int) -> ScheduledSpan:
-        start = request.num_computed_tokens
-        return ScheduledSpan(request, start, num_tokens,
-                             sample=start + num_tokens == request.num_tokens)
 
     def _pick_victim(self) -> Request:
         # Lowest priority (largest value) first, then the latest arrival.
         return max(self.running, key=lambda r: (r.priority, r.arrival_time))
 
-    def _preempt(self, request: Request, output: SchedulerOutput) -> None:
-        """Preempt by recompute: drop the KV, keep the tokens, requeue at the front.
+    def _preempt(self, request: Request, output: SchedulerOutput, step: StepBudget,
+                 by_priority: bool = False) -> None:
+        """Preempt by recompute: drop the KV, keep the tokens, requeue at the
+        front of its lane.
 
         Its full blocks stay in the prefix cache, so re-admission usually
-        revives most of them instead of recomputing.
+        revives most of them instead of recomputing. ``by_priority``: made
+        room for a waiting request of better priority.
         """
         self.running.remove(request)
         self.kv.free(request)
@@ -268,10 +327,26 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
-        # A span already scheduled this step for the victim must not run.
+        if by_priority:
+            self.num_priority_preemptions += 1
+        # Its KV is gone: a span already scheduled for it this step must not run.
         output.spans = [s for s in output.spans if s.request is not request]
+        step.refund(request)
         output.preempted.append(request)
         self.waiting.prepend(request)
+        # After a preemption blocks are short: admitting work that could not
+        # have preempted the victim would only thrash (FCFS: admit nothing).
+        if self._by_priority:
+            step.admit_below = min(step.admit_below, request.priority)
+        else:
+            step.admit_below = -math.inf
+
+    def _trim_span(self, request: Request, num_tokens: int, output: SchedulerOutput,
+                   step: StepBudget) -> None:
+        """Take ``num_tokens`` off the request's span this step; it stays running."""
+        trim_span(output, step, request, num_tokens)
+        # Work that could not have displaced it must not get its tokens.
+        step.admit_below = min(step.admit_below, request.priority)
 
     # -- after the step ran -----------------------------------------------------
 
@@ -297,7 +372,7 @@ class Scheduler:
         running = {r.request_id for r in self.running}
         assert not queued & running
         assert queued | running == set(self.requests)
-        assert self.waiting.num_prompt_tokens == sum(r.num_prompt_tokens for r in self.waiting)
+        self.waiting.check_invariants()
         assert all(r.status == RequestStatus.FINISHED_REJECTED and r.reject_reason
                    and self.requests.get(r.request_id) is not r for r in self._rejected)
         self.sessions.check_invariants(self.requests)
