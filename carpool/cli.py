@@ -47,6 +47,12 @@ ENGINE_FLAGS: list[tuple[str, str, type, str]] = [
     ("--long-prefill-share", "long_prefill_share", float,
      "fraction of the step token budget long prompts get for prefill while short "
      "requests wait (1 = no cap)"),
+    ("--batching", "batching", str, "continuous | static | dynamic (request-level baselines)"),
+    ("--preferred-batch-size", "preferred_batch_size", int,
+     "static: the batch size; dynamic: dispatch when a length bucket holds this many"),
+    ("--max-batch-size", "max_batch_size", int, "dynamic: most requests in one batch"),
+    ("--max-wait", "max_wait", float,
+     "static/dynamic: seconds the oldest request waits before a partial batch goes"),
 ]
 
 # (flag, ServerConfig field, type, help)

@@ -75,6 +75,19 @@ class SchedulerConfig:
     # budget for prefill while short requests wait or prefill; 1 = no cap.
     long_prompt_threshold: int = 512
     long_prefill_share: float = 0.5
+    # Batching regime: continuous (iteration-level), or the request-level
+    # baselines static (batches of exactly preferred_batch_size, or fewer
+    # after max_wait) and dynamic (length buckets of +-bucket_tolerance,
+    # dispatched at preferred_batch_size, at most max_batch_size, or after
+    # max_wait); a static or dynamic batch runs to completion, nobody joins.
+    batching: str = "continuous"
+    preferred_batch_size: int = 8
+    max_batch_size: int = 32
+    max_wait: float | None = 0.05  # seconds; None = wait for a full batch
+    bucket_tolerance: float = 0.1
+    # Reject at arrival a request with a deadline that the online step-cost
+    # model predicts cannot get its first token in time.
+    predictive_shedding: bool = True
 
     def validate(self) -> None:
         if self.max_num_seqs < 1:
@@ -101,8 +114,20 @@ class SchedulerConfig:
         if self.long_prompt_threshold < 1:
             raise ValueError(f"long_prompt_threshold must be >= 1 token, "
                              f"got {self.long_prompt_threshold}")
+        self._validate_batching()
         if not 0.0 < self.long_prefill_share <= 1.0:  # also rejects NaN
             raise ValueError(f"long_prefill_share must be in (0, 1], got {self.long_prefill_share}")
+
+    def _validate_batching(self) -> None:
+        if self.batching not in ("static", "dynamic", "continuous"):
+            raise ValueError(f"batching must be static|dynamic|continuous, got {self.batching!r}")
+        if not 1 <= self.preferred_batch_size <= self.max_batch_size:
+            raise ValueError(f"need 1 <= preferred_batch_size ({self.preferred_batch_size}) "
+                             f"<= max_batch_size ({self.max_batch_size})")
+        if self.max_wait is not None and not self.max_wait >= 0:
+            raise ValueError(f"max_wait must be >= 0 seconds or null, got {self.max_wait}")
+        if not 0.0 < self.bucket_tolerance < 1.0:
+            raise ValueError(f"bucket_tolerance must be in (0, 1), got {self.bucket_tolerance}")
 
 
 @dataclass

@@ -214,3 +214,14 @@ def test_engine_failure_fails_streams_instead_of_hanging(roomy, monkeypatch):
     for request_id in list(roomy.engine.scheduler.requests):
         roomy.engine.abort_request(request_id)
     assert roomy.engine.scheduler.kv.stats().used_blocks == 0
+
+
+@pytest.mark.parametrize("batching", ["static", "dynamic"])
+def test_request_level_regimes_give_the_same_greedy_tokens(roomy, tiny_model_dir, batching):
+    expected = [o.token_ids for o in roomy.generate(PROMPTS, greedy())]
+    llm = LLM(str(tiny_model_dir), dtype="float32", kv_cache_memory="16MiB", batching=batching,
+              preferred_batch_size=2, max_batch_size=2, max_wait=0.0)
+    assert [o.token_ids for o in llm.generate(PROMPTS, greedy())] == expected
+    gate = llm.engine.scheduler.gate
+    assert gate.stats.batches >= 3 and gate.stats.mean_batch_size <= 2
+    assert llm.engine.scheduler.cost_model.ready  # every executed step fed the cost model

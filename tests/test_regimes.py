@@ -56,3 +56,73 @@ def test_dynamic_dispatches_a_lone_request_after_max_wait():
 def test_continuous_has_no_gate():
     with pytest.raises(ValueError):
         BatchGate("continuous", 4, 8, None)
+
+
+# -- wired into the scheduler ----------------------------------------------------------
+
+def _scheduler(**config):
+    from test_scheduler_properties import make_scheduler
+
+    return make_scheduler(num_blocks=64, max_seqs=8, budget=64, policy="fcfs", **config)
+
+
+def _drive(scheduler, steps: int) -> list[set[str]]:
+    """Run ``steps`` steps; return the ids running after each step."""
+    from test_scheduler_properties import run_step
+
+    seen = []
+    for _ in range(steps):
+        run_step(scheduler)
+        seen.append({r.request_id for r in scheduler.running})
+    return seen
+
+
+def test_a_static_batch_runs_to_completion_before_anyone_joins():
+    scheduler = _scheduler(batching="static", preferred_batch_size=2, max_wait=None)
+    short = Request("a", [1, 2, 3], 2, 0.0)
+    long = Request("b", [4, 5, 6], 6, 0.0)
+    scheduler.add_request(short)
+    assert _drive(scheduler, 3) == [set(), set(), set()]  # 1 < B and no max_wait: waits
+    scheduler.add_request(long)
+    scheduler.add_request(Request("c", [7, 8, 9], 2, 0.0))
+    scheduler.add_request(Request("d", [7, 8, 1], 2, 0.0))
+    running = _drive(scheduler, 10)
+    # a and b run together; c and d wait although a finished early and slots are free
+    assert running[0] == {"a", "b"} and running[1] == {"b"}
+    assert not {"c", "d"} & set().union(*running[:5])
+    assert {"c", "d"} in running and scheduler.gate.stats.batches == 2
+    scheduler.check_invariants()
+
+
+def test_continuous_lets_a_request_join_mid_flight():
+    scheduler = _scheduler()
+    scheduler.add_request(Request("a", [1, 2, 3], 6, 0.0))
+    _drive(scheduler, 2)
+    scheduler.add_request(Request("c", [7, 8, 9], 2, 0.0))
+    assert _drive(scheduler, 1) == [{"a", "c"}]
+
+
+def test_dynamic_batches_by_length_bucket():
+    scheduler = _scheduler(batching="dynamic", preferred_batch_size=2, max_batch_size=4,
+                           max_wait=1.0)
+    scheduler.add_request(Request("s1", [1] * 4, 3, 0.0))
+    scheduler.add_request(Request("l1", [2] * 40, 3, 0.0))
+    scheduler.add_request(Request("s2", [3] * 4, 3, 0.0))
+    first = _drive(scheduler, 1)[0]
+    assert first == {"s1", "s2"}  # the short bucket filled first; the long one waits
+
+
+def test_predictive_shedding_rejects_a_deadline_the_cost_model_says_is_missed():
+    from carpool.scheduler import RejectedError
+
+    scheduler = _scheduler()
+    for _ in range(16):  # a slow machine: 10 ms per step + 1 ms per token
+        for tokens in (8, 64):
+            scheduler.record_step(tokens, 4, 0.010 + 0.001 * tokens)
+    for i in range(4):
+        scheduler.add_request(Request(f"q{i}", [1] * 60, 4, 0.0))  # 240 tokens ahead
+    with pytest.raises(RejectedError) as info:
+        scheduler.add_request(Request("late", [1] * 10, 4, 0.0, deadline=0.1))
+    assert info.value.reason == "predicted_deadline_miss"
+    assert scheduler.rejections["predicted_deadline_miss"] == 1
+    scheduler.add_request(Request("fine", [1] * 10, 4, 0.0, deadline=2.0))  # room enough

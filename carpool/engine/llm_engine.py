@@ -22,6 +22,16 @@ from carpool.sampling_params import SamplingParams
 from carpool.scheduler import Request, RequestStatus, ScheduledSpan, Scheduler
 
 
+def _knobs(config) -> dict[str, float]:
+    """The scheduler knobs exported as metrics (numbers only; None is left out)."""
+    names = ["max_num_seqs", "max_num_batched_tokens", "max_queue_requests",
+             "long_prompt_threshold", "long_prefill_share", "aging_interval"]
+    if config.batching != "continuous":
+        names += ["preferred_batch_size", "max_batch_size", "max_wait"]
+    values = {name: getattr(config, name) for name in names}
+    return {name: float(value) for name, value in values.items() if value is not None}
+
+
 class ContextLengthError(ValueError):
     """Prompt plus max_tokens exceed the model's context length."""
 
@@ -150,10 +160,12 @@ class LLMEngine:
         results = iter(self.executor.execute(items))
         sampled = [(span.request, next(results)) for span in schedule.spans if span.sample]
         self.scheduler.commit(schedule, [(r, res.token_id) for r, res in sampled])
+        elapsed = time.perf_counter() - started
+        self.scheduler.record_step(schedule.num_tokens, len(schedule.spans), elapsed)
         self.counters.steps += 1
         self.counters.computed_tokens += schedule.num_tokens
         self.counters.slot_tokens += schedule.num_tokens
-        self.counters.busy_seconds += time.perf_counter() - started
+        self.counters.busy_seconds += elapsed
         return rejected + [self._process_sample(request, result) for request, result in sampled]
 
     def stats(self) -> EngineStats:
@@ -170,9 +182,9 @@ class LLMEngine:
             num_preemptions=scheduler.num_preemptions, counters=self.counters.copy(),
             rejections=dict(scheduler.rejections),
             sessions=dict(scheduler.session_stats().__dict__),
-            knobs={"max_num_seqs": config.max_num_seqs,
-                   "max_num_batched_tokens": config.max_num_batched_tokens,
-                   "max_queue_requests": config.max_queue_requests})
+            knobs=_knobs(config), batching=config.batching,
+            num_priority_preemptions=scheduler.num_priority_preemptions,
+            batches=scheduler.gate.stats.batches if scheduler.gate else 0)
 
     def _batch_item(self, span: ScheduledSpan) -> BatchItem:
         request = span.request

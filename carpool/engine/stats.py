@@ -51,6 +51,8 @@ class EngineStats:
     knobs: dict[str, float]
     batching: str = "continuous"
     mode: str = "fixed"  # the adaptive controller's mode once it exists
+    num_priority_preemptions: int = 0
+    batches: int = 0  # request-level batches formed (static / dynamic batching)
 
     @property
     def kv_usage(self) -> float:

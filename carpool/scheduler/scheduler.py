@@ -30,10 +30,13 @@ from collections.abc import Callable, Iterable
 
 from carpool.config import CacheConfig, SchedulerConfig
 from carpool.scheduler.admission import DepartureRate, ExpiryQueue, RejectedError
+from carpool.scheduler.cost_model import StepCostModel
 from carpool.scheduler.kv_manager import KVCacheManager
 from carpool.scheduler.queues import make_queue
+from carpool.scheduler.regimes import BatchGate
 from carpool.scheduler.request import Request, RequestStatus
 from carpool.scheduler.sessions import SessionStats, SessionTracker
+from carpool.scheduler.shedding import predict_first_token_delay
 from carpool.scheduler.step import (
     RoomPlan,
     SchedulerOutput,
@@ -67,6 +70,11 @@ class Scheduler:
         self.long_prefill_cap: int | None = (
             None if share_tokens >= config.max_num_batched_tokens else max(1, share_tokens))
         self.departures = DepartureRate()
+        self.cost_model = StepCostModel()  # fed by record_step after each executed step
+        # static / dynamic batching: which waiting requests form the next batch, and when.
+        self.gate = None if config.batching == "continuous" else BatchGate(
+            config.batching, config.preferred_batch_size, config.max_batch_size,
+            config.max_wait, config.bucket_tolerance)
         self.expiries = ExpiryQueue()
         self.sessions = SessionTracker(self.kv.pool, config.session_ttl)
         # Rejections by reason, at arrival and by expiry (a Prometheus counter).
@@ -108,6 +116,12 @@ class Scheduler:
             self._reject_at_arrival("deadline", 1.0, (
                 f"the request's deadline ({request.deadline:.3f}) passed before it arrived "
                 f"({now:.3f})"))
+        if request.deadline is not None and self.config.predictive_shedding:
+            delay = self._predicted_first_token_delay(request)
+            if delay is not None and now + delay > request.deadline:
+                self._reject_at_arrival("predicted_deadline_miss", delay, (
+                    f"the request would get its first token in ~{delay:.2f} s, after its "
+                    f"deadline ({request.deadline - now:.2f} s from now)"))
         waiting = len(self.waiting)
         limit = self.config.max_queue_requests
         if waiting >= limit:
@@ -129,7 +143,18 @@ class Scheduler:
 
     def _reject_at_arrival(self, reason: str, retry_after: float, message: str) -> None:
         self.rejections[reason] = self.rejections.get(reason, 0) + 1
-        raise RejectedError(reason, retry_after, message)
+        raise RejectedError(reason, min(60.0, max(1.0, math.ceil(retry_after))), message)
+
+    def _predicted_first_token_delay(self, request: Request) -> float | None:
+        prefilling = sum(r.num_pending_tokens for r in self.running if r.num_pending_tokens > 1)
+        decoding = sum(1 for r in self.running if r.num_pending_tokens == 1)
+        return predict_first_token_delay(
+            self.cost_model, self.waiting.num_prompt_tokens + prefilling,
+            request.num_prompt_tokens, decoding, self.config.max_num_batched_tokens)
+
+    def record_step(self, num_tokens: int, num_seqs: int, seconds: float) -> None:
+        """Feed the online cost model with an executed step's size and duration."""
+        self.cost_model.record(num_tokens, num_seqs, seconds)
 
     def finish_request(self, request: Request, status: RequestStatus) -> None:
         """Remove a request (finished or aborted) and free its blocks."""
@@ -149,6 +174,8 @@ class Scheduler:
         self.sessions.finish(request, self.kv.block_tables.get(request.request_id, ()), now)
         self.kv.free(request)
         request.status = status
+        if self.gate is not None:
+            self.gate.member_left(request)
         self.departures.record(now)
         self.departures.set_busy(now, bool(self.requests))
 
@@ -183,6 +210,8 @@ class Scheduler:
         self.sessions.expire(now)
         output = SchedulerOutput()
         step = StepBudget(self.config.max_num_batched_tokens, self._long_allowance())
+        if self.gate is not None and not self.gate.in_flight:
+            self.gate.next_batch((r for r in self.waiting if self._not_session_blocked(r)), now)
         self._schedule_running(output, step)
         self._schedule_waiting(output, step)
         return output
@@ -258,7 +287,7 @@ class Scheduler:
         long_blocked = False  # a long head could not make room for the long allowance
         while self.waiting:
             include_long = step.long_left > 0 or (self._by_priority and not long_blocked)
-            request = self.waiting.first_eligible(self._not_session_blocked, include_long)
+            request = self.waiting.first_eligible(self._may_start, include_long)
             if request is None or request.priority >= step.admit_below:
                 return
             capped = self._is_capped(request)
@@ -307,6 +336,12 @@ class Scheduler:
 
     def _not_session_blocked(self, request: Request) -> bool:
         return not self.sessions.is_blocked(request)
+
+    def _may_start(self, request: Request) -> bool:
+        """Not waiting on an earlier turn of its session and, under static or
+        dynamic batching, a member of the batch in flight (nobody joins it)."""
+        return self._not_session_blocked(request) and (
+            self.gate is None or self.gate.may_start(request))
 
     def _pick_victim(self) -> Request:
         # Lowest priority (largest value) first, then the latest arrival.

@@ -145,6 +145,11 @@ class _EngineCollector:
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                       stats.prefix_hits)
         yield counter("num_preemptions", "Preemptions (by recompute).", stats.num_preemptions)
+        yield counter("num_priority_preemptions",
+                      "Preemptions that made room for a better-priority request.",
+                      stats.num_priority_preemptions)
+        yield counter("batches", "Request-level batches formed (static / dynamic batching).",
+                      stats.batches)
         yield counter("prompt_tokens", "Prompt tokens of finished requests.", c.prompt_tokens)
         yield counter("generation_tokens", "Generated tokens.", c.generation_tokens)
         yield counter("engine_steps", "Scheduler steps run.", c.steps)
