@@ -184,6 +184,13 @@ def build_parser() -> argparse.ArgumentParser:
         "throughput", help="offline throughput: carpool vs HF transformers static batching")
     add_throughput_args(throughput)
     add_engine_flags(throughput)
+    from carpool.bench.regimes import add_regimes_args
+
+    regimes = bench_commands.add_parser(
+        "regimes", help="one Poisson workload replayed under static, dynamic and continuous "
+                        "batching, side by side")
+    add_regimes_args(regimes)
+    add_engine_flags(regimes)
     return parser
 
 
@@ -205,6 +212,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from carpool.repl import run_chat
 
             return run_chat(config, sampling_from_args(args), system=args.system)
+        if args.bench_command == "regimes":
+            from carpool.bench.regimes import run_regimes
+
+            return run_regimes(config, args)
         from carpool.bench.throughput import run_throughput
 
         return run_throughput(config, args)

@@ -82,3 +82,22 @@ def test_bench_throughput_runs_both_sides(tiny_model_dir, tmp_path):
     assert ours["requests"] == 6 and ours["output_tokens"] == 30 and ours["prompt_tokens"] == 72
     assert report["results"][2]["output_tokens"] == 4 * 5
     assert "carpool vs best static batching" in result.stdout
+
+
+def test_bench_regimes_replays_one_workload_under_each_regime(tiny_model_dir, tmp_path):
+    out = tmp_path / "regimes.json"
+    result = run_cli("bench", "regimes", "--model", str(tiny_model_dir), "--attention-backend",
+                     "torch", "--num-requests", "8", "--input-len", "12", "--output-len", "5",
+                     "--rate", "40", "--preferred-batch-size", "3", "--max-wait", "0.02",
+                     "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    import json
+
+    rows = json.loads(out.read_text())["results"]
+    assert [r["regime"] for r in rows] == ["static", "dynamic", "continuous"]
+    for row in rows:
+        assert row["rejected_share"] == 0 and row["fill_rate"] == 1.0
+        assert row["requests"] == 8 and row["output_tokens"] == 8 * 5
+        assert row["output_tok_s"] > 0 and row["ttft_p50"] <= row["e2e_p50"]
+    assert rows[0]["batches"] >= 3 and rows[2]["batches"] == 0
+    assert "continuous" in result.stdout

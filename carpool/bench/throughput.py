@@ -45,6 +45,13 @@ class BenchResult:
 
 
 def add_throughput_args(parser: argparse.ArgumentParser) -> None:
+    add_workload_args(parser)
+    _add_baseline_args(parser.add_argument_group("baseline"))
+    parser.add_argument("--json", default=None, help="write the results here as JSON")
+
+
+def add_workload_args(parser: argparse.ArgumentParser) -> None:
+    """Request lengths: fixed, or drawn from a lengths file (shared with ``bench regimes``)."""
     group = parser.add_argument_group("workload")
     group.add_argument("--num-requests", type=int, default=256)
     group.add_argument("--input-len", type=int, default=128, help="synthetic prompt length")
@@ -57,7 +64,9 @@ def add_throughput_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-input-len", type=int, default=1024)
     group.add_argument("--max-output-len", type=int, default=512)
     group.add_argument("--bench-seed", type=int, default=0, help="seed for lengths and prompts")
-    hf = parser.add_argument_group("baseline")
+
+
+def _add_baseline_args(hf) -> None:
     hf.add_argument("--hf-batch-sizes", default="1,8,32,64",
                     help="static batch sizes for the transformers baseline ('' to skip it)")
     hf.add_argument("--hf-dtypes", default="float32,bfloat16",
@@ -66,7 +75,6 @@ def add_throughput_args(parser: argparse.ArgumentParser) -> None:
                     help="static batches run per baseline batch size (the first requests "
                          "of the workload; 0 = all of them); tok/s is a rate, so a sample "
                          "suffices and keeps batch size 1 affordable")
-    parser.add_argument("--json", default=None, help="write the results here as JSON")
 
 
 def make_workload(args: argparse.Namespace, vocab_size: int,
