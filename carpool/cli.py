@@ -53,6 +53,8 @@ ENGINE_FLAGS: list[tuple[str, str, type, str]] = [
     ("--max-batch-size", "max_batch_size", int, "dynamic: most requests in one batch"),
     ("--max-wait", "max_wait", float,
      "static/dynamic: seconds the oldest request waits before a partial batch goes"),
+    ("--emergency-switch", "emergency_switch", lambda v: v.lower() in ("1", "true", "yes", "on"),
+     "true: under sustained overload shed the lowest priorities first"),
 ]
 
 # (flag, ServerConfig field, type, help)

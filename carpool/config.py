@@ -88,6 +88,9 @@ class SchedulerConfig:
     # Reject at arrival a request with a deadline that the online step-cost
     # model predicts cannot get its first token in time.
     predictive_shedding: bool = True
+    # Emergency switch: after 5 s with the queue at 80% of max_queue_requests
+    # or the engine busy > 90%, degrade mode sheds the lowest priorities first.
+    emergency_switch: bool = False
 
     def validate(self) -> None:
         if self.max_num_seqs < 1:

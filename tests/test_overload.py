@@ -33,3 +33,47 @@ def test_a_short_spike_does_not_switch():
     guard.update(2.5, 0, 0.95)
     assert not guard.update(4.0, 0, 0.95) and not guard.degraded
     assert guard.update(4.5, 0, 0.95) and "busy 95%" in guard.reason
+
+
+def test_degrade_mode_sheds_the_lowest_priority_first():
+    from test_scheduler_properties import make_scheduler
+
+    from carpool.scheduler import RejectedError, Request
+
+    scheduler = make_scheduler(num_blocks=64, max_seqs=1, budget=64, policy="priority",
+                               emergency_switch=True, max_queue_requests=5)
+    for i in range(6):  # one runs, five wait: the queue is at its bound
+        scheduler.add_request(Request(f"n{i}", [i + 1] * 4, 50, float(i) * 1e-3))
+        scheduler.schedule()
+    for _ in range(3):  # sustained for 6 s of the fake clock
+        scheduler.schedule()
+        scheduler.clock.now += 3.0
+    scheduler.schedule()
+    assert scheduler.overload.degraded
+    with pytest.raises(RejectedError) as info:
+        scheduler.add_request(Request("low", [9] * 4, 4, scheduler.clock.now, priority=1))
+    assert info.value.reason == "shed"
+    # a high arrival takes the place of the latest normal request instead of a 429
+    scheduler.add_request(Request("high", [8] * 4, 4, scheduler.clock.now, priority=-1))
+    dropped = scheduler.pop_rejected()
+    assert [(r.request_id, r.reject_reason) for r in dropped] == [("n5", "shed")]
+    assert scheduler.rejections["shed"] == 2
+    scheduler.check_invariants()
+
+
+def test_without_the_switch_a_full_queue_rejects_the_arrival():
+    from test_scheduler_properties import make_scheduler
+
+    from carpool.scheduler import RejectedError, Request
+
+    scheduler = make_scheduler(num_blocks=64, max_seqs=1, budget=64, policy="priority",
+                               max_queue_requests=5)
+    for i in range(6):
+        scheduler.add_request(Request(f"n{i}", [i + 1] * 4, 50, float(i) * 1e-3))
+        scheduler.schedule()
+    scheduler.clock.now += 10.0
+    scheduler.schedule()
+    assert scheduler.overload is None
+    with pytest.raises(RejectedError) as info:
+        scheduler.add_request(Request("high", [8] * 4, 4, scheduler.clock.now, priority=-1))
+    assert info.value.reason == "queue_full"

@@ -183,6 +183,7 @@ class LLMEngine:
             rejections=dict(scheduler.rejections),
             sessions=dict(scheduler.session_stats().__dict__),
             knobs=_knobs(config), batching=config.batching,
+            mode="degraded" if scheduler.overload and scheduler.overload.degraded else "fixed",
             num_priority_preemptions=scheduler.num_priority_preemptions,
             batches=scheduler.gate.stats.batches if scheduler.gate else 0)
 

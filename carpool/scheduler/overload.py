@@ -10,6 +10,12 @@ scheduler sheds the lowest priorities first (see ``Scheduler``).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
+
+from carpool.scheduler.request import Request
+
+# Degrade mode turns away arrivals of a priority worse than this ("low").
+SHED_ABOVE_PRIORITY = 0
 
 
 class BusyWindow:
@@ -70,3 +76,10 @@ class OverloadGuard:
             self._overloaded_since = None
             return True
         return False
+
+
+def shed_victim(waiting: Iterable[Request], arrival: Request) -> Request | None:
+    """The waiting request a better ``arrival`` displaces from a full queue:
+    the worst priority, then the latest arrival; None if none is worse."""
+    worse = [r for r in waiting if r.priority > arrival.priority]
+    return max(worse, key=lambda r: (r.priority, r.arrival_time)) if worse else None

@@ -32,6 +32,8 @@ from carpool.config import CacheConfig, SchedulerConfig
 from carpool.scheduler.admission import DepartureRate, ExpiryQueue, RejectedError
 from carpool.scheduler.cost_model import StepCostModel
 from carpool.scheduler.kv_manager import KVCacheManager
+from carpool.scheduler.overload import (SHED_ABOVE_PRIORITY, BusyWindow, OverloadGuard,
+                                        shed_victim)
 from carpool.scheduler.queues import make_queue
 from carpool.scheduler.regimes import BatchGate
 from carpool.scheduler.request import Request, RequestStatus
@@ -75,6 +77,9 @@ class Scheduler:
         self.gate = None if config.batching == "continuous" else BatchGate(
             config.batching, config.preferred_batch_size, config.max_batch_size,
             config.max_wait, config.bucket_tolerance)
+        self.busy = BusyWindow()
+        self.overload = OverloadGuard(max(1, int(0.8 * config.max_queue_requests))) \
+            if config.emergency_switch else None
         self.expiries = ExpiryQueue()
         self.sessions = SessionTracker(self.kv.pool, config.session_ttl)
         # Rejections by reason, at arrival and by expiry (a Prometheus counter).
@@ -122,6 +127,8 @@ class Scheduler:
                 self._reject_at_arrival("predicted_deadline_miss", delay, (
                     f"the request would get its first token in ~{delay:.2f} s, after its "
                     f"deadline ({request.deadline - now:.2f} s from now)"))
+        if self.overload is not None and self.overload.degraded:
+            self._shed_in_degrade_mode(request, now)
         waiting = len(self.waiting)
         limit = self.config.max_queue_requests
         if waiting >= limit:
@@ -145,6 +152,19 @@ class Scheduler:
         self.rejections[reason] = self.rejections.get(reason, 0) + 1
         raise RejectedError(reason, min(60.0, max(1.0, math.ceil(retry_after))), message)
 
+    def _shed_in_degrade_mode(self, request: Request, now: float) -> None:
+        """Lowest priorities first: a low arrival is turned away; a better one
+        takes the place of the worst waiting request when the queue is full."""
+        if request.priority > SHED_ABOVE_PRIORITY:
+            retry = self.departures.retry_after(now, 1)
+            self._reject_at_arrival("shed", retry, (
+                f"overloaded ({self.overload.reason}): low-priority requests are shed; "
+                f"retry in ~{retry:.0f} s"))
+        if len(self.waiting) >= self.config.max_queue_requests:
+            victim = shed_victim(self.waiting, request)
+            if victim is not None:
+                self._drop_waiting(victim, "shed")
+
     def _predicted_first_token_delay(self, request: Request) -> float | None:
         prefilling = sum(r.num_pending_tokens for r in self.running if r.num_pending_tokens > 1)
         decoding = sum(1 for r in self.running if r.num_pending_tokens == 1)
@@ -155,6 +175,7 @@ class Scheduler:
     def record_step(self, num_tokens: int, num_seqs: int, seconds: float) -> None:
         """Feed the online cost model with an executed step's size and duration."""
         self.cost_model.record(num_tokens, num_seqs, seconds)
+        self.busy.record(self.clock(), seconds)
 
     def finish_request(self, request: Request, status: RequestStatus) -> None:
         """Remove a request (finished or aborted) and free its blocks."""
@@ -208,6 +229,8 @@ class Scheduler:
         now = self.clock()
         self._expire_waiting(now)
         self.sessions.expire(now)
+        if self.overload is not None:
+            self.overload.update(now, len(self.waiting), self.busy.fraction(now))
         output = SchedulerOutput()
         step = StepBudget(self.config.max_num_batched_tokens, self._long_allowance())
         if self.gate is not None and not self.gate.in_flight:
@@ -223,12 +246,15 @@ class Scheduler:
 
     def _expire_waiting(self, now: float) -> None:
         for request, reason in self.expiries.pop_expired(now):
-            if not self._is_unscheduled(request):
-                continue  # scheduled, finished or aborted since: a stale entry
-            self._remove(request, RequestStatus.FINISHED_REJECTED)
-            request.reject_reason = reason
-            self._rejected.append(request)
-            self.rejections[reason] = self.rejections.get(reason, 0) + 1
+            if self._is_unscheduled(request):  # else scheduled, finished or aborted since
+                self._drop_waiting(request, reason)
+
+    def _drop_waiting(self, request: Request, reason: str) -> None:
+        """Reject an accepted, waiting request; it leaves through ``pop_rejected``."""
+        self._remove(request, RequestStatus.FINISHED_REJECTED)
+        request.reject_reason = reason
+        self._rejected.append(request)
+        self.rejections[reason] = self.rejections.get(reason, 0) + 1
 
     def _long_allowance(self) -> float:
         """Long-prompt prefill tokens allowed this step.
