@@ -8,9 +8,14 @@ import heapq
 import itertools
 import math
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
+from carpool.config import SchedulerConfig
+from carpool.scheduler.cost_model import StepCostModel
+from carpool.scheduler.overload import (SHED_ABOVE_PRIORITY, BusyWindow, OverloadGuard,
+                                        shed_victim)
 from carpool.scheduler.request import Request
+from carpool.scheduler.shedding import predict_first_token_delay
 
 # Retry-after estimates are whole seconds in this range.
 MIN_RETRY_AFTER = 1.0
@@ -155,3 +160,88 @@ class ExpiryQueue:
         self._heap = [entry for entry in self._heap if is_live(entry[3])]
         heapq.heapify(self._heap)
         self._compact_at = max(_MIN_COMPACT, 2 * len(self._heap))
+
+
+class AdmissionControl:
+    """Decides at arrival whether a request may queue, and counts why not.
+
+    In order: a deadline already past; a deadline the step-cost model says
+    cannot be met (``predictive_shedding``); degrade mode (``emergency_switch``:
+    low priorities shed first); the queue bounds in requests and tokens.
+    Owns the estimators these need (departure rate, step-cost model, busy
+    window, overload guard); the scheduler feeds them.
+    """
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.departures = DepartureRate()
+        self.cost_model = StepCostModel()
+        self.busy = BusyWindow()
+        self.overload = (OverloadGuard(max(1, int(0.8 * config.max_queue_requests)))
+                         if config.emergency_switch else None)
+        self.rejections: dict[str, int] = {}  # by reason, at arrival and later (a counter)
+
+    def count(self, reason: str) -> None:
+        self.rejections[reason] = self.rejections.get(reason, 0) + 1
+
+    def check(self, request: Request, now: float, waiting, running: Sequence[Request],
+              drop_waiting: Callable[[Request, str], None]) -> None:
+        """Raise ``RejectedError`` if ``request`` may not queue now. In degrade
+        mode it may instead displace a worse waiting request (``drop_waiting``)."""
+        if request.deadline is not None:
+            self._check_deadline(request, now, waiting, running)
+        if self.overload is not None and self.overload.degraded:
+            self._shed(request, now, waiting, drop_waiting)
+        queued = len(waiting)
+        limit = self.config.max_queue_requests
+        if queued >= limit:
+            retry = self.departures.retry_after(now, queued + 1 - limit)
+            self._reject("queue_full", retry, f"the queue is full ({queued} requests waiting, "
+                                              f"limit {limit}); retry in ~{retry:.0f} s")
+        token_limit = self.config.max_queue_tokens
+        tokens = waiting.num_prompt_tokens
+        if token_limit is not None and tokens + request.num_prompt_tokens > token_limit:
+            # The queue sheds whole requests: convert the excess at the mean size.
+            mean = tokens / max(1, queued)
+            excess = math.ceil((tokens + request.num_prompt_tokens - token_limit)
+                               / max(1.0, mean))
+            retry = self.departures.retry_after(now, excess)
+            self._reject("queue_tokens", retry, (
+                f"the queue holds too many prompt tokens ({tokens} waiting + "
+                f"{request.num_prompt_tokens} in this request > limit {token_limit}); "
+                f"retry in ~{retry:.0f} s"))
+
+    def _check_deadline(self, request: Request, now: float, waiting,
+                        running: Sequence[Request]) -> None:
+        if request.deadline < now:
+            self._reject("deadline", 1.0, f"the request's deadline ({request.deadline:.3f}) "
+                                          f"passed before it arrived ({now:.3f})")
+        if not self.config.predictive_shedding:
+            return
+        prefilling = sum(r.num_pending_tokens for r in running if r.num_pending_tokens > 1)
+        decoding = sum(1 for r in running if r.num_pending_tokens == 1)
+        delay = predict_first_token_delay(
+            self.cost_model, waiting.num_prompt_tokens + prefilling, request.num_prompt_tokens,
+            decoding, self.config.max_num_batched_tokens)
+        if delay is not None and now + delay > request.deadline:
+            self._reject("predicted_deadline_miss", delay, (
+                f"the request would get its first token in ~{delay:.2f} s, after its "
+                f"deadline ({request.deadline - now:.2f} s from now)"))
+
+    def _shed(self, request: Request, now: float, waiting,
+              drop_waiting: Callable[[Request, str], None]) -> None:
+        """Lowest priorities first: a low arrival is turned away; a better one
+        takes the place of the worst waiting request when the queue is full."""
+        if request.priority > SHED_ABOVE_PRIORITY:
+            retry = self.departures.retry_after(now, 1)
+            self._reject("shed", retry, f"overloaded ({self.overload.reason}): low-priority "
+                                        f"requests are shed; retry in ~{retry:.0f} s")
+        if len(waiting) >= self.config.max_queue_requests:
+            victim = shed_victim(waiting, request)
+            if victim is not None:
+                drop_waiting(victim, "shed")
+
+    def _reject(self, reason: str, retry_after: float, message: str) -> None:
+        self.count(reason)
+        raise RejectedError(reason, min(MAX_RETRY_AFTER, max(MIN_RETRY_AFTER,
+                                                             math.ceil(retry_after))), message)

@@ -29,16 +29,12 @@ import math
 from collections.abc import Callable, Iterable
 
 from carpool.config import CacheConfig, SchedulerConfig
-from carpool.scheduler.admission import DepartureRate, ExpiryQueue, RejectedError
-from carpool.scheduler.cost_model import StepCostModel
+from carpool.scheduler.admission import AdmissionControl, ExpiryQueue
 from carpool.scheduler.kv_manager import KVCacheManager
-from carpool.scheduler.overload import (SHED_ABOVE_PRIORITY, BusyWindow, OverloadGuard,
-                                        shed_victim)
 from carpool.scheduler.queues import make_queue
 from carpool.scheduler.regimes import BatchGate
 from carpool.scheduler.request import Request, RequestStatus
 from carpool.scheduler.sessions import SessionStats, SessionTracker
-from carpool.scheduler.shedding import predict_first_token_delay
 from carpool.scheduler.step import (
     RoomPlan,
     SchedulerOutput,
@@ -71,19 +67,18 @@ class Scheduler:
         share_tokens = math.floor(config.long_prefill_share * config.max_num_batched_tokens)
         self.long_prefill_cap: int | None = (
             None if share_tokens >= config.max_num_batched_tokens else max(1, share_tokens))
-        self.departures = DepartureRate()
-        self.cost_model = StepCostModel()  # fed by record_step after each executed step
+        self.admission = AdmissionControl(config)
+        # The same objects, under the names the engine and tests use.
+        self.departures = self.admission.departures
+        self.cost_model = self.admission.cost_model
+        self.overload = self.admission.overload
+        self.rejections = self.admission.rejections
         # static / dynamic batching: which waiting requests form the next batch, and when.
         self.gate = None if config.batching == "continuous" else BatchGate(
             config.batching, config.preferred_batch_size, config.max_batch_size,
             config.max_wait, config.bucket_tolerance)
-        self.busy = BusyWindow()
-        self.overload = OverloadGuard(max(1, int(0.8 * config.max_queue_requests))) \
-            if config.emergency_switch else None
         self.expiries = ExpiryQueue()
         self.sessions = SessionTracker(self.kv.pool, config.session_ttl)
-        # Rejections by reason, at arrival and by expiry (a Prometheus counter).
-        self.rejections: dict[str, int] = {}
         self._rejected: list[Request] = []  # expired, not yet handed out by pop_rejected
 
     # -- requests in and out -------------------------------------------------
@@ -107,7 +102,7 @@ class Scheduler:
             raise ValueError(f"the prompt has {request.num_prompt_tokens} tokens, more than "
                              f"the queue admits (max_queue_tokens={limit})")
         now = self.clock()
-        self._check_admission(request, now)
+        self.admission.check(request, now, self.waiting, self.running, self._drop_waiting)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.add(request)
@@ -116,66 +111,10 @@ class Scheduler:
         self.expiries.compact(self._is_unscheduled)
         self.departures.set_busy(now, True)
 
-    def _check_admission(self, request: Request, now: float) -> None:
-        if request.deadline is not None and request.deadline < now:
-            self._reject_at_arrival("deadline", 1.0, (
-                f"the request's deadline ({request.deadline:.3f}) passed before it arrived "
-                f"({now:.3f})"))
-        if request.deadline is not None and self.config.predictive_shedding:
-            delay = self._predicted_first_token_delay(request)
-            if delay is not None and now + delay > request.deadline:
-                self._reject_at_arrival("predicted_deadline_miss", delay, (
-                    f"the request would get its first token in ~{delay:.2f} s, after its "
-                    f"deadline ({request.deadline - now:.2f} s from now)"))
-        if self.overload is not None and self.overload.degraded:
-            self._shed_in_degrade_mode(request, now)
-        waiting = len(self.waiting)
-        limit = self.config.max_queue_requests
-        if waiting >= limit:
-            retry = self.departures.retry_after(now, waiting + 1 - limit)
-            self._reject_at_arrival("queue_full", retry, (
-                f"the queue is full ({waiting} requests waiting, limit {limit}); "
-                f"retry in ~{retry:.0f} s"))
-        token_limit = self.config.max_queue_tokens
-        queued = self.waiting.num_prompt_tokens
-        if token_limit is not None and queued + request.num_prompt_tokens > token_limit:
-            # The queue sheds whole requests: convert the excess at the mean size.
-            mean = queued / max(1, waiting)
-            excess = math.ceil((queued + request.num_prompt_tokens - token_limit) / max(1.0, mean))
-            retry = self.departures.retry_after(now, excess)
-            self._reject_at_arrival("queue_tokens", retry, (
-                f"the queue holds too many prompt tokens ({queued} waiting + "
-                f"{request.num_prompt_tokens} in this request > limit {token_limit}); "
-                f"retry in ~{retry:.0f} s"))
-
-    def _reject_at_arrival(self, reason: str, retry_after: float, message: str) -> None:
-        self.rejections[reason] = self.rejections.get(reason, 0) + 1
-        raise RejectedError(reason, min(60.0, max(1.0, math.ceil(retry_after))), message)
-
-    def _shed_in_degrade_mode(self, request: Request, now: float) -> None:
-        """Lowest priorities first: a low arrival is turned away; a better one
-        takes the place of the worst waiting request when the queue is full."""
-        if request.priority > SHED_ABOVE_PRIORITY:
-            retry = self.departures.retry_after(now, 1)
-            self._reject_at_arrival("shed", retry, (
-                f"overloaded ({self.overload.reason}): low-priority requests are shed; "
-                f"retry in ~{retry:.0f} s"))
-        if len(self.waiting) >= self.config.max_queue_requests:
-            victim = shed_victim(self.waiting, request)
-            if victim is not None:
-                self._drop_waiting(victim, "shed")
-
-    def _predicted_first_token_delay(self, request: Request) -> float | None:
-        prefilling = sum(r.num_pending_tokens for r in self.running if r.num_pending_tokens > 1)
-        decoding = sum(1 for r in self.running if r.num_pending_tokens == 1)
-        return predict_first_token_delay(
-            self.cost_model, self.waiting.num_prompt_tokens + prefilling,
-            request.num_prompt_tokens, decoding, self.config.max_num_batched_tokens)
-
     def record_step(self, num_tokens: int, num_seqs: int, seconds: float) -> None:
         """Feed the online cost model with an executed step's size and duration."""
-        self.cost_model.record(num_tokens, num_seqs, seconds)
-        self.busy.record(self.clock(), seconds)
+        self.admission.cost_model.record(num_tokens, num_seqs, seconds)
+        self.admission.busy.record(self.clock(), seconds)
 
     def finish_request(self, request: Request, status: RequestStatus) -> None:
         """Remove a request (finished or aborted) and free its blocks."""
@@ -230,7 +169,7 @@ class Scheduler:
         self._expire_waiting(now)
         self.sessions.expire(now)
         if self.overload is not None:
-            self.overload.update(now, len(self.waiting), self.busy.fraction(now))
+            self.overload.update(now, len(self.waiting), self.admission.busy.fraction(now))
         output = SchedulerOutput()
         step = StepBudget(self.config.max_num_batched_tokens, self._long_allowance())
         if self.gate is not None and not self.gate.in_flight:
@@ -254,7 +193,7 @@ class Scheduler:
         self._remove(request, RequestStatus.FINISHED_REJECTED)
         request.reject_reason = reason
         self._rejected.append(request)
-        self.rejections[reason] = self.rejections.get(reason, 0) + 1
+        self.admission.count(reason)
 
     def _long_allowance(self) -> float:
         """Long-prompt prefill tokens allowed this step.
