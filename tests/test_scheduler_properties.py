@@ -261,6 +261,20 @@ def test_every_accepted_request_ends_exactly_once_under_overload(
         assert rejected.count(reason) == scheduler.rejections.get(reason, 0)
 
 
+def apply_pool_op(pool: BlockPool, held: list[int], op: str, arg: int) -> None:
+    """Release, register or hit (lookup + acquire) on a pool; ``held`` tracks
+    the references the test owns."""
+    if op == "release" and held:
+        pool.release([held.pop(arg % len(held))])
+    elif op == "register" and held:
+        pool.register(held[arg % len(held)], (arg % 5, (arg % 3,)))
+    elif op == "hit":
+        block = pool.lookup((arg % 5, (arg % 3,)))
+        if block is not None:
+            pool.acquire([block])
+            held.append(block)
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["alloc", "release", "register", "hit"]),
                           st.integers(0, 100)), max_size=80))
@@ -270,16 +284,8 @@ def test_block_pool_never_leaks_or_double_frees(ops):
     for op, arg in ops:
         if op == "alloc" and pool.num_free_blocks:
             held += pool.allocate(1 + arg % pool.num_free_blocks)
-        elif op == "release" and held:
-            block = held.pop(arg % len(held))
-            pool.release([block])
-        elif op == "register" and held:
-            pool.register(held[arg % len(held)], (arg % 5, (arg % 3,)))
-        elif op == "hit":
-            block = pool.lookup((arg % 5, (arg % 3,)))
-            if block is not None:
-                pool.acquire([block])
-                held.append(block)
+        else:
+            apply_pool_op(pool, held, op, arg)
         pool.check_invariants()
         counts = [0] * 12
         for b in held:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_scheduler_properties import make_scheduler, run_step
+from test_scheduler_properties import apply_pool_op, make_scheduler, run_step
 
 from carpool.scheduler import Request, RequestStatus, Scheduler
 from carpool.scheduler.block_pool import BlockPool
@@ -140,19 +140,12 @@ def test_block_pool_protection_keeps_invariants_and_eviction_order(ops):
             if set(taken) & protected:
                 assert free_plain <= set(taken), "evicted a protected block first"
             held += taken
-        elif op == "release" and held:
-            pool.release([held.pop(arg % len(held))])
-        elif op == "register" and held:
-            pool.register(held[arg % len(held)], (arg % 5, (arg % 3,)))
-        elif op == "hit":
-            block = pool.lookup((arg % 5, (arg % 3,)))
-            if block is not None:
-                pool.acquire([block])
-                held.append(block)
         elif op == "protect":
             pool.protect(owners[arg % 2], range(arg % 12, 12, 3))
         elif op == "unprotect":
             pool.unprotect(owners[arg % 2])
+        else:
+            apply_pool_op(pool, held, op, arg)
         pool.check_invariants()
         assert pool.num_free_blocks == sum(1 for c in pool.ref_counts if c == 0)
     pool.release(held)
