@@ -1,4 +1,4 @@
-"""``carpool`` command line: serve, generate, chat, bench throughput.
+"""``carpool`` command line: serve, generate, chat, bench, tune, profiles.
 
 Every engine knob is a flag; ``--config x.yaml`` loads a file first and
 flags given on the command line win (CLI > file > defaults).
@@ -9,7 +9,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from carpool.config import EngineConfig
+from carpool.config import EngineConfig, read_yaml
 from carpool.sampling_params import SamplingParams
 
 # (flag, config key, type, help). The key is an EngineConfig field name.
@@ -53,8 +53,24 @@ ENGINE_FLAGS: list[tuple[str, str, type, str]] = [
     ("--max-batch-size", "max_batch_size", int, "dynamic: most requests in one batch"),
     ("--max-wait", "max_wait", float,
      "static/dynamic: seconds the oldest request waits before a partial batch goes"),
+    ("--padding", "padding", str,
+     "static/dynamic: pad each step to a rectangle: none | left | right | center (default right)"),
     ("--emergency-switch", "emergency_switch", lambda v: v.lower() in ("1", "true", "yes", "on"),
      "true: under sustained overload shed the lowest priorities first"),
+    ("--max-batch-tokens", "max_batch_tokens", int, "same as --max-num-batched-tokens"),
+    ("--adaptive", "adaptive", lambda v: v.lower() in ("1", "true", "yes", "on"),
+     "true: the adaptive controller retunes batch limit, step budget and batching wait live"),
+    ("--controller-interval", "controller_interval", float,
+     "adaptive: seconds between controller decisions (>= 0.1)"),
+    ("--controller-window", "controller_window", float,
+     "adaptive: seconds of live metrics each decision reads"),
+    ("--controller-mode", "controller_mode", str,
+     "adaptive: auto | latency | balanced | throughput (a fixed mode)"),
+    ("--ttft-target", "ttft_target", float,
+     "adaptive: p95 time-to-first-token target in seconds (also sheds predicted misses)"),
+    ("--tpot-target", "tpot_target", float, "adaptive: p95 time-per-output-token target, s"),
+    ("--memory-headroom", "memory_headroom", float,
+     "adaptive: share of the KV pool the batch limit keeps free"),
 ]
 
 # (flag, ServerConfig field, type, help)
@@ -70,6 +86,8 @@ SERVER_FLAGS: list[tuple[str, str, type, str]] = [
     ("--max-body-bytes", "max_body_bytes", int, "largest request body accepted"),
     ("--max-n", "max_n", int, "largest n accepted"),
     ("--max-tokens-cap", "max_tokens_cap", int, "largest max_tokens accepted"),
+    ("--max-prompt-chars", "max_prompt_chars", int,
+     "most characters of prompt text (or chat messages) in one request (HTTP 400 beyond)"),
 ]
 
 
@@ -83,12 +101,22 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _config_layers(args: argparse.Namespace) -> list[dict]:
-    """Settings files in increasing precedence: the profile, then --config."""
+    """Settings files in increasing precedence: the profile, then --config.
+
+    A profile's ``schedule`` resolves to the window active at the local time
+    now (``args.profile_time``, a ``datetime.time``, if set); every window is
+    validated either way.
+    """
+    from datetime import datetime
+
     from carpool.profiles import load_profile, read_yaml
+    from carpool.profiles.schedule import ProfileSchedule
 
     layers = []
     if getattr(args, "profile", None):
-        layers.append(load_profile(args.profile))
+        schedule = ProfileSchedule.from_profile(load_profile(args.profile))
+        at = getattr(args, "profile_time", None) or datetime.now().time()
+        layers.append(schedule.settings_at(at))
     if args.config:
         layers.append(read_yaml(args.config))
     return layers
@@ -104,6 +132,24 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                  if name.startswith("engine_") and value is not None}
     config.update(overrides)
     return config.validate()
+
+
+def profile_schedule(args: argparse.Namespace):
+    """The ``--profile``'s time-of-day windows to apply live (a
+    ``ProfileSchedule``), or None; knobs that flags or ``--config`` set are
+    pinned: a window never changes them."""
+    if not getattr(args, "profile", None):
+        return None
+    from carpool.profiles import load_profile
+    from carpool.profiles.schedule import ProfileSchedule
+
+    pinned = {name[len("engine_"):] for name, value in vars(args).items()
+              if name.startswith("engine_") and value is not None}
+    if args.config:
+        layer = read_yaml(args.config)
+        pinned |= set(layer) | set(layer.get("scheduler") or {})
+    schedule = ProfileSchedule.from_profile(load_profile(args.profile), pinned)
+    return schedule if schedule.knobs() else None
 
 
 def server_config_from_args(args: argparse.Namespace):
@@ -193,19 +239,30 @@ def build_parser() -> argparse.ArgumentParser:
                         "batching, side by side")
     add_regimes_args(regimes)
     add_engine_flags(regimes)
+    from carpool.bench.tune import add_tune_parser
+
+    add_tune_parser(commands, add_engine_flags)
+    from carpool.profiles.command import add_profiles_args
+
+    add_profiles_args(commands.add_parser(
+        "profiles", help="list the built-in settings profiles, or show one resolved"))
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.command == "profiles":
+            from carpool.profiles.command import run_profiles
+
+            return run_profiles(args)
         if args.command == "serve" and args.model_path:
             args.engine_model = args.model_path
         config = engine_config_from_args(args)
         if args.command == "serve":
             from carpool.server.launcher import run_server
 
-            return run_server(config, server_config_from_args(args))
+            return run_server(config, server_config_from_args(args), profile_schedule(args))
         if args.command == "generate":
             from carpool.repl import run_generate
 
@@ -214,6 +271,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from carpool.repl import run_chat
 
             return run_chat(config, sampling_from_args(args), system=args.system)
+        if args.command == "tune":
+            from carpool.bench.tune import run_tune
+
+            return run_tune(config, args)
         if args.bench_command == "regimes":
             from carpool.bench.regimes import run_regimes
 

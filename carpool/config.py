@@ -11,6 +11,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+# Padded execution of static / dynamic batches: where a row's pad tokens sit.
+PADDINGS = ("none", "left", "right", "center")
+
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -85,6 +88,14 @@ class SchedulerConfig:
     max_batch_size: int = 32
     max_wait: float | None = 0.05  # seconds; None = wait for a full batch
     bucket_tolerance: float = 0.1
+    # static / dynamic: run each step of a batch as a padded rectangle, as a
+    # real request-level batcher does: rows = the batch's size at dispatch
+    # (finished members keep their row), cols = the step's longest span;
+    # none | left | right | center says where each row's pad tokens sit (none:
+    # ragged, no padding). Continuous batching never pads. None (the default)
+    # = right under static / dynamic and none under continuous, so the
+    # request-level baselines pay their padding cost unless asked not to.
+    padding: str | None = None
     # Reject at arrival a request with a deadline that the online step-cost
     # model predicts cannot get its first token in time.
     predictive_shedding: bool = True
@@ -121,9 +132,22 @@ class SchedulerConfig:
         if not 0.0 < self.long_prefill_share <= 1.0:  # also rejects NaN
             raise ValueError(f"long_prefill_share must be in (0, 1], got {self.long_prefill_share}")
 
+    @property
+    def padding_mode(self) -> str:
+        """The padding in effect: ``padding``, or when that is None, ``right``
+        under static / dynamic batching and ``none`` under continuous."""
+        if self.padding is not None:
+            return self.padding
+        return "none" if self.batching == "continuous" else "right"
+
     def _validate_batching(self) -> None:
         if self.batching not in ("static", "dynamic", "continuous"):
             raise ValueError(f"batching must be static|dynamic|continuous, got {self.batching!r}")
+        if self.padding is not None and self.padding not in PADDINGS:
+            raise ValueError(f"padding must be none|left|right|center, got {self.padding!r}")
+        if self.batching == "continuous" and self.padding_mode != "none":
+            raise ValueError(f"padding {self.padding!r} needs static or dynamic batching; "
+                             f"continuous batching never pads (padding: none)")
         if not 1 <= self.preferred_batch_size <= self.max_batch_size:
             raise ValueError(f"need 1 <= preferred_batch_size ({self.preferred_batch_size}) "
                              f"<= max_batch_size ({self.max_batch_size})")
@@ -131,6 +155,48 @@ class SchedulerConfig:
             raise ValueError(f"max_wait must be >= 0 seconds or null, got {self.max_wait}")
         if not 0.0 < self.bucket_tolerance < 1.0:
             raise ValueError(f"bucket_tolerance must be in (0, 1), got {self.bucket_tolerance}")
+
+
+@dataclass
+class ControllerConfig:
+    """The adaptive controller (``carpool.scheduler.controller``): off unless
+    ``adaptive``; then it retunes the batching knobs every interval from a
+    sliding window of live metrics against the latency targets."""
+
+    adaptive: bool = False
+    controller_interval: float = 10.0  # seconds between decisions; >= 0.1
+    controller_window: float = 30.0  # seconds of metrics each decision reads
+    controller_mode: str = "auto"  # auto | latency | balanced | throughput (pinned)
+    ttft_target: float | None = 2.0  # seconds, p95; None = no target
+    tpot_target: float | None = 0.2  # seconds, p95; None = no target
+    # Share of the KV pool the batch limit leaves free for growth (the by_memory term).
+    memory_headroom: float = 0.2
+    transition_steps: int = 3  # scheduler steps a knob change is spread over (1..3)
+    hysteresis_ticks: int = 2  # ticks in a row wanting a new mode before it switches
+    # Adaptive only: reject at arrival a request the cost model predicts
+    # cannot get its first token within ttft_target (as predictive shedding
+    # does for explicit deadlines).
+    shed_on_ttft_target: bool = True
+
+    def validate(self) -> None:
+        if not self.controller_interval >= 0.1:
+            raise ValueError(f"controller_interval must be >= 0.1 s, got {self.controller_interval}")
+        if not self.controller_window >= self.controller_interval:
+            raise ValueError(f"controller_window ({self.controller_window}) must be >= "
+                             f"controller_interval ({self.controller_interval})")
+        if self.controller_mode not in ("auto", "latency", "balanced", "throughput"):
+            raise ValueError(f"controller_mode must be auto|latency|balanced|throughput, "
+                             f"got {self.controller_mode!r}")
+        for name in ("ttft_target", "tpot_target"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0 seconds or null, got {value}")
+        if not 0.0 <= self.memory_headroom < 1.0:
+            raise ValueError(f"memory_headroom must be in [0, 1), got {self.memory_headroom}")
+        if not 1 <= self.transition_steps <= 3:
+            raise ValueError(f"transition_steps must be 1..3, got {self.transition_steps}")
+        if self.hysteresis_ticks < 1:
+            raise ValueError(f"hysteresis_ticks must be >= 1, got {self.hysteresis_ticks}")
 
 
 @dataclass
@@ -163,11 +229,13 @@ class EngineConfig:
     model: ModelSettings = field(default_factory=ModelSettings)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    controller: ControllerConfig = field(default_factory=ControllerConfig)
 
     def validate(self) -> "EngineConfig":
         self.model.validate()
         self.cache.validate()
         self.scheduler.validate()
+        self.controller.validate()
         return self
 
     @classmethod
@@ -189,6 +257,7 @@ class EngineConfig:
         (``{"block_size": 32}``) overrides; unknown keys raise ``ValueError``."""
         sections = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         for key, value in data.items():
+            key = _ALIASES.get(key, key)
             if key in sections and isinstance(value, dict):
                 for sub_key, sub_value in value.items():
                     _set_field(sections[key], sub_key, sub_value, f"{key}.{sub_key}")
@@ -213,11 +282,16 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     return data
 
 
+# Other names for knobs: the seeds call the step token budget max_batch_tokens.
+_ALIASES = {"max_batch_tokens": "max_num_batched_tokens"}
+
+
 def _field_names(obj: Any) -> set[str]:
     return {f.name for f in dataclasses.fields(obj)}
 
 
 def _set_field(obj: Any, name: str, value: Any, label: str) -> None:
+    name = _ALIASES.get(name, name)
     if name not in _field_names(obj):
         raise ValueError(f"unknown config key {label!r}")
     setattr(obj, name, value)

@@ -94,10 +94,12 @@ def test_bench_regimes_replays_one_workload_under_each_regime(tiny_model_dir, tm
     import json
 
     rows = json.loads(out.read_text())["results"]
-    assert [r["regime"] for r in rows] == ["static", "dynamic", "continuous"]
+    assert [r["regime"] for r in rows] == ["static", "dynamic", "continuous", "adaptive"]
     for row in rows:
-        assert row["rejected_share"] == 0 and row["fill_rate"] == 1.0
+        assert row["rejected_share"] == 0 and 0 < row["fill_rate"] <= 1.0
         assert row["requests"] == 8 and row["output_tokens"] == 8 * 5
         assert row["output_tok_s"] > 0 and row["ttft_p50"] <= row["e2e_p50"]
+    assert [r["padding"] for r in rows] == ["right", "right", "none", "none"]
+    assert rows[2]["fill_rate"] == rows[3]["fill_rate"] == 1.0  # continuous never pads
     assert rows[0]["batches"] >= 3 and rows[2]["batches"] == 0
     assert "continuous" in result.stdout

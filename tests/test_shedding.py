@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from carpool.scheduler.cost_model import StepCostModel
-from carpool.scheduler.shedding import predict_first_token_delay
+from carpool.scheduler.shedding import predict_first_token_delay, predict_slot_delay
 
 
 def _model() -> StepCostModel:
@@ -28,3 +28,17 @@ def test_delay_counts_the_steps_needed_to_prefill_what_is_ahead():
     alone = predict_first_token_delay(model, 0, 100, 0, 512)
     assert alone == pytest.approx(0.002 + 0.0001 * 100 + 0.001, rel=1e-3)
     assert predict_first_token_delay(model, 5000, 100, 8, 512) > delay
+
+
+def test_slot_delay_waits_for_the_kth_shortest_remaining_request():
+    model = _model()
+    decode_step = 0.002 + 0.0001 * 4 + 0.001 * 4  # 4 running, one token each
+    assert predict_slot_delay(model, [30, 5, 12, 50], 1) == pytest.approx(5 * decode_step,
+                                                                          rel=1e-3)
+    assert predict_slot_delay(model, [30, 5, 12, 50], 3) == pytest.approx(30 * decode_step,
+                                                                          rel=1e-3)
+    # More slots than running requests: whole rounds of the longest on top.
+    assert predict_slot_delay(model, [30, 5, 12, 50], 6) == pytest.approx(
+        (12 + 50) * decode_step, rel=1e-3)
+    assert predict_slot_delay(model, [], 1) is None
+    assert predict_slot_delay(StepCostModel(), [3], 1) is None

@@ -41,6 +41,7 @@ class _Add:
     priority: int
     session_id: str | None
     deadline: float | None
+    max_wait: float | None = None
 
 
 class AsyncEngine:
@@ -85,8 +86,8 @@ class AsyncEngine:
 
     async def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                           request_id: str | None = None, priority: int = 0,
-                          session_id: str | None = None,
-                          deadline: float | None = None) -> AsyncIterator[RequestOutput]:
+                          session_id: str | None = None, deadline: float | None = None,
+                          max_wait: float | None = None) -> AsyncIterator[RequestOutput]:
         """Validate and queue; raises ``ValueError`` at once for bad input and
         ``RejectedError`` when admission control turns the request away."""
         if self.error is not None:
@@ -101,7 +102,8 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise ValueError(f"duplicate request id {request_id!r}")
             self._streams[request_id] = stream
-            self._adds.append(_Add(request_id, prompt, params, priority, session_id, deadline))
+            self._adds.append(_Add(request_id, prompt, params, priority, session_id, deadline,
+                                   max_wait))
             self._wake.notify()
         first = await stream.queue.get()
         if isinstance(first, BaseException):
@@ -183,7 +185,7 @@ class AsyncEngine:
             try:
                 self.engine.add_request(add.prompt, add.params, request_id=add.request_id,
                                         priority=add.priority, session_id=add.session_id,
-                                        deadline=add.deadline)
+                                        deadline=add.deadline, max_wait=add.max_wait)
             except (ValueError, RejectedError) as exc:
                 self._send(add.request_id, exc, final=True)
             else:

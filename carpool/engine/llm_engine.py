@@ -6,30 +6,60 @@ safe: ``AsyncEngine`` drives it from a single background thread.
 """
 from __future__ import annotations
 
+import logging
 import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta
 from pathlib import Path
 
 from carpool.config import EngineConfig
 from carpool.engine.detokenizer import IncrementalDetokenizer
 from carpool.engine.outputs import RequestOutput, TokenLogprob
 from carpool.engine.stats import LONG_PROMPT_TOKENS, EngineCounters, EngineStats
-from carpool.executor.base import BatchItem, Executor
+from carpool.executor.base import BatchItem, Executor, Padding
 from carpool.model.sampler import SampleResult, SamplingRow
 from carpool.sampling_params import SamplingParams
 from carpool.scheduler import Request, RequestStatus, ScheduledSpan, Scheduler
+from carpool.scheduler.live_settings import apply_live_settings
+
+logger = logging.getLogger(__name__)
 
 
-def _knobs(config) -> dict[str, float]:
-    """The scheduler knobs exported as metrics (numbers only; None is left out)."""
-    names = ["max_num_seqs", "max_num_batched_tokens", "max_queue_requests",
-             "long_prompt_threshold", "long_prefill_share", "aging_interval"]
-    if config.batching != "continuous":
-        names += ["preferred_batch_size", "max_batch_size", "max_wait"]
+def _knobs(scheduler: Scheduler) -> dict[str, float]:
+    """The scheduler knobs exported as metrics (numbers only; None is left out):
+    the live values where the adaptive controller moves them."""
+    config = scheduler.config
+    live = scheduler.knobs.as_dict()
+    names = ["max_queue_requests", "long_prompt_threshold", "long_prefill_share",
+             "aging_interval"]
     values = {name: getattr(config, name) for name in names}
+    values.update({name: live.get(name) for name in ("max_num_seqs", "max_num_batched_tokens")})
+    if config.batching != "continuous":
+        values.update({name: live.get(name) for name in
+                       ("preferred_batch_size", "max_batch_size", "max_wait")})
+    if scheduler.controller is not None:
+        values["controller_alpha"] = scheduler.controller.alpha
     return {name: float(value) for name, value in values.items() if value is not None}
+
+
+def _mode(scheduler: Scheduler) -> str:
+    """fixed, the adaptive controller's mode, or degraded (emergency switch)."""
+    if scheduler.overload is not None and scheduler.overload.degraded:
+        return "degraded"
+    return scheduler.controller.mode if scheduler.controller is not None else "fixed"
+
+
+def _decisions(scheduler: Scheduler, latest: int = 20) -> dict:
+    controller = scheduler.controller
+    if controller is None:
+        return {}
+    recent = list(controller.decisions)[-latest:]
+    return {"decision_counts": dict(controller.decision_counts),
+            "recent_decisions": tuple(
+                {"time": d.time, "knob": d.knob, "old": d.old, "new": d.new,
+                 "reason": d.reason, "decision": d.describe()} for d in recent)}
 
 
 class ContextLengthError(ValueError):
@@ -63,11 +93,13 @@ class LLMEngine:
         self.executor = executor
         self.max_model_len = max_model_len
         self.clock = clock
-        self.scheduler = Scheduler(config.scheduler, config.cache, executor.num_blocks, clock)
+        self.scheduler = Scheduler(config.scheduler, config.cache, executor.num_blocks, clock,
+                                   config.controller)
         self.counters = EngineCounters()
         self._seeds = random.Random(config.model.seed)
         self._eos_ids = set(model_config.eos_token_ids) | set(tokenizer.eos_token_ids)
         self._next_id = 0
+        self._schedule = None  # a profile's time-of-day windows, see follow_schedule
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "LLMEngine":
@@ -98,14 +130,15 @@ class LLMEngine:
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0,
                     arrival_time: float | None = None, session_id: str | None = None,
-                    deadline: float | None = None) -> str:
+                    deadline: float | None = None, max_wait: float | None = None) -> str:
         """Queue a request; raise ``ValueError`` with a clear message on bad input.
 
         Raises ``carpool.scheduler.RejectedError`` (reason, retry_after) when
         admission control turns it away. ``deadline`` is an engine-clock time
         by which the request must have started; past it, it is rejected.
         Requests sharing a ``session_id`` run in order and keep their prefix
-        cached for the session TTL.
+        cached for the session TTL. ``max_wait`` caps, for this request, the
+        seconds request-level (static / dynamic) batching may hold it.
         """
         params = params or SamplingParams()
         params.validate()
@@ -118,7 +151,8 @@ class LLMEngine:
                              logprobs=[] if params.logprobs is not None else None)
         request = Request(request_id, token_ids, params.max_tokens,
                           self.clock() if arrival_time is None else arrival_time, priority,
-                          payload=state, session_id=session_id, deadline=deadline)
+                          payload=state, session_id=session_id, deadline=deadline,
+                          max_wait=max_wait)
         self.scheduler.add_request(request)
         self.counters.requests_added += 1
         self.counters.long_requests_added += len(token_ids) > LONG_PROMPT_TOKENS
@@ -149,22 +183,49 @@ class LLMEngine:
 
     # -- one step ----------------------------------------------------------------
 
+    def follow_schedule(self, schedule, wall_clock: Callable[[], datetime] = datetime.now,
+                        ) -> None:
+        """Apply a profile's time-of-day windows (``ProfileSchedule``) as they
+        open and close: checked before each step, applied at each boundary."""
+        self._schedule = schedule
+        self._wall_clock = wall_clock
+        self._schedule_due: datetime | None = None  # None: apply at the next step
+
+    def _follow_schedule(self) -> None:
+        now = self._wall_clock()
+        if self._schedule_due is not None and now < self._schedule_due:
+            return
+        changed = apply_live_settings(self.scheduler, self._schedule.knobs_at(now))
+        if changed:
+            window = self._schedule.active(now)
+            logger.info("schedule window %s: %s", window.name if window else "(base)",
+                        ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changed.items()))
+        boundary = self._schedule.next_change(now)
+        due = datetime.combine(now.date(), boundary, now.tzinfo) if boundary else None
+        self._schedule_due = due + timedelta(days=1) if due and due <= now else due
+        if self._schedule_due is None:
+            self._schedule = None
+
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; return outputs of requests that progressed."""
+        if self._schedule is not None:
+            self._follow_schedule()
         schedule = self.scheduler.schedule()
         rejected = [self._finish_output(r, "rejected") for r in self.scheduler.pop_rejected()]
         if schedule.is_empty:
             return rejected
         started = time.perf_counter()
         items = [self._batch_item(span) for span in schedule.spans]
-        results = iter(self.executor.execute(items))
+        padding = (Padding(schedule.pad_rows, self.config.scheduler.padding_mode)
+                   if schedule.pad_rows else None)
+        results = iter(self.executor.execute(items, padding))
         sampled = [(span.request, next(results)) for span in schedule.spans if span.sample]
         self.scheduler.commit(schedule, [(r, res.token_id) for r, res in sampled])
         elapsed = time.perf_counter() - started
         self.scheduler.record_step(schedule.num_tokens, len(schedule.spans), elapsed)
         self.counters.steps += 1
         self.counters.computed_tokens += schedule.num_tokens
-        self.counters.slot_tokens += schedule.num_tokens
+        self.counters.slot_tokens += schedule.num_slots  # padding included
         self.counters.busy_seconds += elapsed
         return rejected + [self._process_sample(request, result) for request, result in sampled]
 
@@ -182,10 +243,10 @@ class LLMEngine:
             num_preemptions=scheduler.num_preemptions, counters=self.counters.copy(),
             rejections=dict(scheduler.rejections),
             sessions=dict(scheduler.session_stats().__dict__),
-            knobs=_knobs(config), batching=config.batching,
-            mode="degraded" if scheduler.overload and scheduler.overload.degraded else "fixed",
+            knobs=_knobs(scheduler), batching=config.batching, mode=_mode(scheduler),
             num_priority_preemptions=scheduler.num_priority_preemptions,
-            batches=scheduler.gate.stats.batches if scheduler.gate else 0)
+            batches=scheduler.gate.stats.batches if scheduler.gate else 0,
+            **_decisions(scheduler))
 
     def _batch_item(self, span: ScheduledSpan) -> BatchItem:
         request = span.request

@@ -53,6 +53,9 @@ class EngineStats:
     mode: str = "fixed"  # the adaptive controller's mode once it exists
     num_priority_preemptions: int = 0
     batches: int = 0  # request-level batches formed (static / dynamic batching)
+    # Adaptive controller: decisions so far by (knob, reason), and the latest ones.
+    decision_counts: dict[tuple[str, str], int] = field(default_factory=dict)
+    recent_decisions: tuple[dict, ...] = ()
 
     @property
     def kv_usage(self) -> float:

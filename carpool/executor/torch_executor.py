@@ -1,16 +1,30 @@
-"""Runs our PyTorch model over one ragged batch per step."""
+"""Runs our PyTorch model over one batch per step: ragged, or padded to a
+rectangle for static / dynamic batching (``Padding``).
+
+Padding really runs through the model: each stretch of pad tokens is an
+extra dummy sequence from position 0, placed before / after its row's real
+tokens in the flattened batch as the alignment says, whose K/V go to a few
+scratch blocks past ``num_blocks`` (never in the scheduler's pool) and
+whose outputs are discarded. Pad sequences attend only to themselves, so
+real tokens never see them and results equal the ragged path's.
+"""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from carpool.config import CacheConfig, ModelSettings, parse_size
-from carpool.executor.base import BatchItem, Executor
+from carpool.executor.base import BatchItem, Executor, Padding
 from carpool.model.attention import SeqSpan, build_metadata, select_backend
 from carpool.model.config import ModelConfig
 from carpool.model.llama import LlamaModel
-from carpool.model.sampler import SampleResult, Sampler
+from carpool.model.sampler import Sampler, SampleResult
+
+#: KV blocks past ``num_blocks`` that only pad tokens write to.
+SCRATCH_BLOCKS = 2
+PAD_TOKEN_ID = 0
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -43,11 +57,21 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
+@dataclass
+class _Run:
+    """A stretch of the flattened batch: an item's span, or padding (``item`` None)."""
+
+    token_ids: Sequence[int]
+    span: SeqSpan
+    item: int | None = None
+
+
 class TorchExecutor(Executor):
     """Holds the model weights and one preallocated KV pool.
 
     The pool is ``num_blocks`` blocks per layer for K and for V, sized from
-    ``cache.kv_cache_memory`` unless ``cache.num_blocks`` is given.
+    ``cache.kv_cache_memory`` unless ``cache.num_blocks`` is given, plus
+    ``SCRATCH_BLOCKS`` scratch blocks for padding.
     """
 
     def __init__(self, model_config: ModelConfig, weights: dict[str, torch.Tensor],
@@ -72,8 +96,9 @@ class TorchExecutor(Executor):
         self.num_blocks = self._num_blocks(model_config, cache)
         # Layouts: see carpool/model/attention.py (K blocks are stored transposed).
         heads, dim = model_config.num_kv_heads, model_config.head_dim
-        k_shape = (heads, self.num_blocks, dim, self.block_size)
-        v_shape = (heads, self.num_blocks, self.block_size, dim)
+        total = self.num_blocks + SCRATCH_BLOCKS
+        k_shape = (heads, total, dim, self.block_size)
+        v_shape = (heads, total, self.block_size, dim)
         self.kv_caches = [(torch.zeros(k_shape, dtype=self.dtype, device=self.device),
                            torch.zeros(v_shape, dtype=self.dtype, device=self.device))
                           for _ in range(model_config.num_layers)]
@@ -92,20 +117,18 @@ class TorchExecutor(Executor):
         return int(num_blocks)
 
     @torch.inference_mode()
-    def execute(self, items: Sequence[BatchItem]) -> list[SampleResult]:
-        # Decodes first: attention batches them together (see attention.py).
-        order = sorted(range(len(items)), key=lambda i: items[i].num_tokens > 1)
+    def execute(self, items: Sequence[BatchItem],
+                padding: Padding | None = None) -> list[SampleResult]:
+        runs = self._runs(items, padding)
         input_ids: list[int] = []
         sample_rows: list[int] = []  # rows of the flattened batch to sample
         sampled_items: list[int] = []  # their indices in `items`
-        for index in order:
-            item = items[index]
-            input_ids.extend(item.token_ids[item.start:item.start + item.num_tokens])
-            if item.sampling is not None:
+        for run in runs:
+            input_ids.extend(run.token_ids)
+            if run.item is not None and items[run.item].sampling is not None:
                 sample_rows.append(len(input_ids) - 1)
-                sampled_items.append(index)
-        spans = [SeqSpan(items[i].start, items[i].num_tokens, items[i].block_table) for i in order]
-        meta = build_metadata(spans, self.block_size, self.device)
+                sampled_items.append(run.item)
+        meta = build_metadata([run.span for run in runs], self.block_size, self.device)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         hidden = self.model(ids, meta, self.kv_caches, self.attention)
         if not sampled_items:
@@ -115,3 +138,35 @@ class TorchExecutor(Executor):
         results = self.sampler.sample(logits, [items[i].sampling for i in sampled_items])
         # Back to item order (indices are unique, so results are never compared).
         return [result for _, result in sorted(zip(sampled_items, results))]
+
+    def _runs(self, items: Sequence[BatchItem], padding: Padding | None) -> list[_Run]:
+        """The batch's stretches in flattened order."""
+        runs = [_Run(item.token_ids[item.start:item.start + item.num_tokens],
+                     SeqSpan(item.start, item.num_tokens, item.block_table), index)
+                for index, item in enumerate(items)]
+        if padding is not None:
+            runs = self._pad(runs, padding)
+        # Decodes first: attention batches them together (see attention.py).
+        # The sort is stable, so rows and each row's alignment keep their order.
+        return sorted(runs, key=lambda run: run.span.num_tokens > 1)
+
+    def _pad(self, runs: list[_Run], padding: Padding) -> list[_Run]:
+        """Each row padded up to the rectangle's width, then the missing rows."""
+        num_rows, cols = padding.shape([run.span.num_tokens for run in runs])
+        padded: list[_Run] = []
+        for run in runs:
+            before, after = padding.split(run.span.num_tokens, cols)
+            padded += [*self._pad_run(before), run, *self._pad_run(after)]
+        for _ in range(num_rows - len(runs)):
+            padded += self._pad_run(cols)
+        return padded
+
+    def _pad_run(self, length: int) -> list[_Run]:
+        """``length`` pad tokens as a dummy sequence (none when ``length`` is 0)."""
+        if length <= 0:
+            return []
+        # Cycling over a few scratch blocks makes long pad runs overwrite their
+        # own slots; harmless: the compute is the same (every token, every
+        # attended position) and pad outputs are discarded.
+        table = [self.num_blocks + j % SCRATCH_BLOCKS for j in range(-(-length // self.block_size))]
+        return [_Run([PAD_TOKEN_ID] * length, SeqSpan(0, length, table))]

@@ -12,10 +12,18 @@ from collections.abc import Callable, Sequence
 
 from carpool.config import SchedulerConfig
 from carpool.scheduler.cost_model import StepCostModel
-from carpool.scheduler.overload import (SHED_ABOVE_PRIORITY, BusyWindow, OverloadGuard,
-                                        shed_victim)
+from carpool.scheduler.overload import (
+    SHED_ABOVE_PRIORITY,
+    BusyWindow,
+    OverloadGuard,
+    shed_victim,
+)
 from carpool.scheduler.request import Request
-from carpool.scheduler.shedding import predict_first_token_delay
+from carpool.scheduler.shedding import (
+    PredictionError,
+    predict_first_token_delay,
+    predict_slot_delay,
+)
 
 # Retry-after estimates are whole seconds in this range.
 MIN_RETRY_AFTER = 1.0
@@ -172,8 +180,16 @@ class AdmissionControl:
     window, overload guard); the scheduler feeds them.
     """
 
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, knobs=None,
+                 ttft_target: float | None = None) -> None:
         self.config = config
+        # The live knobs (``controller.LiveKnobs``) when an adaptive controller
+        # moves the step budget and batch limit; else the configured values.
+        self.knobs = knobs or config
+        # Adaptive controller: arrivals without a deadline are shed when
+        # their first token is predicted later than this many seconds.
+        self.ttft_target = ttft_target
+        self.prediction_error = PredictionError()
         self.departures = DepartureRate()
         self.cost_model = StepCostModel()
         self.busy = BusyWindow()
@@ -190,6 +206,12 @@ class AdmissionControl:
         mode it may instead displace a worse waiting request (``drop_waiting``)."""
         if request.deadline is not None:
             self._check_deadline(request, now, waiting, running)
+        elif self.ttft_target is not None and self.config.predictive_shedding:
+            delay = self._predict(request, now, waiting, running)
+            if delay is not None and delay > self.ttft_target:
+                self._reject("predicted_ttft_miss", delay, (
+                    f"the request would get its first token in ~{delay:.2f} s, over the "
+                    f"TTFT target of {self.ttft_target:.2f} s; retry in ~{delay:.0f} s"))
         if self.overload is not None and self.overload.degraded:
             self._shed(request, now, waiting, drop_waiting)
         queued = len(waiting)
@@ -218,15 +240,54 @@ class AdmissionControl:
                                           f"passed before it arrived ({now:.3f})")
         if not self.config.predictive_shedding:
             return
-        prefilling = sum(r.num_pending_tokens for r in running if r.num_pending_tokens > 1)
-        decoding = sum(1 for r in running if r.num_pending_tokens == 1)
-        delay = predict_first_token_delay(
-            self.cost_model, waiting.num_prompt_tokens + prefilling, request.num_prompt_tokens,
-            decoding, self.config.max_num_batched_tokens)
+        delay = self._predict(request, now, waiting, running)
         if delay is not None and now + delay > request.deadline:
             self._reject("predicted_deadline_miss", delay, (
                 f"the request would get its first token in ~{delay:.2f} s, after its "
                 f"deadline ({request.deadline - now:.2f} s from now)"))
+
+    def observe_first_token(self, request: Request, now: float) -> None:
+        """Learn the prediction error from a request's first token."""
+        if request.predicted_ttft is not None:
+            self.prediction_error.record(request.predicted_ttft, now - request.arrival_time)
+
+    def _predict(self, request: Request, now: float, waiting,
+                 running: Sequence[Request]) -> float | None:
+        """The predicted TTFT plus the learned error margin; remembered on the
+        request (without the margin) so its first token can correct the margin."""
+        delay = self.predicted_first_token(request, now, waiting, running)
+        request.predicted_ttft = delay
+        return None if delay is None else delay + self.prediction_error.margin()
+
+    def predicted_first_token(self, request: Request, now: float, waiting,
+                              running: Sequence[Request]) -> float | None:
+        """Seconds until ``request``'s first token if it queued now, or None
+        while the cost model is not ready.
+
+        The later of two estimates: compute (every prompt token ahead, then
+        its own, at the step budget left beside the decodes) and slots (when
+        no sequence slot is free, the requests ahead wait for departures: the
+        lower of the running requests' remaining tokens at the decode step
+        time and the measured departure rate, both upper bounds).
+        """
+        prefilling = sum(r.num_pending_tokens for r in running if r.num_pending_tokens > 1)
+        decoding = sum(1 for r in running if r.num_pending_tokens == 1)
+        delay = predict_first_token_delay(
+            self.cost_model, waiting.num_prompt_tokens + prefilling, request.num_prompt_tokens,
+            decoding, self.knobs.max_num_batched_tokens)
+        if delay is None:
+            return None
+        short = len(waiting) + 1 - max(0, self.knobs.max_num_seqs - len(running))
+        if short <= 0:
+            return delay
+        # Two upper bounds on the wait for a slot; the lower one is the better guess.
+        bounds = [predict_slot_delay(self.cost_model, [r.max_tokens - r.num_output_tokens
+                                                       for r in running], short)]
+        rate = self.departures.rate(now)
+        if rate:
+            bounds.append(short / rate)
+        bounds = [b for b in bounds if b is not None]
+        return max(delay, min(bounds)) if bounds else delay
 
     def _shed(self, request: Request, now: float, waiting,
               drop_waiting: Callable[[Request, str], None]) -> None:

@@ -15,6 +15,10 @@ what they are about (batch formation), not in the engine under them.
   ``max_batch_size`` go), or when its oldest request has waited
   ``max_wait``. The bucket of the oldest request goes first.
 
+A request may carry its own, lower batching wait (``Request.max_wait``):
+its batch goes once it has waited that long. Under the adaptive controller
+``set_limits`` moves the preferred size, the largest batch and ``max_wait``.
+
 Pure Python; time comes from the caller.
 """
 from __future__ import annotations
@@ -47,6 +51,9 @@ class BatchGate:
     Invariant: while ``members`` is not empty a batch is in flight; no other
     request may start until every member has left (finished, aborted or
     rejected), which the scheduler reports with ``member_left``.
+    ``batch_rows`` is the batch's size at dispatch while it is in flight
+    (0 otherwise): a padded batch keeps its shape, finished members' rows
+    included, until it completes.
     """
 
     def __init__(self, regime: str, preferred_batch_size: int, max_batch_size: int,
@@ -60,6 +67,7 @@ class BatchGate:
         # Geometric buckets: lengths within a factor (1 + 2 * tol) share a bucket.
         self._log_width = math.log1p(2 * bucket_tolerance)
         self.members: set[str] = set()
+        self.batch_rows = 0
         self.stats = GateStats()
 
     @property
@@ -71,7 +79,10 @@ class BatchGate:
         return request.request_id in self.members
 
     def member_left(self, request: Request) -> None:
+        """``request`` left the scheduler; the batch completes with its last member."""
         self.members.discard(request.request_id)
+        if not self.members:
+            self.batch_rows = 0
 
     def next_batch(self, waiting: Iterable[Request], now: float) -> list[Request]:
         """Form the next batch if one is due (no batch in flight); else []."""
@@ -86,16 +97,28 @@ class BatchGate:
             batch = self._dynamic(queue, now)
         if batch:
             self.members = {r.request_id for r in batch}
+            self.batch_rows = len(batch)
             self.stats.batches += 1
             self.stats.batched_requests += len(batch)
             self.stats.formation_wait_s += now - min(r.arrival_time for r in batch)
         return batch
 
+    def set_limits(self, preferred: int, max_size: int, max_wait: float | None) -> None:
+        """Live knobs from the adaptive controller; they shape the next batch."""
+        self.preferred = preferred
+        self.max_size = max(preferred, max_size) if self.regime == "dynamic" else preferred
+        self.max_wait = max_wait
+
     def _overdue(self, request: Request, now: float) -> bool:
-        return self.max_wait is not None and now - request.arrival_time >= self.max_wait
+        """The request waited its batching wait: the knob's, or its own cap if lower."""
+        wait = self.max_wait
+        if request.max_wait is not None:
+            wait = request.max_wait if wait is None else min(wait, request.max_wait)
+        return wait is not None and now - request.arrival_time >= wait
 
     def _static(self, queue: list[Request], now: float) -> list[Request]:
-        if len(queue) >= self.preferred or self._overdue(queue[0], now):
+        if len(queue) >= self.preferred or any(self._overdue(r, now)
+                                                for r in queue[:self.preferred]):
             return queue[:self.preferred]
         return []
 
@@ -108,6 +131,6 @@ class BatchGate:
             buckets.setdefault(self.bucket_of(request), []).append(request)
         # Oldest first: the bucket whose head arrived first gets the first look.
         for bucket in sorted(buckets.values(), key=lambda b: b[0].arrival_time):
-            if len(bucket) >= self.preferred or self._overdue(bucket[0], now):
+            if len(bucket) >= self.preferred or any(self._overdue(r, now) for r in bucket):
                 return bucket[:self.max_size]
         return []

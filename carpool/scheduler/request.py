@@ -54,6 +54,11 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)
     first_scheduled_time: float | None = None
     reject_reason: str | None = None  # "deadline" or "queue_timeout" once rejected
+    first_token_time: float | None = None  # clock times of the first and latest sampled token
+    last_token_time: float | None = None
+    predicted_ttft: float | None = None  # admission's estimate, to learn its error
+    # Per-request cap on the request-level batching wait (seconds); None = the knob's.
+    max_wait: float | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

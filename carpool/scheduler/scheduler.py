@@ -28,8 +28,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 
-from carpool.config import CacheConfig, SchedulerConfig
+from carpool.config import CacheConfig, ControllerConfig, SchedulerConfig
 from carpool.scheduler.admission import AdmissionControl, ExpiryQueue
+from carpool.scheduler.controller import AdaptiveController, LiveKnobs
+from carpool.scheduler.invariants import check_invariants
 from carpool.scheduler.kv_manager import KVCacheManager
 from carpool.scheduler.queues import make_queue
 from carpool.scheduler.regimes import BatchGate
@@ -50,7 +52,7 @@ class Scheduler:
     """Decides which token spans run each step and owns the KV bookkeeping."""
 
     def __init__(self, config: SchedulerConfig, cache: CacheConfig, num_blocks: int,
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], controller: ControllerConfig | None = None) -> None:
         self.config = config
         self.clock = clock
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching,
@@ -62,12 +64,16 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0  # every preemption, for blocks or for priority
         self.num_priority_preemptions = 0  # of those, made room for a better-priority request
-        # Long-prompt prefill tokens per step while short requests want the
-        # budget; None = no cap (share 1).
-        share_tokens = math.floor(config.long_prefill_share * config.max_num_batched_tokens)
-        self.long_prefill_cap: int | None = (
-            None if share_tokens >= config.max_num_batched_tokens else max(1, share_tokens))
-        self.admission = AdmissionControl(config)
+        # The knobs every step reads; an adaptive controller moves them.
+        self.knobs = LiveKnobs.from_config(config)
+        adaptive = controller is not None and controller.adaptive
+        shed_target = (controller.ttft_target
+                       if adaptive and controller.shed_on_ttft_target else None)
+        self.admission = AdmissionControl(config, self.knobs, shed_target)
+        self.controller = AdaptiveController(
+            controller, config, self.knobs, num_blocks, cache.block_size,
+            self.admission.cost_model, request_level=config.batching != "continuous",
+        ) if adaptive else None
         # The same objects, under the names the engine and tests use.
         self.departures = self.admission.departures
         self.cost_model = self.admission.cost_model
@@ -110,6 +116,8 @@ class Scheduler:
         self.expiries.add(request, self.config.queue_timeout)
         self.expiries.compact(self._is_unscheduled)
         self.departures.set_busy(now, True)
+        if self.controller is not None:
+            self.controller.observe_arrival(now, request.num_prompt_tokens + request.max_tokens)
 
     def record_step(self, num_tokens: int, num_seqs: int, seconds: float) -> None:
         """Feed the online cost model with an executed step's size and duration."""
@@ -136,6 +144,10 @@ class Scheduler:
         request.status = status
         if self.gate is not None:
             self.gate.member_left(request)
+        if self.controller is not None and request.num_output_tokens > 1 and status in (
+                RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
+            self.controller.observe_tpot(now, (request.last_token_time - request.first_token_time)
+                                         / (request.num_output_tokens - 1))
         self.departures.record(now)
         self.departures.set_busy(now, bool(self.requests))
 
@@ -157,6 +169,14 @@ class Scheduler:
         return request
 
     @property
+    def long_prefill_cap(self) -> int | None:
+        """Long-prompt prefill tokens per step while short requests want the
+        budget: ``long_prefill_share`` of the live step budget; None = no cap."""
+        budget = self.knobs.max_num_batched_tokens
+        share_tokens = math.floor(self.config.long_prefill_share * budget)
+        return None if share_tokens >= budget else max(1, share_tokens)
+
+    @property
     def has_unfinished(self) -> bool:
         """True while a request is queued, running or expired but not yet popped."""
         return bool(self.requests or self._rejected)
@@ -170,12 +190,19 @@ class Scheduler:
         self.sessions.expire(now)
         if self.overload is not None:
             self.overload.update(now, len(self.waiting), self.admission.busy.fraction(now))
+        if self.controller is not None:
+            self.controller.before_step(now, self)
         output = SchedulerOutput()
-        step = StepBudget(self.config.max_num_batched_tokens, self._long_allowance())
+        step = StepBudget(self.knobs.max_num_batched_tokens, self._long_allowance())
         if self.gate is not None and not self.gate.in_flight:
-            self.gate.next_batch((r for r in self.waiting if self._not_session_blocked(r)), now)
+            batch = self.gate.next_batch(
+                (r for r in self.waiting if self._not_session_blocked(r)), now)
+            if batch and self.controller is not None:
+                self.controller.observe_step(now, len(batch) / self.gate.preferred, 0)
         self._schedule_running(output, step)
         self._schedule_waiting(output, step)
+        if self.gate is not None and self.config.padding_mode != "none":
+            output.pad_rows = self.gate.batch_rows  # the batch's shape at dispatch
         return output
 
     def _is_unscheduled(self, request: Request) -> bool:
@@ -257,7 +284,7 @@ class Scheduler:
                 return
             capped = self._is_capped(request)
             limit = step.limit(capped)
-            if (limit > 0 and len(self.running) < self.config.max_num_seqs
+            if (limit > 0 and len(self.running) < self.knobs.max_num_seqs
                     and self.kv.try_admit(request, limit)):
                 self._admit(request, limit, capped, output, step)
                 continue
@@ -282,7 +309,7 @@ class Scheduler:
         # Preemption order as for blocks: worst priority, then latest arrival.
         candidates.sort(key=lambda r: (r.priority, r.arrival_time), reverse=True)
         return plan_room(request, capped, candidates, step, self.kv,
-                         self.config.max_num_seqs - len(self.running))
+                         self.knobs.max_num_seqs - len(self.running))
 
     def _admit(self, request: Request, limit: int, capped: bool, output: SchedulerOutput,
                step: StepBudget) -> None:
@@ -359,20 +386,17 @@ class Scheduler:
                 continue  # aborted while the step ran
             request.num_computed_tokens = span.start + span.num_tokens
             self.kv.cache_computed_blocks(request)
+        now = self.clock()
         for request, token_id in sampled:
             if request.status == RequestStatus.RUNNING:
                 request.append_output(token_id)
+                if request.first_token_time is None:
+                    request.first_token_time = now
+                    self.admission.observe_first_token(request, now)
+                    if self.controller is not None:
+                        self.controller.observe_ttft(now, now - request.arrival_time)
+                request.last_token_time = now
 
     def check_invariants(self) -> None:
         """Bookkeeping consistency, for tests."""
-        self.kv.check_invariants()
-        assert len(self.running) <= self.config.max_num_seqs
-        assert set(self.kv.block_tables) == {r.request_id for r in self.running}
-        queued = {r.request_id for r in self.waiting}
-        running = {r.request_id for r in self.running}
-        assert not queued & running
-        assert queued | running == set(self.requests)
-        self.waiting.check_invariants()
-        assert all(r.status == RequestStatus.FINISHED_REJECTED and r.reject_reason
-                   and self.requests.get(r.request_id) is not r for r in self._rejected)
-        self.sessions.check_invariants(self.requests)
+        check_invariants(self)

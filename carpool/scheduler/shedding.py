@@ -9,6 +9,7 @@ even the best case is late.
 from __future__ import annotations
 
 import math
+from collections import deque
 
 from carpool.scheduler.cost_model import StepCostModel
 
@@ -31,3 +32,42 @@ def predict_first_token_delay(cost: StepCostModel, prefill_tokens_ahead: int,
     steps = math.ceil(tokens / per_step)
     full_step = cost.predict(decode + min(tokens, per_step), decode + 1)
     return steps * full_step
+
+
+def predict_slot_delay(cost: StepCostModel, remaining_tokens: list[int],
+                       slots_needed: int) -> float | None:
+    """Seconds until ``slots_needed`` running requests have finished, when
+    each has ``remaining_tokens`` left to generate (at most: a request may
+    stop early) and every step decodes one token of each. None while the
+    cost model is not ready or nothing runs."""
+    if not cost.ready or not remaining_tokens or slots_needed <= 0:
+        return None
+    ordered = sorted(remaining_tokens)
+    running = len(ordered)
+    rounds, index = divmod(slots_needed - 1, running)
+    steps = ordered[index] + rounds * ordered[-1]
+    return steps * cost.predict(running, running)
+
+
+class PredictionError:
+    """How late first tokens came against their prediction, learned online.
+
+    ``margin`` is the 90th percentile of (actual - predicted) TTFT over the
+    last ``window`` admitted requests that had a prediction (never below 0):
+    shedding adds it to every prediction, so a cost model that is
+    optimistic under the current load sheds earlier instead of letting the
+    admitted requests miss their target.
+    """
+
+    def __init__(self, window: int = 256, quantile: float = 0.9) -> None:
+        self.quantile = quantile
+        self._errors: deque[float] = deque(maxlen=window)
+
+    def record(self, predicted: float, actual: float) -> None:
+        self._errors.append(actual - predicted)
+
+    def margin(self) -> float:
+        if len(self._errors) < 8:
+            return 0.0
+        ordered = sorted(self._errors)
+        return max(0.0, ordered[min(len(ordered) - 1, int(self.quantile * len(ordered)))])

@@ -31,14 +31,28 @@ class ScheduledSpan:
 
 @dataclass
 class SchedulerOutput:
-    """What one step computes; ``preempted`` lost their KV this step."""
+    """What one step computes; ``preempted`` lost their KV this step.
+
+    ``pad_rows``: 0 runs the spans as one ragged batch; otherwise the step
+    is a padded rectangle of ``max(pad_rows, len(spans))`` rows by the
+    longest span's length, every missing token slot computed as padding.
+    """
 
     spans: list[ScheduledSpan] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    pad_rows: int = 0
 
     @property
     def num_tokens(self) -> int:
+        """Real tokens computed (padding excluded)."""
         return sum(span.num_tokens for span in self.spans)
+
+    @property
+    def num_slots(self) -> int:
+        """Token slots computed, padding included (``num_tokens`` when ragged)."""
+        if not self.pad_rows or not self.spans:
+            return self.num_tokens
+        return max(self.pad_rows, len(self.spans)) * max(s.num_tokens for s in self.spans)
 
     @property
     def is_empty(self) -> bool:

@@ -142,7 +142,8 @@ def _add_info_routes(app: FastAPI, ctx: ServerContext) -> None:
                              "knobs": stats.knobs, "rates": _finite(rates),
                              "running": stats.num_running, "waiting": stats.num_waiting,
                              "kv_usage": stats.kv_usage, "sessions": stats.sessions,
-                             "rejections": stats.rejections})
+                             "rejections": stats.rejections,
+                             "decisions": list(stats.recent_decisions)})
 
 
 def health_problem(ctx: ServerContext) -> str | None:

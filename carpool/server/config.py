@@ -25,6 +25,9 @@ class ServerConfig:
     max_logprobs: int = 20
     max_stop: int = 16
     max_tokens_cap: int | None = None  # None: the context length is the only cap
+    # Characters of prompt text in one request (all text prompts, or all chat
+    # messages' content); None = no cap. Token-id prompts are not counted.
+    max_prompt_chars: int | None = None
     shutdown_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
     status_interval: float = 5.0  # seconds between status lines while busy
     stall_timeout: float = 120.0  # /health turns 503 if busy with no step for this long
@@ -36,6 +39,9 @@ class ServerConfig:
                      "max_messages", "max_stop"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_prompt_chars is not None and self.max_prompt_chars < 1:
+            raise ValueError(f"max_prompt_chars must be >= 1 or null (no cap), "
+                             f"got {self.max_prompt_chars}")
         if not 0 <= self.max_logprobs <= 20:
             raise ValueError(f"max_logprobs must be in [0, 20], got {self.max_logprobs}")
         if self.shutdown_timeout < 0 or self.status_interval <= 0 or self.stall_timeout <= 0:

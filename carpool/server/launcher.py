@@ -149,8 +149,11 @@ def _inject_fault(engine: LLMEngine, at_step: int) -> None:
     engine.step = faulty_step
 
 
-def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
-    """Load the model and serve until a signal drains the server or the engine fails."""
+def run_server(engine_config: EngineConfig, server_config: ServerConfig,
+               schedule=None) -> int:
+    """Load the model and serve until a signal drains the server or the engine fails.
+
+    ``schedule`` (a ``ProfileSchedule``): time-of-day windows applied live."""
     logging.basicConfig(level=logging.INFO, format="carpool: %(message)s")
     prometheus_client.disable_created_metrics()  # as vLLM: no *_created series
     server_config.validate()
@@ -160,6 +163,8 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     engine = LLMEngine.from_config(engine_config)
     if os.environ.get(FAULT_ENV):
         _inject_fault(engine, int(os.environ[FAULT_ENV]))
+    if schedule is not None:
+        engine.follow_schedule(schedule)
 
     async def main() -> int:
         async_engine = AsyncEngine(engine)

@@ -176,6 +176,12 @@ def _policy_metrics(stats: EngineStats, model: list[str]) -> Iterator[Metric]:
     for knob, value in sorted(stats.knobs.items()):
         knobs.add_metric(model + [knob], value)
     yield knobs
+    decisions = CounterMetricFamily(
+        "carpool:controller_decisions", "Adaptive controller decisions by knob and reason.",
+        labels=["model_name", "knob", "reason"])
+    for (knob, reason), count in sorted(stats.decision_counts.items()):
+        decisions.add_metric(model + [knob, reason], count)
+    yield decisions
     sessions = GaugeMetricFamily("carpool:sessions", "Session stats (counts are cumulative).",
                                  labels=["model_name", "stat"])
     for name, value in sorted(stats.sessions.items()):

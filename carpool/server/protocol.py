@@ -48,6 +48,8 @@ class _SamplingFields(BaseModel):
     priority: Priority | None = None
     session_id: str | None = Field(None, min_length=1, max_length=256)
     deadline_ms: float | None = Field(None, gt=0, le=86_400_000)
+    # Request-level (static / dynamic) batching holds this request at most this long.
+    max_wait_ms: float | None = Field(None, ge=0, le=60_000)
 
     @model_validator(mode="after")
     def _neutral_unsupported(self) -> "_SamplingFields":

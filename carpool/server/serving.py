@@ -53,6 +53,7 @@ class _Extensions:
     priority: int = 0
     session_id: str | None = None
     deadline: float | None = None  # engine clock (monotonic)
+    max_wait: float | None = None  # seconds request-level batching may hold it
 
 
 def _extensions(body: _SamplingFields, headers: Mapping[str, str]) -> _Extensions:
@@ -78,7 +79,8 @@ def _extensions(body: _SamplingFields, headers: Mapping[str, str]) -> _Extension
         if not 0 < deadline_ms <= 86_400_000:
             raise bad_request("deadline_ms must be in (0, 86400000]", "deadline_ms")
     deadline = time.monotonic() + deadline_ms / 1000 if deadline_ms is not None else None
-    return _Extensions(int(priority or 0), session_id, deadline)
+    max_wait = body.max_wait_ms / 1000 if body.max_wait_ms is not None else None
+    return _Extensions(int(priority or 0), session_id, deadline, max_wait)
 
 
 def encode_text(tokenizer, text: str, raw_prompt: bool) -> list[int]:
@@ -156,12 +158,20 @@ class OpenAIServing:
         if len(prompts) > self.ctx.config.max_prompts:
             raise bad_request(f"at most {self.ctx.config.max_prompts} prompts per request",
                               "prompt")
+        self._check_chars(sum(len(p) for p in prompts if isinstance(p, str)), "prompt")
         return [encode_text(self.ctx.tokenizer, p, raw_prompt=True) if isinstance(p, str)
                 else list(p) for p in prompts]
+
+    def _check_chars(self, count: int, param: str) -> None:
+        cap = self.ctx.config.max_prompt_chars
+        if cap is not None and count > cap:
+            raise bad_request(f"the {param} text is {count} characters; this server accepts at "
+                              f"most {cap} per request", param, code="prompt_too_long")
 
     def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
         if len(body.messages) > self.ctx.config.max_messages:
             raise bad_request(f"at most {self.ctx.config.max_messages} messages", "messages")
+        self._check_chars(sum(len(m.text()) for m in body.messages), "messages")
         return chat_tokens(self.ctx.tokenizer, body.messages, body.add_generation_prompt)
 
     # -- endpoints -------------------------------------------------------------------
@@ -225,7 +235,7 @@ class OpenAIServing:
                 session_id = ext.session_id if p == i == 0 else None
                 jobs.append(self.ctx.engine.add_request(
                     prompt, choice, request_id=f"{base_id}-{p * n + i}", priority=ext.priority,
-                    session_id=session_id, deadline=ext.deadline))
+                    session_id=session_id, deadline=ext.deadline, max_wait=ext.max_wait))
         results = await asyncio.gather(*jobs, return_exceptions=True)
         failure = next((r for r in results if isinstance(r, BaseException)), None)
         if failure is None:

@@ -1,0 +1,84 @@
+"""The adaptive controller's modes: what each means for the knobs
+(``PRESETS``) and when to switch (``ModeSelector``, with hysteresis).
+
+Pure Python.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from carpool.config import ControllerConfig
+from carpool.scheduler.live_window import Signals
+
+MODES = ("latency", "balanced", "throughput")
+
+
+@dataclass(frozen=True)
+class ModePreset:
+    """What a mode means for the knobs.
+
+    ``step_share``: the fraction of the TPOT target one step may take when
+    sizing the batch limit and token budget (smaller = more latency margin).
+    """
+
+    preferred_batch_size: int
+    max_wait: float  # ceiling of the request-level batching wait
+    step_share: float
+
+
+PRESETS = {
+    "latency": ModePreset(preferred_batch_size=4, max_wait=0.05, step_share=0.6),
+    "balanced": ModePreset(preferred_batch_size=8, max_wait=0.1, step_share=0.8),
+    "throughput": ModePreset(preferred_batch_size=16, max_wait=0.2, step_share=1.0),
+}
+
+
+class ModeSelector:
+    """Picks the mode with hysteresis: a mode's entry thresholds are harder
+    than its exit thresholds, and a change needs ``hold_ticks`` ticks in a
+    row wanting the same new mode."""
+
+    def __init__(self, config: ControllerConfig) -> None:
+        self.config = config
+        self.pinned = config.controller_mode != "auto"
+        self.mode = config.controller_mode if self.pinned else "balanced"
+        self._candidate: str | None = None
+        self._streak = 0
+
+    def wanted(self, s: Signals) -> tuple[str, str]:
+        """The mode the signals ask for, and why."""
+        ttft_target = self.config.ttft_target
+        staying_fast = self.mode == "throughput"
+        busy_high = 0.7 if staying_fast else 0.85
+        ttft_high = (0.8 if staying_fast else 1.0) * ttft_target if ttft_target else math.inf
+        if s.ttft_p95 is not None and s.ttft_p95 > ttft_high:
+            return "throughput", f"ttft_p95 {s.ttft_p95:.2f} s > {ttft_high:.2f} s"
+        # Continuous batching is busy whenever anything runs: only busy with a
+        # queue of at least half a batch means demand outruns the batches.
+        queue_high = max(1, s.batch_limit // 2)
+        if s.busy > busy_high and s.waiting >= queue_high:
+            return "throughput", (f"busy {s.busy:.0%} > {busy_high:.0%} with {s.waiting} "
+                                  f"waiting >= {queue_high}")
+        staying_light = self.mode == "latency"
+        busy_low = 0.55 if staying_light else 0.4
+        calm_ttft = ttft_target is None or s.ttft_p95 is None or s.ttft_p95 <= 0.5 * ttft_target
+        if s.busy < busy_low and s.waiting == 0 and calm_ttft:
+            return "latency", f"busy {s.busy:.0%} < {busy_low:.0%}, queue empty"
+        return "balanced", f"busy {s.busy:.0%}, {s.waiting} waiting"
+
+    def update(self, s: Signals) -> tuple[str, str] | None:
+        """Feed one tick; return (old mode, cause) when the mode changed."""
+        if self.pinned:
+            return None
+        mode, cause = self.wanted(s)
+        if mode == self.mode:
+            self._candidate, self._streak = None, 0
+            return None
+        self._streak = self._streak + 1 if mode == self._candidate else 1
+        self._candidate = mode
+        if self._streak < self.config.hysteresis_ticks:
+            return None
+        old, self.mode = self.mode, mode
+        self._candidate, self._streak = None, 0
+        return old, f"{cause} ({self.config.hysteresis_ticks} ticks)"

@@ -1,0 +1,117 @@
+"""Settings that change while the engine runs: time-of-day profile windows
+applied at their boundaries, and the learned TTFT prediction margin."""
+from __future__ import annotations
+
+from datetime import datetime
+
+import pytest
+
+from carpool.config import CacheConfig, ControllerConfig, EngineConfig, SchedulerConfig
+from carpool.engine.llm_engine import LLMEngine
+from carpool.profiles.schedule import ProfileSchedule
+from carpool.sampling_params import SamplingParams
+from carpool.scheduler import Scheduler
+from carpool.scheduler.live_settings import apply_live_settings
+from carpool.scheduler.shedding import PredictionError
+from tests.test_scheduler_properties import FakeClock
+
+
+def scheduler(adaptive: bool = False) -> Scheduler:
+    config = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256)
+    controller = ControllerConfig(adaptive=adaptive)
+    return Scheduler(config, CacheConfig(block_size=4), 64, FakeClock(), controller)
+
+
+def test_live_settings_take_effect_at_once_without_a_controller() -> None:
+    sched = scheduler()
+    changed = apply_live_settings(sched, {"max_num_seqs": 4, "session_ttl": 60.0,
+                                          "max_queue_requests": 10})
+    assert changed == {"max_num_seqs": (16, 4), "session_ttl": (1800.0, 60.0),
+                       "max_queue_requests": (200, 10)}
+    assert sched.knobs.max_num_seqs == 4 and sched.config.max_num_seqs == 4
+    assert sched.sessions.ttl == 60.0
+    assert apply_live_settings(sched, {"max_num_seqs": 4}) == {}
+
+
+def test_a_bad_or_fixed_setting_changes_nothing() -> None:
+    sched = scheduler()
+    with pytest.raises(ValueError, match="max_num_seqs must be >= 1"):
+        apply_live_settings(sched, {"max_num_batched_tokens": 64, "max_num_seqs": 0})
+    assert sched.config.max_num_batched_tokens == 256 and sched.knobs.max_num_seqs == 16
+    with pytest.raises(ValueError, match="batching cannot change while the server runs"):
+        apply_live_settings(sched, {"batching": "static"})
+
+
+def test_with_a_controller_new_settings_are_caps() -> None:
+    sched = scheduler(adaptive=True)
+    sched.knobs.max_num_seqs = 12
+    apply_live_settings(sched, {"max_num_seqs": 8, "max_num_batched_tokens": 512})
+    assert sched.knobs.max_num_seqs == 8  # clamped to the new cap
+    assert sched.knobs.max_num_batched_tokens == 256  # the controller raises it if it wants
+    sched.check_invariants()
+
+
+def test_schedule_windows_must_be_live_settings() -> None:
+    profile = {"schedule": [{"name": "night", "from": "22:00", "to": "06:00",
+                             "scheduler": {"policy": "priority"}}]}
+    with pytest.raises(ValueError, match="policy cannot change while the server runs"):
+        ProfileSchedule.from_profile(profile)
+
+
+def test_engine_follows_the_profile_schedule_at_its_boundaries(tiny_model_dir) -> None:
+    config = EngineConfig.from_dict({"model": str(tiny_model_dir), "dtype": "float32",
+                                     "kv_cache_memory": "16MiB", "max_num_seqs": 16})
+    engine = LLMEngine.from_config(config)
+    profile = {"scheduler": {"max_num_seqs": 16},
+               "schedule": [{"name": "peak", "from": "09:00", "to": "11:00",
+                             "scheduler": {"max_num_seqs": 32, "max_queue_requests": 50}}]}
+    wall = [datetime(2026, 12, 1, 8, 59, 30)]
+    engine.follow_schedule(ProfileSchedule.from_profile(profile), lambda: wall[0])
+    engine.step()
+    assert engine.scheduler.knobs.max_num_seqs == 16
+    assert engine._schedule_due == datetime(2026, 12, 1, 9, 0)
+    wall[0] = datetime(2026, 12, 1, 9, 0, 1)
+    engine.add_request([1, 2, 3], SamplingParams(max_tokens=2))
+    engine.step()
+    assert engine.scheduler.knobs.max_num_seqs == 32
+    assert engine.scheduler.config.max_queue_requests == 50
+    assert engine._schedule_due == datetime(2026, 12, 1, 11, 0)
+    wall[0] = datetime(2026, 12, 1, 11, 0)
+    while engine.has_unfinished:
+        engine.step()
+    assert engine.scheduler.knobs.max_num_seqs == 16
+    assert engine.scheduler.config.max_queue_requests == 200  # back to the default
+    assert engine._schedule_due == datetime(2026, 12, 2, 9, 0)  # tomorrow's peak
+
+
+def test_prediction_margin_is_the_late_quantile_of_errors() -> None:
+    errors = PredictionError(window=100)
+    for _ in range(7):
+        errors.record(1.0, 3.0)
+    assert errors.margin() == 0.0  # too few samples to trust
+    errors = PredictionError(window=100)
+    for i in range(100):
+        errors.record(1.0, 1.0 + i / 100)  # late by 0.00 .. 0.99 s
+    assert errors.margin() == pytest.approx(0.9)
+    early = PredictionError()
+    for _ in range(20):
+        early.record(2.0, 1.0)
+    assert early.margin() == 0.0  # early first tokens never lower the prediction
+
+
+def test_adaptive_admission_sheds_a_predicted_ttft_miss_including_the_margin() -> None:
+    from carpool.scheduler import RejectedError, Request
+
+    config = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64)
+    sched = Scheduler(config, CacheConfig(block_size=4), 256, FakeClock(),
+                      ControllerConfig(adaptive=True, ttft_target=1.0))
+    for tokens in (8, 16, 32, 64, 24, 40, 56, 12, 60, 30):
+        sched.record_step(tokens, 2, 0.01 + 0.001 * tokens)  # a 64-token step: 74 ms
+    sched.add_request(Request("a", [1] * 40, 4, 0.0))  # predicted ~0.05 s: admitted
+    assert sched.requests["a"].predicted_ttft == pytest.approx(0.05, abs=0.01)
+    for _ in range(10):
+        sched.admission.prediction_error.record(0.05, 1.05)  # first tokens came 1 s late
+    with pytest.raises(RejectedError) as info:
+        sched.add_request(Request("b", [2] * 40, 4, 0.0))
+    assert info.value.reason == "predicted_ttft_miss"
+    assert sched.rejections == {"predicted_ttft_miss": 1}
