@@ -89,10 +89,11 @@ def test_prediction_margin_is_the_late_quantile_of_errors() -> None:
     for _ in range(7):
         errors.record(1.0, 3.0)
     assert errors.margin() == 0.0  # too few samples to trust
-    errors = PredictionError(window=100)
+    errors = PredictionError(window=100, quantile=0.9)
     for i in range(100):
         errors.record(1.0, 1.0 + i / 100)  # late by 0.00 .. 0.99 s
     assert errors.margin() == pytest.approx(0.9)
+    assert PredictionError().quantile == 0.99  # the default aims at the p99 TTFT
     early = PredictionError()
     for _ in range(20):
         early.record(2.0, 1.0)

@@ -52,14 +52,14 @@ def predict_slot_delay(cost: StepCostModel, remaining_tokens: list[int],
 class PredictionError:
     """How late first tokens came against their prediction, learned online.
 
-    ``margin`` is the 90th percentile of (actual - predicted) TTFT over the
-    last ``window`` admitted requests that had a prediction (never below 0):
-    shedding adds it to every prediction, so a cost model that is
-    optimistic under the current load sheds earlier instead of letting the
-    admitted requests miss their target.
+    ``margin`` is the 99th percentile (``quantile``) of (actual - predicted)
+    TTFT over the last ``window`` admitted requests that had a prediction
+    (never below 0): shedding adds it to every prediction, so a cost model
+    that is optimistic under the current load sheds earlier instead of
+    letting the admitted requests' p99 TTFT miss the target.
     """
 
-    def __init__(self, window: int = 256, quantile: float = 0.9) -> None:
+    def __init__(self, window: int = 256, quantile: float = 0.99) -> None:
         self.quantile = quantile
         self._errors: deque[float] = deque(maxlen=window)
 
