@@ -231,9 +231,12 @@ def test_alpha_adapts_to_which_target_is_missed() -> None:
     assert ctl.alpha == 4.0
 
 
-def test_every_decision_is_logged_with_its_cause() -> None:
+def test_every_decision_is_logged_with_its_cause(caplog) -> None:
     ctl = controller(ttft_target=0.5, hysteresis_ticks=1)
-    tick(ctl, signals(ttft=0.82, busy=0.5))
+    with caplog.at_level("INFO", logger="carpool.scheduler.controller"):
+        tick(ctl, signals(ttft=0.82, busy=0.5))
+    assert ("controller: mode throughput <- balanced: ttft_p95 0.82 s > 0.50 s (1 ticks)"
+            in caplog.messages)
     mode = [d for d in ctl.decisions if d.knob == "mode"]
     assert [d.describe() for d in mode] == [
         "mode throughput <- balanced: ttft_p95 0.82 s > 0.50 s (1 ticks)"]

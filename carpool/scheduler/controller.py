@@ -30,6 +30,7 @@ Pure Python; the scheduler calls ``on_step`` once per step.
 """
 from __future__ import annotations
 
+import logging
 import math
 from collections import Counter, deque
 from dataclasses import dataclass, fields
@@ -39,6 +40,7 @@ from carpool.scheduler.cost_model import StepCostModel
 from carpool.scheduler.live_window import LiveWindow, SampleWindow, Signals
 from carpool.scheduler.modes import PRESETS, ModePreset, ModeSelector
 
+logger = logging.getLogger(__name__)
 MIN_WAIT = 0.005  # seconds: the timeout rules never take max_wait below this
 ALPHA_RANGE = (1.0, 4.0)
 ALPHA_START = 2.0
@@ -330,8 +332,10 @@ class AdaptiveController:
         return None
 
     def _log(self, now: float, knob: str, old, new, reason: str, cause: str) -> None:
-        self.decisions.append(Decision(now, knob, old, new, reason, cause))
+        decision = Decision(now, knob, old, new, reason, cause)
+        self.decisions.append(decision)
         self.decision_counts[(knob, reason)] += 1
+        logger.info("controller: %s", decision.describe())
 
 
 def _over(value: float | None, target: float | None) -> bool:
