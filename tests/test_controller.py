@@ -290,7 +290,7 @@ adaptive_ops = st.lists(st.one_of(
        tpot=st.sampled_from([None, 0.001, 0.05]), ttft=st.sampled_from([None, 0.01, 1.0]))
 def test_no_accepted_request_is_lost_while_the_controller_moves_knobs(ops, mode, tpot, ttft):
     scheduler = adaptive_scheduler(controller_mode=mode, tpot_target=tpot, ttft_target=ttft)
-    ledger = Ledger(scheduler)
+    ledger = Ledger(scheduler, before_step=lambda: scheduler.record_step(10, 2, 0.004))
     for index, op in enumerate(ops):
         if op[0] == "add":
             request = Request(f"r{index}", op[1], op[2], scheduler.clock(), op[3])
@@ -299,16 +299,8 @@ def test_no_accepted_request_is_lost_while_the_controller_moves_knobs(ops, mode,
                 ledger.accepted.append(request)
             except RejectedError as exc:
                 assert exc.reason in ("queue_full", "predicted_ttft_miss")
-        elif op[0] == "step":
-            for _ in range(op[1]):
-                scheduler.record_step(10, 2, 0.004)
-                ledger.step()
-        elif op[0] == "abort" and ledger.accepted:
-            victim = ledger.accepted[op[1] % len(ledger.accepted)]
-            if scheduler.abort_request(victim.request_id) is not None:
-                ledger.end(victim, "abort")
-        elif op[0] == "wait":
-            scheduler.clock.now += op[1]
+        else:
+            ledger.run(op)
         ledger.check(scheduler.config)
     for _ in range(2000):
         if not scheduler.has_unfinished:

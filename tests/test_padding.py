@@ -9,15 +9,8 @@ from carpool.config import EngineConfig, SchedulerConfig
 from carpool.engine.llm_engine import LLMEngine
 from carpool.executor.base import BatchItem, Padding
 from carpool.scheduler.request import Request
+from tests.test_engine_tiny import PROMPTS
 
-PROMPTS = [
-    "The quick brown fox",
-    "Continuous batching keeps the GPU busy while users get fast answers. " * 3,
-    "def add(a, b):",
-    "Emoji: 😀👍🏽",
-    "Numbers 12345 67890 and punctuation!? (yes) [no] {maybe} " * 2,
-    "café",
-]
 # Unequal lengths: batch members finish at different steps and keep their rows.
 PARAMS = [SamplingParams(max_tokens=4 + 3 * i, temperature=0.0, ignore_eos=True)
           for i in range(len(PROMPTS))]

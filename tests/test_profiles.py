@@ -24,6 +24,10 @@ from carpool.profiles.schedule import (
     settings_at,
 )
 from carpool.server.config import ServerConfig
+from tests import test_server_app as server_app_tests
+
+# The module-scoped tiny AsyncEngine fixture, shared with the server app tests.
+engine = server_app_tests.engine
 
 SCENARIOS = ["chat", "code", "documents", "translate"]
 
@@ -233,16 +237,6 @@ def test_profiles_command_shows_resolved_yaml_and_the_active_window(capsys):
 
 # -- the server's character cap ---------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir):
-    from carpool.engine.async_engine import AsyncEngine
-    from carpool.engine.llm_engine import LLMEngine
-
-    config = EngineConfig.from_dict({"model": str(tiny_model_dir), "attention_backend": "torch",
-                                     "kv_cache_memory": "16MiB"})
-    async_engine = AsyncEngine(LLMEngine.from_config(config))
-    yield async_engine
-    async_engine.shutdown()
 
 
 def _client(engine, **server_settings) -> TestClient:

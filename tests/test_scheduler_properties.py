@@ -172,10 +172,24 @@ overload_ops = st.lists(st.one_of(
 class Ledger:
     """How each accepted request ended; ending twice or never fails the test."""
 
-    def __init__(self, scheduler: Scheduler) -> None:
+    def __init__(self, scheduler: Scheduler, before_step=None) -> None:
         self.scheduler = scheduler
+        self.before_step = before_step  # called before every step, e.g. to feed the cost model
         self.accepted: list[Request] = []
         self.ended: dict[str, str] = {}
+
+    def run(self, op: tuple) -> None:
+        """Apply ``("step", n)``, ``("abort", index)`` or ``("wait", seconds)``."""
+        if op[0] == "step":
+            for _ in range(op[1]):
+                self.step()
+                self.check(self.scheduler.config)
+        elif op[0] == "abort" and self.accepted:
+            victim = self.accepted[op[1] % len(self.accepted)]
+            if self.scheduler.abort_request(victim.request_id) is not None:
+                self.end(victim, "abort")
+        elif op[0] == "wait":
+            self.scheduler.clock.now += op[1]
 
     def end(self, request: Request, how: str) -> None:
         assert request.request_id not in self.ended, f"{request.request_id} ended twice"
@@ -183,6 +197,8 @@ class Ledger:
         self.ended[request.request_id] = how
 
     def step(self) -> None:
+        if self.before_step is not None:
+            self.before_step()
         for request in run_step(self.scheduler):
             self.end(request, "finished")
         for request in self.scheduler.pop_rejected():
@@ -235,16 +251,8 @@ def test_every_accepted_request_ends_exactly_once_under_overload(
             except RejectedError as exc:
                 assert exc.reason in ("queue_full", "queue_tokens")
                 assert 1 <= exc.retry_after <= 60
-        elif op[0] == "step":
-            for _ in range(op[1]):
-                ledger.step()
-                ledger.check(scheduler.config)
-        elif op[0] == "abort" and ledger.accepted:
-            victim = ledger.accepted[op[1] % len(ledger.accepted)]
-            if scheduler.abort_request(victim.request_id) is not None:
-                ledger.end(victim, "abort")
-        elif op[0] == "wait":
-            scheduler.clock.now += op[1]
+        else:
+            ledger.run(op)
         ledger.check(scheduler.config)
 
     limit = 10 + sum(r.num_prompt_tokens + 2 * r.max_tokens for r in ledger.accepted) * 4
