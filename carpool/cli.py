@@ -239,6 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "batching, side by side")
     add_regimes_args(regimes)
     add_engine_flags(regimes)
+    _add_client_benches(bench_commands)
     from carpool.bench.tune import add_tune_parser
 
     add_tune_parser(commands, add_engine_flags)
@@ -249,6 +250,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_client_benches(bench_commands) -> None:
+    """Benchmarks that drive a server over HTTP: no engine flags."""
+    from carpool.bench.serve import add_bench_serve_args
+    from carpool.bench.sweep import add_sweep_args
+
+    add_bench_serve_args(bench_commands.add_parser(
+        "serve", help="replay a workload (real traces or synthetic) against any "
+                      "OpenAI-compatible server; latency, goodput, JSON + HTML report"))
+    add_sweep_args(bench_commands.add_parser(
+        "sweep", help="find a server's capacity under an SLO: synchronous and max-throughput "
+                      "probes, then rates in between"))
+    from carpool.bench.compare import add_compare_args
+
+    add_compare_args(bench_commands.add_parser(
+        "compare", help="results of bench serve side by side, with ratios to the first"))
+
+
+def _run_client_bench(args: argparse.Namespace) -> int:
+    if args.bench_command == "serve":
+        from carpool.bench.serve import run_bench_serve
+
+        return run_bench_serve(args)
+    if args.bench_command == "sweep":
+        from carpool.bench.sweep import run_sweep
+
+        return run_sweep(args)
+    from carpool.bench.compare import run_compare
+
+    return run_compare(args)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -256,6 +288,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             from carpool.profiles.command import run_profiles
 
             return run_profiles(args)
+        if getattr(args, "bench_command", None) in ("serve", "sweep", "compare"):
+            return _run_client_bench(args)
         if args.command == "serve" and args.model_path:
             args.engine_model = args.model_path
         config = engine_config_from_args(args)

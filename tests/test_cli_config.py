@@ -103,3 +103,21 @@ def test_bench_regimes_replays_one_workload_under_each_regime(tiny_model_dir, tm
     assert rows[2]["fill_rate"] == rows[3]["fill_rate"] == 1.0  # continuous never pads
     assert rows[0]["batches"] >= 3 and rows[2]["batches"] == 0
     assert "continuous" in result.stdout
+
+
+def test_bench_regimes_finds_the_peak_rate_under_an_slo(tiny_model_dir, tmp_path):
+    out = tmp_path / "regimes.json"
+    common = ["bench", "regimes", "--model", str(tiny_model_dir), "--attention-backend", "torch",
+              "--num-requests", "6", "--input-len", "12", "--output-len", "4",
+              "--regimes", "continuous"]
+    result = run_cli(*common, "--rates", "20,40", "--slo", "e2e=60s", "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    import json
+
+    row = json.loads(out.read_text())["results"][0]
+    assert sorted(float(r) for r in row["rates"]) == [20.0, 40.0]
+    assert row["peak_rate_under_slo"] == 40.0  # a minute per request is met at both rates
+    assert row["slo_attainment"] == 1.0 and row["ttft_mean"] <= row["e2e_mean"]
+    assert "peak rate under SLO" in result.stdout
+    missing_slo = run_cli(*common, "--rates", "20")
+    assert missing_slo.returncode == 2 and "give --slo too" in missing_slo.stderr

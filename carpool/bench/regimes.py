@@ -1,19 +1,21 @@
 """``carpool bench regimes``: one workload replayed in real time against the
-engine under each batching regime, side by side.
+engine under each batching regime, side by side, with ratios to the first.
 
-Requests arrive by a seeded Poisson process at ``--rate`` per second (the
-same schedule for every regime) with lengths from ``--lengths-file`` or
-fixed; ``ignore_eos`` makes every regime generate the same tokens. Latency
-counts from the intended arrival time, so a regime that falls behind pays
-for it in TTFT. All regimes share one loaded model (one executor).
+The workload is the one ``carpool bench serve`` sends (a shared trace with
+its own timestamps, trace lengths under a seeded arrival process, or
+synthetic; see carpool/bench/workload.py), tokenized once; every regime
+replays the same requests at the same times with ``ignore_eos``, so all do
+the same work. Latency counts from the intended arrival time, so a regime
+that falls behind pays for it in TTFT. All regimes share one loaded model.
 
 Static and dynamic batches run padded (``padding: right`` unless the
 settings say otherwise), so they pay the padding a real request-level
-batcher pays; continuous batching never pads. ``--padding none`` runs them
-ragged; another alignment needs ``--batching static`` (or dynamic) too, as
-continuous batching, the default, only admits ``none``. Fill rate = real
-tokens / computed token slots; padding waste = 1 - fill; effective tok/s
-counts real tokens only.
+batcher pays; continuous batching never pads. Fill rate = real tokens /
+computed token slots; padding waste = 1 - fill; effective tok/s counts real
+tokens only. With ``--slo`` and ``--rates``, each regime is also replayed
+at each of those offered rates (the schedule's gaps rescaled) and the
+highest rate at which ``--attainment`` of requests meet the SLO is its
+peak rate under the SLO.
 """
 from __future__ import annotations
 
@@ -23,8 +25,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from carpool.bench.arrivals import Surge, arrival_offsets
-from carpool.bench.throughput import BenchRequest, add_workload_args, make_workload
+from carpool.bench.arrivals import rescale_offsets
+from carpool.bench.stats import OK, REJECTED, RequestRecord, summarize
+from carpool.bench.throughput import BenchRequest
+from carpool.bench.tune import parse_slo
+from carpool.bench.workload import add_workload_args, build_workload, describe_workload
 from carpool.config import EngineConfig
 from carpool.sampling_params import SamplingParams
 from carpool.scheduler import RejectedError
@@ -33,23 +38,18 @@ from carpool.scheduler import RejectedError
 REGIMES = ("static", "dynamic", "continuous", "adaptive")
 
 
-def add_arrival_args(parser: argparse.ArgumentParser) -> None:
-    """Seeded arrivals (shared with ``carpool tune``)."""
-    group = parser.add_argument_group("arrivals")
-    group.add_argument("--rate", type=float, default=2.0, help="mean arrivals per second")
-    group.add_argument("--burstiness", type=float, default=1.0,
-                       help="gamma shape of the gaps: 1 = Poisson, < 1 burstier")
-    group.add_argument("--surge", action="append", type=Surge.parse, default=[],
-                       metavar="FACTORx@START+DURATION",
-                       help="multiply the rate for a while, e.g. 3x@20+30 (repeatable)")
-
-
 def add_regimes_args(parser: argparse.ArgumentParser) -> None:
-    add_workload_args(parser)
-    add_arrival_args(parser)
+    add_workload_args(parser, seed_flag="--workload-seed")
     parser.add_argument("--regimes", default="static,dynamic,continuous,adaptive",
                         help=f"comma-separated, from {', '.join(REGIMES)} (adaptive = "
                              f"continuous under the adaptive controller)")
+    parser.add_argument("--slo", type=parse_slo, default={},
+                        help="per-request limits, e.g. ttft=2s,tpot=400ms (ttft, tpot, e2e)")
+    parser.add_argument("--rates", default="",
+                        help="offered rates (req/s) at which to look for each regime's peak "
+                             "rate under --slo, e.g. 1,2,3")
+    parser.add_argument("--attainment", type=float, default=0.9,
+                        help="share of requests that must meet the SLO at a rate")
     parser.add_argument("--json", default=None, help="write the results here as JSON")
 
 
@@ -57,59 +57,35 @@ def add_regimes_args(parser: argparse.ArgumentParser) -> None:
 class RegimeResult:
     regime: str
     padding: str
-    requests: int
-    rejected: int
-    output_tokens: int
     seconds: float  # first arrival to last finish
     computed_tokens: int
     slot_tokens: int
     busy_seconds: float
     batches: int
-    ttft: list[float]
-    tpot: list[float]
-    e2e: list[float]
+    records: list[RequestRecord]
 
-    def row(self) -> dict[str, float | str]:
+    def row(self, slo: dict[str, float] | None = None) -> dict:
+        """The regime's line: throughput, busy share, fill, latency mean/p50/p99."""
+        summary = summarize(self.records, self.seconds, slo)
         fill = self.computed_tokens / max(1, self.slot_tokens)
-        return {
-            "regime": self.regime, "padding": self.padding, "requests": self.requests,
-            "output_tokens": self.output_tokens, "seconds": self.seconds,
-            "output_tok_s": self.output_tokens / self.seconds,
+        row = {
+            "regime": self.regime, "padding": self.padding, "requests": summary["requests"],
+            "output_tokens": summary["output_tokens"], "seconds": self.seconds,
+            "output_tok_s": summary["output_throughput"],
             "effective_tok_s": self.computed_tokens / self.seconds,
             "fill_rate": fill, "padding_waste": 1.0 - fill,
             "slot_tokens": self.slot_tokens, "computed_tokens": self.computed_tokens,
             "busy": self.busy_seconds / self.seconds, "batches": self.batches,
-            "ttft_p50": _pct(self.ttft, 50), "ttft_p99": _pct(self.ttft, 99),
-            "tpot_p50": _pct(self.tpot, 50), "tpot_p99": _pct(self.tpot, 99),
-            "e2e_p50": _pct(self.e2e, 50), "e2e_p99": _pct(self.e2e, 99),
-            "ttft_max": max(self.ttft, default=float("nan")),
-            "rejected_share": self.rejected / self.requests}
+            "rejected_share": summary["rejected_share"],
+            "slo_attainment": summary["slo_attainment"]}
+        for metric in ("ttft", "tpot", "e2e"):
+            for stat in ("mean", "p50", "p99", "max"):
+                row[f"{metric}_{stat}"] = _nan(summary[metric][stat])
+        return row
 
 
-def _pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
-
-
-def workload_offsets(args: argparse.Namespace, count: int) -> list[float]:
-    return arrival_offsets(count, args.rate, args.bench_seed, args.burstiness, args.surge)
-
-
-def excess_share(offsets: list[float], capacity: float, max_delay: float) -> float:
-    """The share of arrivals an ideal server must turn away to start every
-    admitted one within ``max_delay``: a FIFO fluid queue serving
-    ``capacity`` requests per second that rejects an arrival whose wait would
-    exceed ``max_delay``. It is the load in excess of capacity."""
-    free_at, rejected = 0.0, 0
-    for t in offsets:
-        start = max(t, free_at)
-        if start - t > max_delay:
-            rejected += 1
-            continue
-        free_at = start + 1.0 / capacity
-    return rejected / len(offsets) if offsets else 0.0
+def _nan(value: float | None) -> float:
+    return float("nan") if value is None else value
 
 
 def replay(engine, workload: list[BenchRequest], offsets: list[float]) -> RegimeResult:
@@ -118,75 +94,110 @@ def replay(engine, workload: list[BenchRequest], offsets: list[float]) -> Regime
     counters_before = engine.counters.copy()
     pending = list(zip(offsets, workload))
     pending.reverse()
-    finals = []
-    turned_away = 0
+    records: dict[str, RequestRecord] = {}
+    turned_away = []
     while pending or engine.has_unfinished:
         now = time.monotonic() - start
         while pending and pending[-1][0] <= now:
             offset, request = pending.pop()
+            record = RequestRecord(len(records) + len(turned_away), offset,
+                                   len(request.prompt_token_ids), request.output_len, sent=offset)
             try:
-                engine.add_request(request.prompt_token_ids, SamplingParams(
+                request_id = engine.add_request(request.prompt_token_ids, SamplingParams(
                     max_tokens=request.output_len, temperature=0, ignore_eos=True),
                     arrival_time=start + offset)
-            except RejectedError:
-                turned_away += 1  # admission control said no at arrival (HTTP 429)
+                records[request_id] = record
+            except RejectedError:  # admission control said no at arrival (HTTP 429)
+                record.status, record.reason, record.finished = REJECTED, "admission", offset
+                turned_away.append(record)
         if engine.has_unfinished:
-            finals += [o for o in engine.step() if o.finished]
+            for output in engine.step():
+                if output.finished:
+                    _finish(records[output.request_id], output, start)
         elif pending:
             time.sleep(max(0.0, pending[-1][0] - now))  # idle until the next arrival
-    result = _result(engine, finals, counters_before, time.monotonic() - start)
-    result.requests += turned_away
-    result.rejected += turned_away
-    return result
+    everything = sorted([*records.values(), *turned_away], key=lambda r: r.index)
+    return _result(engine, everything, counters_before, time.monotonic() - start)
 
 
-def _result(engine, finals, before, seconds: float) -> RegimeResult:
+def _finish(record: RequestRecord, output, start: float) -> None:
+    """In-process records carry the first and the last token's times only
+    (TTFT, TPOT and E2E are exact; there is no per-chunk ITL)."""
+    record.finished = output.finish_time - start
+    if output.finish_reason == "rejected":  # shed while queued
+        record.status, record.reason = REJECTED, "shed"
+        return
+    record.status = OK
+    record.chunk_times = [output.first_token_time - start]
+    record.output_tokens = output.num_output_tokens
+
+
+def _result(engine, records: list[RequestRecord], before, seconds: float) -> RegimeResult:
     after = engine.counters
-    done = [o for o in finals if o.finish_reason != "rejected"]
-    tpot = [(o.finish_time - o.first_token_time) / (o.num_output_tokens - 1)
-            for o in done if o.num_output_tokens > 1]
     gate = engine.scheduler.gate
     adaptive = engine.scheduler.controller is not None
     return RegimeResult(
         regime="adaptive" if adaptive else engine.config.scheduler.batching,
-        padding=engine.config.scheduler.padding_mode, requests=len(finals),
-        rejected=len(finals) - len(done),
-        output_tokens=sum(o.num_output_tokens for o in done), seconds=seconds,
+        padding=engine.config.scheduler.padding_mode, seconds=seconds,
         computed_tokens=after.computed_tokens - before.computed_tokens,
         slot_tokens=after.slot_tokens - before.slot_tokens,
         busy_seconds=after.busy_seconds - before.busy_seconds,
-        batches=gate.stats.batches if gate else 0,
-        ttft=[o.first_token_time - o.arrival_time for o in done],
-        tpot=tpot, e2e=[o.finish_time - o.arrival_time for o in done])
+        batches=gate.stats.batches if gate else 0, records=records)
+
+
+def encode_workload(args: argparse.Namespace, tokenizer) -> tuple[list[BenchRequest], list[float]]:
+    """The shared workload as token ids (exact: prompts are built with this
+    tokenizer) and its send offsets."""
+    items = build_workload(args, tokenizer)
+    return ([BenchRequest(tokenizer.encode(item.prompt), item.output_tokens) for item in items],
+            [item.offset for item in items])
+
+
+def parse_rates(text: str) -> list[float]:
+    rates = sorted({float(r) for r in text.split(",") if r.strip()})
+    if any(r <= 0 for r in rates):
+        raise ValueError(f"--rates must be positive, got {text!r}")
+    return rates
 
 
 def run_regimes(config: EngineConfig, args: argparse.Namespace) -> int:
+    from carpool.bench.regimes_report import print_row, print_table, surge_summary
     from carpool.engine.llm_engine import LLMEngine
 
     base = LLMEngine.from_config(config)
-    workload = make_workload(args, base.model_config.vocab_size,
-                             set(base.tokenizer.all_special_ids))
-    offsets = workload_offsets(args, len(workload))
+    workload, offsets = encode_workload(args, base.tokenizer)
     regimes = [r.strip() for r in args.regimes.split(",") if r.strip()]
     unknown = set(regimes) - set(REGIMES)
     if unknown:
         raise ValueError(f"unknown regimes {sorted(unknown)}; choose from {', '.join(REGIMES)}")
+    rates = parse_rates(args.rates)
+    if rates and not args.slo:
+        raise ValueError("--rates looks for the peak rate under an SLO: give --slo too")
     _warm_up(base, workload[0])
-    summary = {}
-    if args.surge:
-        summary = _surge_summary(base, config, workload, offsets)
+    summary = surge_summary(base, config, workload, offsets) if args.surge else {}
+
+    def engine_for(regime: str):
+        return LLMEngine(regime_config(config, regime), base.tokenizer, base.model_config,
+                         base.executor, base.max_model_len)
+
     rows = []
     for regime in regimes:
-        engine = LLMEngine(regime_config(config, regime), base.tokenizer, base.model_config,
-                           base.executor, base.max_model_len)
-        result = replay(engine, workload, offsets)
-        rows.append(result.row())
-        _print_row(rows[-1], rows[0])
+        row = replay(engine_for(regime), workload, offsets).row(args.slo)
+        row["rates"] = {}
+        for rate in rates:
+            at_rate = replay(engine_for(regime), workload, rescale_offsets(offsets, rate)).row(args.slo)
+            row["rates"][rate] = at_rate
+        met = [rate for rate, r in row["rates"].items() if r["slo_attainment"] >= args.attainment]
+        row["peak_rate_under_slo"] = max(met) if met else None
+        rows.append(row)
+        print_row(row, rows[0], bool(rates))
+    print_table(rows, args, describe_workload(args))
     if args.json:
         Path(args.json).write_text(json.dumps(
             {"config": {k: v for k, v in vars(args).items() if k != "func"},
-             "scheduler": vars(config.scheduler), "controller": vars(config.controller),
-             **summary, "results": rows}, indent=2, default=str))
+             "workload": describe_workload(args), "scheduler": vars(config.scheduler),
+             "controller": vars(config.controller), **summary, "results": rows},
+            indent=2, default=str))
     return 0
 
 
@@ -203,37 +214,7 @@ def regime_config(config: EngineConfig, regime: str) -> EngineConfig:
     return out.validate()
 
 
-def _surge_summary(base, config: EngineConfig, workload, offsets) -> dict:
-    """Capacity (requests/s, every request at once, continuous batching) and
-    the excess load of this schedule against the TTFT target."""
-    from carpool.engine.llm_engine import LLMEngine
-
-    engine = LLMEngine(regime_config(config, "continuous"), base.tokenizer, base.model_config,
-                       base.executor, base.max_model_len)
-    offline = replay(engine, workload, [0.0] * len(workload))
-    capacity = offline.requests / offline.seconds
-    target = config.controller.ttft_target or 0.0
-    excess = excess_share(offsets, capacity, target)
-    print(f"capacity {capacity:.2f} requests/s (all {offline.requests} at once); offered "
-          f"{len(offsets) / max(offsets[-1], 1e-9):.2f}/s on average; excess load over "
-          f"capacity at TTFT target {target:g} s: {excess:.1%}", flush=True)
-    return {"capacity_rps": capacity, "excess_share": excess, "ttft_target": target}
-
-
 def _warm_up(engine, request: BenchRequest) -> None:
     engine.add_request(request.prompt_token_ids[:16], SamplingParams(max_tokens=4))
     while engine.has_unfinished:
         engine.step()
-
-
-def _print_row(row: dict, first: dict) -> None:
-    if row is first:
-        print(f"{'regime':<11} {'padding':<7} {'out tok/s':>9} {'vs first':>8} {'eff tok/s':>9} "
-              f"{'fill':>5} {'waste':>5} {'busy':>5} {'TTFT p50':>8} {'p99':>7} "
-              f"{'TPOT p50':>8} {'p99':>7} {'E2E p50':>7} {'p99':>7} {'rej':>5}")
-    ratio = row["output_tok_s"] / first["output_tok_s"]
-    print(f"{row['regime']:<11} {row['padding']:<7} {row['output_tok_s']:>9.1f} {ratio:>7.2f}x "
-          f"{row['effective_tok_s']:>9.1f} {row['fill_rate']:>5.2f} {row['padding_waste']:>5.0%} "
-          f"{row['busy']:>5.0%} {row['ttft_p50']:>8.2f} {row['ttft_p99']:>7.2f} "
-          f"{row['tpot_p50']:>8.3f} {row['tpot_p99']:>7.3f} {row['e2e_p50']:>7.2f} "
-          f"{row['e2e_p99']:>7.2f} {row['rejected_share']:>5.0%}", flush=True)

@@ -264,11 +264,9 @@ def _arg(parse):
 def add_tune_args(parser: argparse.ArgumentParser) -> None:
     """Workload, replay and sweep flags (the engine flags come separately;
     the engine flag ``--batching`` picks the regime to tune)."""
-    from carpool.bench.regimes import add_arrival_args
-    from carpool.bench.throughput import add_workload_args
+    from carpool.bench.workload import add_workload_args
 
-    add_workload_args(parser)
-    add_arrival_args(parser)
+    add_workload_args(parser, seed_flag="--workload-seed")
     group = parser.add_argument_group("sweep")
     group.add_argument("--batch-sizes", type=_arg(parse_batch_sizes), default=[4, 8, 16, 32],
                        help="batch sizes: preferred_batch_size (static/dynamic) or "
@@ -316,26 +314,29 @@ def _measure(base, config: EngineConfig, setting: Setting, workload, offsets) ->
     result = replay(engine, workload, offsets)
     row = result.row()
     return TunePoint(setting, row["output_tok_s"], row["ttft_p99"], row["tpot_p99"],
-                     row["e2e_p99"], row["rejected_share"], result.requests)
+                     row["e2e_p99"], row["rejected_share"], row["requests"])
 
 
 def describe_workload(args: argparse.Namespace, model: str | None) -> str:
     """One line naming the workload, arrivals and model, for the output and profile."""
-    lengths = (f"lengths from {Path(args.lengths_file).name} x{args.length_scale:g}"
-               if args.lengths_file else f"synthetic {args.input_len} in / {args.output_len} out")
-    arrivals = "Poisson" if args.burstiness == 1 else f"gamma (burstiness {args.burstiness:g})"
+    from carpool.bench.workload import describe_workload as describe
+
+    w = describe(args)
+    lengths = (f"synthetic {args.input_len} in / {args.output_len} out" if w["format"] ==
+               "synthetic" else f"lengths from {w['name']} x{w['token_scale']:g}")
+    arrivals = (f"trace timestamps x{w['time_scale']:g}" if w["arrival"] == "trace"
+                else f"{w['process']} {w['rate']:g}/s")
     surges = "".join(f", surge {x.factor:g}x at {x.start:g}+{x.duration:g} s"
                      for x in args.surge)
-    return (f"{args.num_requests} requests, {arrivals} {args.rate:g}/s{surges}, {lengths}, seed "
-            f"{args.bench_seed}, model {model or 'default'}")
+    return (f"{w['num_requests']} requests, {arrivals}{surges}, {lengths}, seed "
+            f"{w['seed']}, model {model or 'default'}")
 
 
 def run_tune(config: EngineConfig, args: argparse.Namespace) -> int:
     """Run the sweep, print the table and recommendation, write JSON/profile."""
     from tqdm import tqdm
 
-    from carpool.bench.regimes import _warm_up, workload_offsets
-    from carpool.bench.throughput import make_workload
+    from carpool.bench.regimes import _warm_up, encode_workload
     from carpool.engine.llm_engine import LLMEngine
 
     batching = config.scheduler.batching
@@ -346,11 +347,11 @@ def run_tune(config: EngineConfig, args: argparse.Namespace) -> int:
         print("continuous batching is iteration-level and has no batching wait: sweeping "
               "batch size (max_num_seqs) only; --max-waits does not apply")
     base = LLMEngine.from_config(config)
-    workload = make_workload(args, base.model_config.vocab_size,
-                             set(base.tokenizer.all_special_ids))
-    offsets = workload_offsets(args, len(workload))
+    workload, offsets = encode_workload(args, base.tokenizer)
     _warm_up(base, workload[0])
-    offered = args.rate * sum(r.output_len for r in workload) / len(workload)
+    span = offsets[-1] - offsets[0]
+    offered = (len(offsets) - 1) / span * sum(r.output_len for r in workload) / len(workload) \
+        if span > 0 else float("inf")
     points = []
     with tqdm(grid, desc="tune", unit="setting", file=sys.stderr) as bar:
         for setting in bar:

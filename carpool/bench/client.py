@@ -1,0 +1,144 @@
+"""One streaming request to an OpenAI-compatible server, timed on the client.
+
+Works against any server speaking ``/v1/completions`` or
+``/v1/chat/completions`` with server-sent events (carpool, vLLM, SGLang,
+TGI, llama.cpp's server...). Output tokens come from the final usage chunk
+(``stream_options.include_usage``); servers that send none are counted with
+our tokenizer, which also cross-checks the ones that do.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import httpx
+
+from carpool.bench.stats import FAILED, OK, REJECTED, RequestRecord
+
+# "Not now" answers: the server shed load; counted apart from failures.
+REJECT_STATUSES = {429: "http_429", 503: "http_503"}
+# Bytes of an error body kept for the report.
+_ERROR_BODY_CHARS = 300
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where and how to send: the endpoint kind and the fixed request fields."""
+
+    base_url: str  # ends with /v1
+    model: str
+    endpoint: str = "completions"  # or "chat"
+    api_key: str | None = None
+    temperature: float = 0.0
+    ignore_eos: bool = True
+    extra_body: tuple[tuple[str, object], ...] = ()
+
+    @property
+    def url(self) -> str:
+        path = "chat/completions" if self.endpoint == "chat" else "completions"
+        return f"{self.base_url.rstrip('/')}/{path}"
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def payload(self, prompt: str, max_tokens: int) -> dict:
+        body: dict = {"model": self.model, "max_tokens": max_tokens, "stream": True,
+                      "stream_options": {"include_usage": True},
+                      "temperature": self.temperature}
+        if self.ignore_eos:
+            body["ignore_eos"] = True  # vLLM/SGLang/TGI/carpool extension
+        if self.endpoint == "chat":
+            body["messages"] = [{"role": "user", "content": prompt}]
+        else:
+            body["prompt"] = prompt
+        body.update(dict(self.extra_body))
+        return body
+
+
+async def send_request(client: httpx.AsyncClient, target: Target, prompt: str,
+                       record: RequestRecord, clock: Callable[[], float],
+                       count_tokens: Callable[[str], int] | None = None) -> None:
+    """Send one request and fill ``record`` (sent, chunk times, finish,
+    status). Never raises for a server or network problem: those become
+    ``record.status`` REJECTED or FAILED with a reason."""
+    record.sent = clock()
+    try:
+        async with client.stream("POST", target.url, json=target.payload(
+                prompt, record.max_tokens), headers=target.headers) as response:
+            if response.status_code != 200:
+                body = (await response.aread()).decode("utf-8", "replace")
+                _refuse(record, response.status_code, body, clock())
+                return
+            await _read_events(response, target.endpoint, record, clock)
+    except httpx.TimeoutException:
+        _fail(record, "timeout", clock())
+        return
+    except httpx.HTTPError as exc:
+        _fail(record, "connection", clock(), str(exc))
+        return
+    if record.status == OK and count_tokens is not None:
+        record.counted_tokens = count_tokens(record.text)
+        if not record.output_tokens:  # the server sent no usage
+            record.output_tokens = record.counted_tokens
+
+
+async def _read_events(response: httpx.Response, endpoint: str, record: RequestRecord,
+                       clock: Callable[[], float]) -> None:
+    parts: list[str] = []
+    done = False
+    async for line in response.aiter_lines():
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            done = True
+            break
+        now = clock()
+        try:
+            event = json.loads(data)
+        except json.JSONDecodeError:
+            _fail(record, "bad_event", now, data[:_ERROR_BODY_CHARS])
+            return
+        if "error" in event:
+            _fail(record, "stream_error", now, json.dumps(event["error"])[:_ERROR_BODY_CHARS])
+            return
+        text = _content(event, endpoint)
+        if text:
+            record.chunk_times.append(now)
+            parts.append(text)
+        usage = event.get("usage")
+        if usage:
+            record.output_tokens = int(usage.get("completion_tokens") or 0)
+            record.server_input_tokens = usage.get("prompt_tokens")
+    record.finished = clock()
+    record.text = "".join(parts)
+    if not done:
+        _fail(record, "incomplete_stream", record.finished)
+    elif not record.chunk_times:
+        _fail(record, "empty_response", record.finished)
+    else:
+        record.status = OK
+
+
+def _content(event: dict, endpoint: str) -> str:
+    choices = event.get("choices") or []
+    if not choices:
+        return ""
+    choice = choices[0]
+    if endpoint == "chat":
+        return (choice.get("delta") or {}).get("content") or ""
+    return choice.get("text") or ""
+
+
+def _refuse(record: RequestRecord, status: int, body: str, now: float) -> None:
+    if status in REJECT_STATUSES:
+        record.status, record.reason, record.finished = REJECTED, REJECT_STATUSES[status], now
+    else:
+        _fail(record, f"http_{status}", now, body[:_ERROR_BODY_CHARS])
+
+
+def _fail(record: RequestRecord, reason: str, now: float, detail: str = "") -> None:
+    record.status, record.reason, record.finished = FAILED, reason, now
+    record.error = detail

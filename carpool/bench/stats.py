@@ -1,0 +1,193 @@
+"""Per-request records of a serving benchmark and the numbers derived from them.
+
+Everything is measured on the client. Times are seconds from the run's
+start (one monotonic clock). Definitions, as in vLLM's ``bench serve``:
+
+- TTFT: send to the first chunk that carries content.
+- E2E: send to the end of the response.
+- TPOT: (E2E - TTFT) / (output tokens - 1); undefined for one token.
+- ITL: every gap between consecutive content chunks (a chunk may carry
+  more than one token when the server holds text back).
+- Rejected (HTTP 429 / 503, the server's "not now") is counted apart from
+  failed (any other error) and never enters the latency statistics.
+
+Percentiles interpolate linearly between order statistics (numpy's
+default, as vLLM reports them). Goodput counts completed requests that meet
+every given SLO, per second of the run; attainment is that count over all
+requests sent, so rejected and failed requests count as misses.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from itertools import pairwise
+
+import numpy as np
+
+LATENCY_METRICS = ("ttft", "tpot", "itl", "e2e")
+PERCENTILES = (50, 90, 95, 99)
+OK, REJECTED, FAILED = "ok", "rejected", "failed"
+
+
+@dataclass
+class RequestRecord:
+    """What the client saw of one request (times from the run start)."""
+
+    index: int
+    scheduled: float
+    input_tokens: int
+    max_tokens: int
+    sent: float | None = None
+    status: str = "pending"  # then OK, REJECTED or FAILED
+    reason: str | None = None  # http_429, http_503, timeout, http_400, connection, ...
+    chunk_times: list[float] = field(default_factory=list)  # content chunks only
+    finished: float | None = None
+    output_tokens: int = 0  # the server's usage (else our tokenizer's count)
+    counted_tokens: int | None = None  # our tokenizer on the returned text
+    server_input_tokens: int | None = None
+    text: str = ""  # the answer's text (not stored in reports)
+    error: str = ""  # the start of an error body or message, for failed requests
+
+    @property
+    def ok(self) -> bool:
+        return self.status == OK and bool(self.chunk_times)
+
+    @property
+    def ttft(self) -> float | None:
+        return self.chunk_times[0] - self.sent if self.ok else None
+
+    @property
+    def e2e(self) -> float | None:
+        return self.finished - self.sent if self.ok else None
+
+    @property
+    def tpot(self) -> float | None:
+        if not self.ok or self.output_tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+    @property
+    def itl(self) -> list[float]:
+        times = self.chunk_times if self.ok else []
+        return [b - a for a, b in pairwise(times)]
+
+    def to_dict(self) -> dict:
+        """The record as the JSON report stores it (no text, no raw chunk times)."""
+        return {"index": self.index, "scheduled": self.scheduled, "sent": self.sent,
+                "status": self.status, "reason": self.reason, "ttft": self.ttft,
+                "e2e": self.e2e, "tpot": self.tpot, "itl": self.itl,
+                "first_token": self.chunk_times[0] if self.ok else None,
+                "finished": self.finished, "input_tokens": self.input_tokens,
+                "output_tokens": self.output_tokens, "counted_tokens": self.counted_tokens,
+                "server_input_tokens": self.server_input_tokens, "error": self.error or None}
+
+
+def distribution(values: list[float]) -> dict[str, float | None]:
+    """mean, p50, p90, p95, p99 and max (None for no values)."""
+    if not values:
+        return {"mean": None, **{f"p{q}": None for q in PERCENTILES}, "max": None}
+    array = np.asarray(values, dtype=float)
+    out = {"mean": float(array.mean())}
+    out.update({f"p{q}": float(np.percentile(array, q)) for q in PERCENTILES})
+    out["max"] = float(array.max())
+    return out
+
+
+def meets_slo(record: RequestRecord, slo: dict[str, float]) -> bool:
+    """Completed, and every SLO metric (ttft, tpot, e2e) within its limit; a
+    one-token answer has no TPOT and cannot miss a TPOT limit."""
+    if not record.ok:
+        return False
+    for metric, limit in slo.items():
+        value = getattr(record, metric)
+        if value is not None and value > limit:
+            return False
+    return True
+
+
+def peak_concurrency(records: list[RequestRecord]) -> int:
+    """The most requests in flight (sent, not yet answered) at any instant;
+    callers leave out rejected ones, which were never being served."""
+    events = []
+    for r in records:
+        if r.sent is not None and r.finished is not None:
+            events += [(r.sent, 1), (r.finished, -1)]
+    # at equal times a finish goes first: back-to-back requests do not overlap
+    events.sort(key=lambda e: (e[0], e[1]))
+    peak = current = 0
+    for _, step in events:
+        current += step
+        peak = max(peak, current)
+    return peak
+
+
+def summarize(records: list[RequestRecord], duration: float,
+              slo: dict[str, float] | None = None) -> dict:
+    """The summary block of a report (see the module docstring for definitions)."""
+    slo = slo or {}
+    sent = [r for r in records if r.sent is not None]
+    done = [r for r in sent if r.ok]
+    rejected = Counter(r.reason for r in sent if r.status == REJECTED)
+    failed = Counter(r.reason for r in sent if r.status == FAILED)
+    duration = max(duration, 1e-9)
+    input_tokens = sum(r.input_tokens for r in done)
+    output_tokens = sum(r.output_tokens for r in done)
+    good = sum(meets_slo(r, slo) for r in done) if slo else None
+    counted = [r for r in done if r.counted_tokens is not None]
+    return {
+        "requests": len(sent), "completed": len(done),
+        "rejected": sum(rejected.values()), "failed": sum(failed.values()),
+        "unsent": len(records) - len(sent),
+        "rejected_by_reason": dict(rejected), "failed_by_reason": dict(failed),
+        "rejected_share": sum(rejected.values()) / max(1, len(sent)),
+        "request_throughput": len(done) / duration,
+        "output_throughput": output_tokens / duration,
+        "total_token_throughput": (input_tokens + output_tokens) / duration,
+        "input_tokens": input_tokens, "output_tokens": output_tokens,
+        "ttft": distribution([r.ttft for r in done]),
+        "tpot": distribution([r.tpot for r in done if r.tpot is not None]),
+        "itl": distribution([gap for r in done for gap in r.itl]),
+        "e2e": distribution([r.e2e for r in done]),
+        "slo": dict(slo),
+        "goodput": good / duration if slo else None,
+        "slo_attainment": good / max(1, len(sent)) if slo else None,
+        "peak_concurrency": peak_concurrency([r for r in sent if r.status != REJECTED]),
+        "token_count_mismatches": sum(r.counted_tokens != r.output_tokens for r in counted),
+    }
+
+
+def timeseries(records: list[RequestRecord], duration: float,
+               server_samples: list[tuple[float, float | None, float | None]],
+               max_points: int = 400) -> dict:
+    """Per-interval series for the report: requests in flight (at each bin's
+    end), output tokens/s (each request's tokens spread over its chunks), and
+    the server's waiting/running gauges when it exposes them."""
+    interval = max(0.5, duration / max_points)
+    bins = max(1, int(np.ceil(duration / interval)))
+    edges = [interval * (i + 1) for i in range(bins)]
+    tokens = np.zeros(bins)
+    for r in records:
+        if r.ok:
+            share = r.output_tokens / len(r.chunk_times)
+            for t in r.chunk_times:
+                tokens[min(bins - 1, int(t // interval))] += share
+    in_flight = [sum(1 for r in records if r.sent is not None and r.sent <= edge
+                     and (r.finished is None or r.finished > edge)) for edge in edges]
+    return {"interval": interval, "t": [interval * i for i in range(bins)],
+            "in_flight": in_flight, "output_tok_s": list(tokens / interval),
+            "server_waiting": _resample(server_samples, 1, edges),
+            "server_running": _resample(server_samples, 2, edges)}
+
+
+def _resample(samples: list[tuple], column: int, edges: list[float]) -> list | None:
+    """The last sample at or before each edge (None before the first)."""
+    usable = [(s[0], s[column]) for s in samples if s[column] is not None]
+    if not usable:
+        return None
+    out, k, last = [], 0, None
+    for edge in edges:
+        while k < len(usable) and usable[k][0] <= edge:
+            last = usable[k][1]
+            k += 1
+        out.append(last)
+    return out

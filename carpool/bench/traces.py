@@ -1,0 +1,271 @@
+"""Readers for the public request traces under ``../shared/traces``.
+
+Every reader returns a list of `TraceRequest` in arrival order, arrivals in
+seconds from the trace's first request (None for length-only files). Three
+formats: the Azure LLM inference trace 2023 (CSV: TIMESTAMP, ContextTokens,
+GeneratedTokens), the Mooncake traces (JSONL: timestamp in ms,
+input_length, output_length, hash_ids) and lengths files (CSV:
+num_prefill_tokens, num_decode_tokens). See ../shared/traces/README.md for
+sources, licences and the attribution reports must carry.
+"""
+from __future__ import annotations
+
+import csv
+import itertools
+import json
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from datetime import date
+from pathlib import Path
+from types import MappingProxyType
+
+# One Mooncake hash id covers this many prompt tokens (the last block may be partial).
+MOONCAKE_BLOCK_TOKENS = 512
+
+TRACES_ENV = "CARPOOL_TRACES"
+
+_AZURE = "Azure LLM inference trace 2023 (Microsoft, Splitwise, ISCA'24; CC-BY-4.0)"
+_MOONCAKE = "Mooncake traces (Moonshot AI / Kimi, FAST'25; Apache-2.0)"
+
+# Short name -> (path relative to the traces dir, format, attribution to quote).
+TRACE_FILES: MappingProxyType[str, tuple[str, str, str]] = MappingProxyType({
+    "azure-conv": ("azure2023/AzureLLMInferenceTrace_conv.csv", "azure", _AZURE),
+    "azure-code": ("azure2023/AzureLLMInferenceTrace_code.csv", "azure", _AZURE),
+    "mooncake-conv": ("mooncake/conversation_trace.jsonl", "mooncake", _MOONCAKE),
+    "mooncake-synthetic": ("mooncake/synthetic_trace.jsonl", "mooncake", _MOONCAKE),
+    "sharegpt": ("lengths/sharegpt_8k_filtered_stats_llama2_tokenizer.csv", "lengths",
+                 "ShareGPT lengths from the Sarathi-Serve project (Microsoft; Apache-2.0)"),
+    "arxiv": ("lengths/arxiv_summarization_stats_llama2_tokenizer_filtered_v2.csv", "lengths",
+              "arXiv summarisation lengths from the Vidur project (Microsoft; MIT)"),
+})
+
+_TIMESTAMP = re.compile(r"\s*(\d{4}-\d{2}-\d{2})[ T](\d{1,2}):(\d{2}):(\d{2}(?:\.\d*)?)\s*")
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    """One request of a trace: when it came (seconds from the first, or None)
+    and how many prompt and output tokens it had; ``hash_ids`` name its
+    prompt's prefix blocks (Mooncake only; equal ids = equal blocks)."""
+
+    arrival: float | None
+    input_len: int
+    output_len: int
+    hash_ids: tuple[int, ...] = ()
+
+
+def traces_dir() -> Path:
+    """``$CARPOOL_TRACES`` if set, else ``../shared/traces`` from the current
+    directory if it exists, else ``shared/traces`` beside the repository."""
+    env = os.environ.get(TRACES_ENV)
+    if env:
+        return Path(env).expanduser()
+    local = Path.cwd().parent / "shared" / "traces"
+    if local.is_dir():
+        return local
+    return Path(__file__).resolve().parents[3] / "shared" / "traces"
+
+
+def resolve_trace(name_or_path: str | os.PathLike) -> Path:
+    """The file of a short trace name (see `TRACE_FILES`) or a path.
+
+    Raises FileNotFoundError saying what to do when it is not there.
+    """
+    text = str(name_or_path)
+    if text in TRACE_FILES:
+        path = traces_dir() / TRACE_FILES[text][0]
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"trace {text!r}: {path} not found; set ${TRACES_ENV} to the folder holding the "
+                f"shared traces (azure2023/, mooncake/, lengths/) or pass the file's path")
+        return path
+    path = Path(text).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"trace {text!r} is neither a known name ({', '.join(TRACE_FILES)}) nor an existing "
+            f"file; pass one of those names or the path of a trace file")
+    return path
+
+
+def trace_format(path: Path) -> str:
+    """``azure``, ``mooncake`` or ``lengths``, from the file's name or header."""
+    for relative, kind, _ in TRACE_FILES.values():
+        if path.as_posix().endswith(relative):
+            return kind
+    if path.suffix == ".jsonl":
+        return "mooncake"
+    with open(path, encoding="utf-8") as f:
+        header = f.readline()
+    if "TIMESTAMP" in header:
+        return "azure"
+    if "num_prefill_tokens" in header:
+        return "lengths"
+    raise ValueError(f"{path}: unknown trace format; expected an Azure CSV (TIMESTAMP, "
+                     f"ContextTokens, GeneratedTokens), a Mooncake JSONL or a lengths CSV "
+                     f"(num_prefill_tokens, num_decode_tokens)")
+
+
+def trace_attribution(path: Path) -> str | None:
+    """The credit a report must carry for results on this shared trace file."""
+    for relative, _, attribution in TRACE_FILES.values():
+        if path.as_posix().endswith(relative):
+            return attribution
+    return None
+
+
+def load_trace(name_or_path: str | os.PathLike) -> list[TraceRequest]:
+    """Read a trace given by short name or path, whatever its format."""
+    path = resolve_trace(name_or_path)
+    readers = {"azure": read_azure_csv, "mooncake": read_mooncake_jsonl,
+               "lengths": read_lengths_csv}
+    return readers[trace_format(path)](path)
+
+
+def read_azure_csv(path: str | os.PathLike) -> list[TraceRequest]:
+    """Azure LLM inference trace 2023: TIMESTAMP, ContextTokens, GeneratedTokens."""
+    path = Path(path)
+    rows = _csv_columns(path, ("TIMESTAMP", "ContextTokens", "GeneratedTokens"))
+    day_ordinals: dict[str, int] = {}
+    parsed = [(_day_and_seconds(stamp, day_ordinals, path, line),
+               _count(context, path, line), _count(generated, path, line))
+              for line, (stamp, context, generated) in rows]
+    # Seconds from the first day, so the float keeps sub-microsecond precision.
+    first_day = min(day_ordinals.values(), default=0)
+    return _rebased([((day - first_day) * 86400.0 + seconds, context, generated)
+                     for (day, seconds), context, generated in parsed])
+
+
+def read_mooncake_jsonl(path: str | os.PathLike) -> list[TraceRequest]:
+    """Mooncake trace: timestamp (ms), input_length, output_length, hash_ids."""
+    path = Path(path)
+    stamped = []
+    with open(path, encoding="utf-8") as f:
+        for line, text in enumerate(f, start=1):
+            if not text.strip():
+                continue
+            try:
+                record = json.loads(text)
+                stamp = float(record["timestamp"]) / 1000.0
+                ids = tuple(int(i) for i in record.get("hash_ids", ()))
+                fields = (record["input_length"], record["output_length"])
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ValueError(f"{path}:{line}: not a Mooncake record ({exc!r})") from None
+            stamped.append((stamp, _count(fields[0], path, line),
+                            _count(fields[1], path, line), ids))
+    return _rebased(stamped)
+
+
+def read_lengths_csv(path: str | os.PathLike) -> list[TraceRequest]:
+    """Lengths only: num_prefill_tokens, num_decode_tokens (arrival is None)."""
+    path = Path(path)
+    rows = _csv_columns(path, ("num_prefill_tokens", "num_decode_tokens"))
+    return [TraceRequest(None, _count(prefill, path, line), _count(decode, path, line))
+            for line, (prefill, decode) in rows]
+
+
+def has_arrivals(requests: Sequence[TraceRequest]) -> bool:
+    """Whether the requests carry arrival times (not a length-only file)."""
+    return bool(requests) and requests[0].arrival is not None
+
+
+def select_window(requests: Sequence[TraceRequest], start_s: float = 0.0,
+                  duration_s: float | None = None,
+                  max_requests: int | None = None) -> list[TraceRequest]:
+    """Requests arriving in ``[start_s, start_s + duration_s)``, at most
+    ``max_requests``, with arrivals re-based to 0 at ``start_s``.
+
+    For length-only requests the window is by position: ``start_s`` is
+    ignored and only ``max_requests`` applies.
+    """
+    if start_s < 0 or (duration_s is not None and duration_s <= 0):
+        raise ValueError(f"window start must be >= 0 and duration > 0, got {start_s}, "
+                         f"{duration_s}")
+    if not has_arrivals(requests):
+        return list(requests[:max_requests] if max_requests is not None else requests)
+    end = float("inf") if duration_s is None else start_s + duration_s
+    chosen = []
+    for request in requests:
+        if max_requests is not None and len(chosen) >= max_requests:
+            break
+        if start_s <= request.arrival < end:
+            chosen.append(replace(request, arrival=request.arrival - start_s))
+    return chosen
+
+
+def scale_tokens(requests: Sequence[TraceRequest], token_scale: float = 1.0,
+                 max_input_len: int | None = None,
+                 max_output_len: int | None = None) -> list[TraceRequest]:
+    """Token counts times ``token_scale``, rounded, at least 1 and at most the
+    caps; arrivals and hash ids are kept."""
+    if token_scale <= 0:
+        raise ValueError(f"token scale must be > 0, got {token_scale}")
+    return [replace(r, input_len=scale_count(r.input_len, token_scale, max_input_len),
+                    output_len=scale_count(r.output_len, token_scale, max_output_len))
+            for r in requests]
+
+
+def scale_count(value: int, factor: float, cap: int | None = None) -> int:
+    """``round(value * factor)`` clamped to ``[1, cap]``."""
+    scaled = max(1, round(value * factor))
+    return scaled if cap is None else max(1, min(cap, scaled))
+
+
+def _csv_columns(path: Path, names: tuple[str, ...]) -> list[tuple[int, list[str]]]:
+    """(line number, the named columns' cells) for every data row."""
+    with open(path, newline="", encoding="utf-8") as f:
+        reader = csv.reader(f)
+        header = next(reader, None)
+        if header is None:
+            raise ValueError(f"{path}:1: empty file; expected a header with {', '.join(names)}")
+        header = [h.strip().lstrip("\ufeff") for h in header]
+        missing = [n for n in names if n not in header]
+        if missing:
+            raise ValueError(f"{path}:1: header lacks {', '.join(missing)}")
+        index = [header.index(n) for n in names]
+        width = max(index) + 1
+        rows = []
+        for line, row in enumerate(reader, start=2):
+            if not row:
+                continue
+            if len(row) < width:
+                raise ValueError(f"{path}:{line}: expected {len(header)} columns, got {len(row)}")
+            rows.append((line, [row[i] for i in index]))
+    return rows
+
+
+def _count(value: object, path: Path, line: int) -> int:
+    try:
+        count = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{path}:{line}: token count {value!r} is not an integer") from None
+    if count < 0:
+        raise ValueError(f"{path}:{line}: token count {count} is negative")
+    return count
+
+
+def _day_and_seconds(stamp: str, day_ordinals: dict[str, int], path: Path,
+                     line: int) -> tuple[int, float]:
+    """(date ordinal, seconds into that day); any number of fraction digits."""
+    match = _TIMESTAMP.fullmatch(stamp)
+    if not match:
+        raise ValueError(f"{path}:{line}: cannot parse timestamp {stamp!r}; expected "
+                         f"YYYY-MM-DD HH:MM:SS[.fraction]")
+    day, hours, minutes, seconds = match.groups()
+    if day not in day_ordinals:
+        try:
+            day_ordinals[day] = date.fromisoformat(day).toordinal()
+        except ValueError:
+            raise ValueError(f"{path}:{line}: bad date in {stamp!r}") from None
+    return day_ordinals[day], int(hours) * 3600 + int(minutes) * 60 + float(seconds)
+
+
+def _rebased(stamped: list[tuple]) -> list[TraceRequest]:
+    """Sort by time (stable) and measure arrivals from the first request."""
+    if any(a[0] > b[0] for a, b in itertools.pairwise(stamped)):
+        stamped = sorted(stamped, key=lambda row: row[0])
+    if not stamped:
+        return []
+    first = stamped[0][0]
+    return [TraceRequest(row[0] - first, *row[1:]) for row in stamped]

@@ -1,0 +1,187 @@
+"""Client-side metrics of the serving benchmark, checked by hand, and the
+streaming client's parsing of what servers send (no network: httpx's
+MockTransport)."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from carpool.bench.client import Target, send_request
+from carpool.bench.loadgen import parse_queue_gauges
+from carpool.bench.stats import (
+    FAILED,
+    OK,
+    REJECTED,
+    RequestRecord,
+    summarize,
+    timeseries,
+)
+from carpool.bench.sweep import capacity, rescale, sweep_rates
+from carpool.bench.workload import BenchItem
+
+
+def _ok(index, sent, chunks, tokens, input_tokens=10):
+    return RequestRecord(index, sent, input_tokens, 16, sent=sent, status=OK,
+                         chunk_times=list(chunks), finished=chunks[-1], output_tokens=tokens)
+
+
+def _records():
+    return [
+        _ok(0, 0.0, [1.0, 1.5, 2.5], 3),  # ttft 1.0, e2e 2.5, tpot 0.75, itl 0.5 1.0
+        _ok(1, 1.0, [1.5, 2.0], 2),  # ttft 0.5, e2e 1.0, tpot 0.5, itl 0.5
+        RequestRecord(2, 2.0, 10, 16, sent=2.0, status=REJECTED, reason="http_429",
+                      finished=2.01),
+        RequestRecord(3, 2.2, 10, 16, sent=2.2, status=FAILED, reason="timeout", finished=10.0),
+        _ok(4, 2.4, [4.4], 1),  # ttft 2.0, e2e 2.0, no tpot, no itl
+        RequestRecord(5, 11.0, 10, 16),  # never sent (time limit)
+    ]
+
+
+def test_summary_matches_hand_computed_values():
+    s = summarize(_records(), duration=10.0, slo={"ttft": 1.5, "tpot": 0.6})
+    assert (s["requests"], s["completed"], s["rejected"], s["failed"], s["unsent"]) == \
+        (5, 3, 1, 1, 1)
+    assert s["rejected_by_reason"] == {"http_429": 1}
+    assert s["failed_by_reason"] == {"timeout": 1}
+    assert s["rejected_share"] == pytest.approx(0.2)
+    assert s["ttft"]["mean"] == pytest.approx(3.5 / 3)
+    assert s["ttft"]["p50"] == pytest.approx(1.0)
+    assert s["ttft"]["p90"] == pytest.approx(1.8)  # 1.0 + 0.8 * (2.0 - 1.0)
+    assert s["ttft"]["max"] == pytest.approx(2.0)
+    assert s["tpot"]["mean"] == pytest.approx(0.625)
+    assert s["tpot"]["p99"] == pytest.approx(0.5 + 0.99 * 0.25)
+    assert s["itl"]["mean"] == pytest.approx(2.0 / 3)
+    assert s["itl"]["p50"] == pytest.approx(0.5)
+    assert s["e2e"]["p50"] == pytest.approx(2.0)
+    assert s["e2e"]["p95"] == pytest.approx(2.0 + 0.9 * 0.5)
+    assert s["output_tokens"] == 6 and s["input_tokens"] == 30
+    assert s["request_throughput"] == pytest.approx(0.3)
+    assert s["output_throughput"] == pytest.approx(0.6)
+    assert s["total_token_throughput"] == pytest.approx(3.6)
+    # only request 1 meets ttft<=1.5 and tpot<=0.6 (0: tpot 0.75; 4: ttft 2.0)
+    assert s["goodput"] == pytest.approx(0.1)
+    assert s["slo_attainment"] == pytest.approx(0.2)
+    # 2.4 s: requests 0, 3 and 4 in flight (1 ended at 2.0, 2 at 2.01)
+    assert s["peak_concurrency"] == 3
+
+
+def test_no_slo_no_goodput_and_empty_runs_do_not_crash():
+    s = summarize(_records(), 10.0)
+    assert s["goodput"] is None and s["slo_attainment"] is None
+    empty = summarize([RequestRecord(0, 0.0, 1, 1)], 0.0)
+    assert empty["completed"] == 0 and empty["ttft"]["p99"] is None
+
+
+def test_a_one_token_answer_cannot_miss_a_tpot_limit():
+    s = summarize([_ok(0, 0.0, [0.1], 1)], 1.0, {"tpot": 0.001})
+    assert s["slo_attainment"] == 1.0
+
+
+def test_timeseries_counts_in_flight_and_spreads_tokens_over_chunks():
+    series = timeseries(_records(), 10.0, [(0.2, 4.0, 1.0), (3.0, 0.0, 2.0)])
+    assert series["interval"] == 0.5
+    assert len(series["t"]) == 20
+    t = series["t"].index(2.0)  # bin [2.0, 2.5) ends at 2.5: only 3 (failed later) and 4
+    assert series["in_flight"][t] == 2
+    assert sum(series["output_tok_s"]) * 0.5 == pytest.approx(6.0)
+    assert series["server_waiting"][0] == 4.0 and series["server_waiting"][-1] == 0.0
+    assert series["server_running"][6] == 2.0
+
+
+def test_queue_gauges_parsed_from_prometheus_text_of_any_server():
+    text = ("# HELP carpool:num_requests_waiting x\ncarpool:num_requests_waiting 3.0\n"
+            'vllm:num_requests_running{model_name="m"} 2\nvllm:num_requests_running'
+            '{model_name="n"} 1\nother_metric 5\n')
+    assert parse_queue_gauges(text) == {"waiting": 3.0, "running": 3.0}
+    assert parse_queue_gauges("nothing here 1\n") == {}
+
+
+def _sse(*events, done=True):
+    body = "".join(f"data: {json.dumps(e)}\n\n" for e in events)
+    return (body + ("data: [DONE]\n\n" if done else "")).encode()
+
+
+def _send(handler, endpoint="completions", max_tokens=4):
+    target = Target("http://127.0.0.1:9/v1", "m", endpoint)
+    record = RequestRecord(0, 0.0, 5, max_tokens)
+    ticks = iter(range(100))
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            await send_request(client, target, "hi", record, lambda: float(next(ticks)),
+                               count_tokens=lambda text: len(text.split()))
+    asyncio.run(go())
+    return record
+
+
+def test_client_times_content_chunks_and_reads_usage():
+    seen = {}
+
+    def handler(request):
+        seen.update(json.loads(request.content))
+        return httpx.Response(200, content=_sse(
+            {"choices": [{"text": ""}]}, {"choices": [{"text": "a "}]},
+            {"choices": [{"text": "b "}]}, {"choices": [{"text": "c"}]},
+            {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 3}}))
+    record = _send(handler)
+    assert seen["stream"] and seen["ignore_eos"] and seen["max_tokens"] == 4
+    assert seen["stream_options"] == {"include_usage": True} and seen["prompt"] == "hi"
+    assert record.status == OK and record.sent == 0.0
+    assert record.chunk_times == [2.0, 3.0, 4.0]  # the empty first chunk is not content
+    assert record.output_tokens == 3 and record.counted_tokens == 3
+    assert record.server_input_tokens == 5 and record.text == "a b c"
+
+
+def test_client_reads_chat_deltas_and_counts_tokens_without_usage():
+    def handler(request):
+        assert request.url.path == "/v1/chat/completions"
+        assert json.loads(request.content)["messages"][0]["content"] == "hi"
+        return httpx.Response(200, content=_sse(
+            {"choices": [{"delta": {"role": "assistant"}}]},
+            {"choices": [{"delta": {"content": "x y"}}]}))
+    record = _send(handler, "chat")
+    assert record.status == OK and record.output_tokens == 2 and len(record.chunk_times) == 1
+
+
+@pytest.mark.parametrize("status,outcome,reason", [
+    (429, REJECTED, "http_429"), (503, REJECTED, "http_503"), (400, FAILED, "http_400"),
+    (500, FAILED, "http_500")])
+def test_client_counts_refusals_apart_from_failures(status, outcome, reason):
+    record = _send(lambda request: httpx.Response(status, json={"error": {"message": "no"}}))
+    assert (record.status, record.reason) == (outcome, reason)
+    assert record.ttft is None and record.finished is not None
+
+
+def test_client_fails_cut_streams_errors_and_dead_servers():
+    cut = _send(lambda r: httpx.Response(200, content=_sse({"choices": [{"text": "a"}]},
+                                                           done=False)))
+    assert (cut.status, cut.reason) == (FAILED, "incomplete_stream")
+    err = _send(lambda r: httpx.Response(200, content=_sse({"error": {"message": "boom"}})))
+    assert (err.status, err.reason) == (FAILED, "stream_error") and "boom" in err.error
+
+    def refuse(request):
+        raise httpx.ConnectError("refused")
+    dead = _send(refuse)
+    assert (dead.status, dead.reason) == (FAILED, "connection")
+
+
+def _item(offset):
+    return BenchItem(index=0, offset=offset, prompt="p", input_tokens=1, output_tokens=1)
+
+
+def test_sweep_rescales_arrivals_and_picks_the_highest_rate_meeting_the_slo():
+    plan = [_item(t) for t in (0.0, 1.0, 3.0, 4.0)]  # 3 gaps over 4 s: 0.75 req/s
+    assert [i.offset for i in rescale(plan, 1.5)] == pytest.approx([0.0, 0.5, 1.5, 2.0])
+    assert [i.offset for i in rescale([_item(0.0)] * 3, 2.0)] == [0.0, 0.5, 1.0]
+    assert sweep_rates(1.0, 5.0, 3) == pytest.approx([2.0, 3.0, 4.0])
+    with pytest.raises(ValueError):
+        sweep_rates(1.0, 2.0, 0)
+    runs = [{"mode": "synchronous", "rate": 0.5, "meets_slo": True},
+            {"mode": "rate", "rate": 1.0, "meets_slo": True},
+            {"mode": "rate", "rate": 2.0, "meets_slo": False},
+            {"mode": "rate", "rate": 1.5, "meets_slo": True}]
+    assert capacity(runs, 0.9) == 1.5
+    assert capacity(runs[:1], 0.9) is None
