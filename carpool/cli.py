@@ -1,4 +1,4 @@
-"""``carpool`` command line: serve, generate, chat, bench, tune, profiles.
+"""``carpool`` command line: serve, generate, chat, bench, tune, profiles, profile.
 
 Every engine knob is a flag; ``--config x.yaml`` loads a file first and
 flags given on the command line win (CLI > file > defaults).
@@ -247,6 +247,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_profiles_args(commands.add_parser(
         "profiles", help="list the built-in settings profiles, or show one resolved"))
+    from carpool.sim.profile import add_profile_args
+
+    profile = commands.add_parser(
+        "profile", help="measure this machine's step times and fit the simulator's cost model")
+    add_profile_args(profile)
+    add_engine_flags(profile)
     return parser
 
 
@@ -305,6 +311,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from carpool.repl import run_chat
 
             return run_chat(config, sampling_from_args(args), system=args.system)
+        if args.command == "profile":
+            from carpool.sim.profile import run_profile
+
+            return run_profile(config, args)
         if args.command == "tune":
             from carpool.bench.tune import run_tune
 

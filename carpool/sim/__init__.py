@@ -1,0 +1,1 @@
+"""Simulation and capacity planning on carpool's own scheduler (no torch here)."""

@@ -1,0 +1,200 @@
+"""``carpool profile``: measure the real engine's step time on this machine
+and fit the measured cost model (carpool/sim/fitted.py) the simulator uses.
+
+The grid covers prefill chunks of several sizes, decode batches of several
+sizes at several context lengths, and mixed steps (decodes with a prefill
+chunk). Every step the engine runs is a sample: its shape comes from the
+batch the executor receives, its time is the whole ``LLMEngine.step()``
+wall time (scheduling and detokenizing included, as a simulated step must
+advance the clock by all of it). Prompts are random tokens, so no prefix
+cache hit shortens a step.
+"""
+from __future__ import annotations
+
+import argparse
+import platform
+import random
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+
+from carpool.config import EngineConfig
+from carpool.sim.costs import StepShape, save_cost_model
+from carpool.sim.fitted import FittedCostModel, fit
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """Requests added together: ``count`` prompts of ``prompt_len`` tokens,
+    each generating ``output_len``; with ``late_prompt`` one more request of
+    that length joins after ``late_after`` steps (a mixed step)."""
+
+    label: str
+    count: int
+    prompt_len: int
+    output_len: int
+    late_prompt: int = 0
+    late_after: int = 2
+
+
+def grid(quick: bool, max_batch_tokens: int, max_seqs: int) -> list[Scenario]:
+    """Prefill chunks, decode batches x contexts, mixed steps (within the engine's limits)."""
+    if quick:
+        prefills, batches, contexts, mixed = [8, 32], [1, 4], [16, 48], [(4, 24)]
+    else:
+        prefills = [16, 64, 256, 512, 1024]
+        batches, contexts = [1, 4, 16, 64], [64, 256, 1024]
+        mixed = [(8, 128), (32, 512), (64, 256)]
+    out = [Scenario(f"prefill {t}", 1, t, 1) for t in prefills if t <= max_batch_tokens]
+    # enough output that every member still decodes once the last prompt is in
+    out += [Scenario(f"decode b={b} ctx={c}", b, c, 16 + -(-b * c // max_batch_tokens))
+            for b in batches for c in contexts if b <= max_seqs]
+    out += [Scenario(f"mixed b={b} + chunk {t}", b, 32, 32, late_prompt=t)
+            for b, t in mixed if b < max_seqs and t <= max_batch_tokens]
+    return out
+
+
+class _ShapeRecorder:
+    """Wraps the executor and keeps the shape of the batch it last ran."""
+
+    def __init__(self, inner) -> None:
+        self._inner = inner
+        self.last: StepShape | None = None
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
+
+    def execute(self, items, padding=None):
+        self.last = StepShape.of(items)
+        return self._inner.execute(items, padding)
+
+
+def run_scenario(engine, recorder: _ShapeRecorder, scenario: Scenario, rng: random.Random,
+                 vocab: list[int]) -> list[tuple[StepShape, float]]:
+    """Every (shape, seconds) step of one scenario, run to completion."""
+    from carpool.sampling_params import SamplingParams
+
+    def add(prompt_len: int, output_len: int) -> None:
+        engine.add_request([rng.choice(vocab) for _ in range(prompt_len)], SamplingParams(
+            max_tokens=output_len, temperature=0, ignore_eos=True))
+
+    for _ in range(scenario.count):
+        add(scenario.prompt_len, scenario.output_len)
+    samples, steps = [], 0
+    while engine.has_unfinished:
+        if scenario.late_prompt and steps == scenario.late_after:
+            add(scenario.late_prompt, 1)
+        recorder.last = None
+        started = time.perf_counter()
+        engine.step()
+        seconds = time.perf_counter() - started
+        steps += 1
+        if recorder.last is not None:
+            samples.append((recorder.last, seconds))
+    return samples
+
+
+def add_profile_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", default="cost-model.json", help="where to write the fit")
+    parser.add_argument("--quick", action="store_true",
+                        help="a small grid (seconds, for a smoke test; a poor fit)")
+    parser.add_argument("--repeats", type=int, default=2, help="runs of each grid point")
+    parser.add_argument("--profile-seed", type=int, default=0)
+
+
+def run_profile(config: EngineConfig, args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from carpool.engine.llm_engine import LLMEngine
+
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+    config.scheduler.batching = "continuous"
+    engine = LLMEngine.from_config(config)
+    recorder = _ShapeRecorder(engine.executor)
+    engine.executor = recorder
+    rng = random.Random(args.profile_seed)
+    special = set(engine.tokenizer.all_special_ids)
+    vocab = [t for t in range(engine.model_config.vocab_size) if t not in special]
+    scenarios = grid(args.quick, config.scheduler.max_num_batched_tokens,
+                     config.scheduler.max_num_seqs)
+    run_scenario(engine, recorder, Scenario("warm-up", 2, 16, 4), rng, vocab)
+    samples, points = [], []
+    for scenario in tqdm(scenarios, desc="profile", unit="point", file=sys.stderr):
+        measured = []
+        for _ in range(args.repeats):
+            measured += run_scenario(engine, recorder, scenario, rng, vocab)
+        samples += measured
+        points.append((scenario, measured))
+    model = fit(samples, _meta(engine, config, args))
+    model.meta["points"] = [_point_row(s, m, model) for s, m in points]
+    save_cost_model(model, args.out)
+    print(format_profile(model))
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _point_row(scenario: Scenario, measured: list[tuple[StepShape, float]],
+               model: FittedCostModel) -> dict:
+    """The steps the point is named after (its prefill, its full decode
+    batch, or its mixed step): median time and median context vs the fit."""
+    if scenario.late_prompt:
+        chosen = [m for m in measured if m[0].prefill_tokens and m[0].decode_seqs]
+    elif scenario.output_len == 1:
+        chosen = [m for m in measured if m[0].prefill_tokens]
+    else:
+        chosen = [m for m in measured if not m[0].prefill_tokens
+                  and m[0].decode_seqs == scenario.count]
+    chosen = chosen or measured
+    first = chosen[0][0]
+    typical = StepShape(first.prefill_tokens, first.decode_seqs,
+                        int(statistics.median(shape.context_tokens for shape, _ in chosen)),
+                        first.seqs,
+                        int(statistics.median(shape.attention_pairs for shape, _ in chosen)))
+    seconds = statistics.median(t for _, t in chosen)
+    return {"label": scenario.label, "shape": asdict(typical), "steps": len(chosen),
+            "measured_s": seconds, "predicted_s": model.step_seconds(typical)}
+
+
+def _meta(engine, config: EngineConfig, args: argparse.Namespace) -> dict:
+    import torch
+
+    return {
+        "created_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "hardware": {"machine": platform.machine(), "processor": platform.processor(),
+                     "cpus": _cpu_count(), "torch": torch.__version__,
+                     "device": str(getattr(engine.executor, "device", "cpu"))},
+        "model": config.model.model or "default (SmolLM2-135M-Instruct)",
+        "dtype": str(engine.executor.dtype).replace("torch.", ""),
+        "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
+        "max_num_seqs": config.scheduler.max_num_seqs,
+        "grid": "quick" if args.quick else "full", "repeats": args.repeats}
+
+
+def _cpu_count() -> int | None:
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def format_profile(model: FittedCostModel) -> str:
+    meta = model.meta
+    c = dict(zip(("c0", "c1", "c2", "c3", "c4"), model.coefficients))
+    lines = [f"{'point':<26} {'tokens':>6} {'seqs':>5} {'context':>8} {'measured':>9} "
+             f"{'fit':>8} {'error':>6}"]
+    for row in meta.get("points", []):
+        shape = StepShape(**row["shape"])
+        error = row["predicted_s"] / row["measured_s"] - 1
+        lines.append(f"{row['label']:<26} {shape.tokens:>6} {shape.seqs:>5} "
+                     f"{shape.context_tokens:>8} {row['measured_s'] * 1000:>7.1f}ms "
+                     f"{row['predicted_s'] * 1000:>6.1f}ms {error:>+6.0%}")
+    fit_error = meta["fit"]
+    lines.append(f"fit over {fit_error['steps']} steps: seconds = {c['c0'] * 1000:.2f}ms + "
+                 f"{c['c1'] * 1e6:.1f}us*tokens + {c['c2'] * 1e6:.1f}us*seqs + "
+                 f"{c['c3'] * 1e9:.2f}ns*context_tokens + {c['c4'] * 1e9:.3f}ns*attention_pairs;"
+                 f" error median "
+                 f"{fit_error['median_abs_error']:.1%}, p90 {fit_error['p90_abs_error']:.1%} "
+                 f"({meta['dtype']}, {meta['hardware']['cpus']} cpus)")
+    return "\n".join(lines)

@@ -1,0 +1,81 @@
+"""The step shape, the measured (fitted) cost model and ``carpool profile``."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from carpool.sim.costs import StepShape, load_cost_model, save_cost_model
+from carpool.sim.fitted import FittedCostModel, fit
+
+
+def test_step_shape_of_spans_counts_decodes_chunks_and_context():
+    spans = [SimpleNamespace(start=0, num_tokens=100), SimpleNamespace(start=40, num_tokens=1),
+             SimpleNamespace(start=9, num_tokens=1), SimpleNamespace(start=200, num_tokens=50)]
+    shape = StepShape.of(spans)
+    assert shape == StepShape(prefill_tokens=150, decode_seqs=2,
+                              context_tokens=100 + 41 + 10 + 250, seqs=4,
+                              attention_pairs=100 * 100 + 41 + 10 + 50 * 250)
+    assert shape.tokens == 152
+
+
+def _shapes():
+    return [StepShape(p, d, c, max(1, d + (p > 0)), c + p * p) for p in (0, 16, 256)
+            for d in (1, 8, 32) for c in (64, 4096)]
+
+
+def test_fit_recovers_known_coefficients():
+    truth = FittedCostModel((0.01, 2e-4, 5e-4, 1e-7, 3e-8))
+    model = fit([(s, truth.step_seconds(s)) for s in _shapes()], {"model": "x"})
+    assert model.coefficients == pytest.approx(truth.coefficients, rel=1e-6, abs=1e-12)
+    assert model.meta["model"] == "x" and model.meta["fit"]["median_abs_error"] < 1e-9
+
+
+def test_fit_never_prices_work_negatively():
+    # seconds fall with seqs here: ordinary least squares would give c2 < 0
+    samples = [(s, 0.02 + 1e-3 * s.tokens - 5e-4 * s.seqs) for s in _shapes()]
+    model = fit(samples)
+    assert all(c >= 0 for c in model.coefficients) and model.coefficients[2] == 0.0
+    with pytest.raises(ValueError, match="at least"):
+        fit(samples[:2])
+
+
+def test_cost_model_round_trips_and_bad_files_are_named(tmp_path):
+    model = FittedCostModel((0.01, 2e-4, 5e-4, 1e-7, 3e-8), {"dtype": "bfloat16"})
+    path = save_cost_model(model, tmp_path / "cm.json")
+    loaded = load_cost_model(path)
+    assert loaded.kind == "measured" and loaded.meta["dtype"] == "bfloat16"
+    for shape in _shapes():
+        assert loaded.step_seconds(shape) == pytest.approx(model.step_seconds(shape))
+    (tmp_path / "bad.json").write_text(json.dumps({"kind": "something else"}))
+    with pytest.raises(ValueError, match="bad.json"):
+        load_cost_model(tmp_path / "bad.json")
+    with pytest.raises(ValueError, match="missing.json"):
+        load_cost_model(tmp_path / "missing.json")
+
+
+def test_cost_models_import_no_torch():
+    code = ("import sys, carpool.sim.costs, carpool.sim.fitted; "
+            "sys.exit(1 if 'torch' in sys.modules else 0)")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_profile_measures_the_tiny_model_and_writes_a_fit(tiny_model_dir, tmp_path):
+    out = tmp_path / "cm.json"
+    result = subprocess.run([sys.executable, "-m", "carpool.cli", "profile", "--quick",
+                             "--repeats", "1", "--model", str(tiny_model_dir),
+                             "--attention-backend", "torch", "--out", str(out)],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    model = load_cost_model(out)
+    assert model.kind == "measured" and all(c >= 0 for c in model.coefficients)
+    labels = [p["label"] for p in model.meta["points"]]
+    assert "prefill 32" in labels and "mixed b=4 + chunk 24" in labels
+    mixed = model.meta["points"][labels.index("mixed b=4 + chunk 24")]["shape"]
+    assert mixed["prefill_tokens"] == 24 and mixed["decode_seqs"] == 4
+    assert model.meta["fit"]["steps"] > len(labels) and model.meta["hardware"]["cpus"] >= 1
+    assert model.step_seconds(StepShape(0, 4, 200, 4)) > 0
+    assert "fit over" in result.stdout
