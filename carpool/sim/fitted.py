@@ -16,7 +16,7 @@ from carpool.sim.costs import StepShape
 
 FEATURES = ("step", "tokens", "seqs", "context_tokens", "attention_pairs")
 FORM = ("seconds = c0 + c1*tokens + c2*seqs + c3*context_tokens + c4*attention_pairs "
-        "(least squares, coefficients >= 0)")
+        "(least squares of the relative error, coefficients >= 0)")
 
 
 def features(shape: StepShape) -> tuple[float, ...]:
@@ -51,27 +51,29 @@ class FittedCostModel:
 
 
 def fit(samples: list[tuple[StepShape, float]], meta: dict | None = None) -> FittedCostModel:
-    """Non-negative least squares over (shape, seconds) samples: an ordinary
-    fit, then features whose coefficient came out negative are dropped and
-    the rest refitted (a negative cost per token would make big steps look
-    free outside the measured range)."""
+    """Non-negative least squares of the relative error over (shape,
+    seconds) samples: each step weighs 1/seconds, so a 30 ms decode counts as
+    much as a 700 ms prefill (a simulator's error is relative too). A
+    coefficient that comes out negative (a negative cost per token would
+    make big steps look free outside the measured range) is fixed at 0, the
+    most negative first, and the rest refitted."""
     import numpy as np
 
     if len(samples) < len(FEATURES):
         raise ValueError(f"need at least {len(FEATURES)} steps to fit, got {len(samples)}")
     x = np.array([features(shape) for shape, _ in samples])
     y = np.array([seconds for _, seconds in samples])
+    weight = 1.0 / np.maximum(y, 1e-9)
     active = list(range(len(FEATURES)))
     coef = np.zeros(len(FEATURES))
     while active:
-        solution, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
+        solution, *_ = np.linalg.lstsq(x[:, active] * weight[:, None], y * weight, rcond=None)
         if (solution >= 0).all():
             coef[active] = solution
             break
-        active = [i for i, c in zip(active, solution) if c >= 0]
+        del active[int(np.argmin(solution))]
     model = FittedCostModel(tuple(float(c) for c in coef), dict(meta or {}))
-    predicted = x @ coef
-    errors = np.abs(predicted - y) / np.maximum(y, 1e-9)
+    errors = np.abs(x @ coef - y) * weight
     model.meta["fit"] = {"steps": len(samples), "median_abs_error": float(np.median(errors)),
                          "p90_abs_error": float(np.percentile(errors, 90))}
     return model

@@ -118,8 +118,10 @@ def run_profile(config: EngineConfig, args: argparse.Namespace) -> int:
     rng = random.Random(args.profile_seed)
     special = set(engine.tokenizer.all_special_ids)
     vocab = [t for t in range(engine.model_config.vocab_size) if t not in special]
-    scenarios = grid(args.quick, config.scheduler.max_num_batched_tokens,
-                     config.scheduler.max_num_seqs)
+    kv_tokens = engine.scheduler.kv.stats().num_blocks * config.cache.block_size
+    scenarios = [s for s in grid(args.quick, config.scheduler.max_num_batched_tokens,
+                                 config.scheduler.max_num_seqs)
+                 if s.count * (s.prompt_len + s.output_len) <= kv_tokens]  # no preemption
     run_scenario(engine, recorder, Scenario("warm-up", 2, 16, 4), rng, vocab)
     samples, points = [], []
     for scenario in tqdm(scenarios, desc="profile", unit="point", file=sys.stderr):
