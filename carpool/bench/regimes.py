@@ -29,7 +29,12 @@ from carpool.bench.arrivals import rescale_offsets
 from carpool.bench.stats import OK, REJECTED, RequestRecord, summarize
 from carpool.bench.throughput import BenchRequest
 from carpool.bench.tune import parse_slo
-from carpool.bench.workload import add_workload_args, build_workload, describe_workload
+from carpool.bench.workload import (
+    add_workload_args,
+    arg_type,
+    build_workload,
+    describe_workload,
+)
 from carpool.config import EngineConfig
 from carpool.sampling_params import SamplingParams
 from carpool.scheduler import RejectedError
@@ -43,7 +48,7 @@ def add_regimes_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--regimes", default="static,dynamic,continuous,adaptive",
                         help=f"comma-separated, from {', '.join(REGIMES)} (adaptive = "
                              f"continuous under the adaptive controller)")
-    parser.add_argument("--slo", type=parse_slo, default={},
+    parser.add_argument("--slo", type=arg_type(parse_slo), default={},
                         help="per-request limits, e.g. ttft=2s,tpot=400ms (ttft, tpot, e2e)")
     parser.add_argument("--rates", default="",
                         help="offered rates (req/s) at which to look for each regime's peak "

@@ -23,7 +23,12 @@ from carpool.bench.client import Target
 from carpool.bench.loadgen import LoadLimits, LoadRun, run_load
 from carpool.bench.stats import LATENCY_METRICS, PERCENTILES, summarize, timeseries
 from carpool.bench.tune import parse_slo
-from carpool.bench.workload import add_workload_args, build_workload, describe_workload
+from carpool.bench.workload import (
+    add_workload_args,
+    arg_type,
+    build_workload,
+    describe_workload,
+)
 
 RESULT_KIND, RESULT_VERSION = "bench-serve", 1
 
@@ -55,7 +60,7 @@ def add_target_args(parser: argparse.ArgumentParser) -> None:
     limits.add_argument("--request-timeout", type=float, default=600.0,
                         help="seconds before a request is given up (failed: timeout)")
     out = parser.add_argument_group("results")
-    out.add_argument("--slo", type=parse_slo, default={},
+    out.add_argument("--slo", type=arg_type(parse_slo), default={},
                      help="per-request limits for goodput, e.g. ttft=500ms,tpot=100ms "
                           "(metrics: ttft, tpot, e2e)")
     out.add_argument("--label", default=None, help="name of this run in reports")
@@ -137,7 +142,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     target = target_from_args(args)
     plan = build_workload(args, tokenizer)
     limits = LoadLimits(args.max_concurrency, args.max_duration, args.request_timeout)
-    run = asyncio.run(run_load(plan, target, limits, _token_counter(tokenizer), args.progress,
+    run = asyncio.run(run_load(plan, target, limits, token_counter(tokenizer), args.progress,
                                args.metrics_interval, "bench serve"))
     label = args.label or f"{target.model} @ {target.base_url}"
     result = make_result(label, run_config(args, target), run, args.slo)
@@ -146,7 +151,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _token_counter(tokenizer):
+def token_counter(tokenizer):
     return lambda text: len(tokenizer.encode(text))
 
 

@@ -24,6 +24,7 @@ from carpool.bench.serve import (
     make_result,
     run_config,
     target_from_args,
+    token_counter,
     write_outputs,
 )
 from carpool.bench.workload import BenchItem, add_workload_args, build_workload
@@ -81,7 +82,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     def measure(mode: str, items: list[BenchItem], rate: float | None,
                 max_concurrency: int | None) -> dict:
         limits = LoadLimits(max_concurrency, args.max_duration, args.request_timeout)
-        run = asyncio.run(run_load(items, target, limits, lambda t: len(tokenizer.encode(t)),
+        run = asyncio.run(run_load(items, target, limits, token_counter(tokenizer),
                                    args.progress, args.metrics_interval, f"sweep {mode}"))
         result = make_result(f"{label} [{mode}]", config, run, args.slo)
         achieved = result["summary"]["request_throughput"]

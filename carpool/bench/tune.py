@@ -252,35 +252,26 @@ def profile_header(rec: Recommendation, workload: str, slo: dict[str, float],
             f"Command: {command}"]
 
 
-def _arg(parse):
-    def wrapped(text: str):
-        try:
-            return parse(text)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-    return wrapped
-
-
 def add_tune_args(parser: argparse.ArgumentParser) -> None:
     """Workload, replay and sweep flags (the engine flags come separately;
     the engine flag ``--batching`` picks the regime to tune)."""
-    from carpool.bench.workload import add_workload_args
+    from carpool.bench.workload import add_workload_args, arg_type
 
     add_workload_args(parser, seed_flag="--workload-seed")
     group = parser.add_argument_group("sweep")
-    group.add_argument("--batch-sizes", type=_arg(parse_batch_sizes), default=[4, 8, 16, 32],
+    group.add_argument("--batch-sizes", type=arg_type(parse_batch_sizes), default=[4, 8, 16, 32],
                        help="batch sizes: preferred_batch_size (static/dynamic) or "
                             "max_num_seqs (continuous) (default 4,8,16,32)")
-    group.add_argument("--max-waits", type=_arg(parse_max_waits), default=[0.05, 0.1, 0.2, 0.3],
+    group.add_argument("--max-waits", type=arg_type(parse_max_waits), default=[0.05, 0.1, 0.2, 0.3],
                        help="batching waits, seconds or with ms/s (default 0.05,0.1,0.2,0.3); "
                             "not used by continuous batching")
     group.add_argument("--latency-metric", choices=LATENCY_METRICS, default="e2e",
                        help="latency side of the Pareto front (p99; default e2e)")
-    group.add_argument("--slo", type=_arg(parse_slo), default={},
+    group.add_argument("--slo", type=arg_type(parse_slo), default={},
                        help="p99 limits, e.g. ttft=2s,tpot=200ms (units ms or s)")
-    group.add_argument("--max-rejected", type=_arg(parse_share), default=0.0,
+    group.add_argument("--max-rejected", type=arg_type(parse_share), default=0.0,
                        help="share of requests a setting may reject and still meet the SLO")
-    group.add_argument("--tolerance", type=_arg(parse_share), default=0.02,
+    group.add_argument("--tolerance", type=arg_type(parse_share), default=0.02,
                        help="throughputs within this share of the best count as tied; the "
                             "lower latency wins (default 0.02: measurement noise)")
     parser.add_argument("--json", default=None, help="write all points here as JSON")

@@ -79,11 +79,11 @@ def add_workload_args(parser: argparse.ArgumentParser, *, seed_flag: str = "--se
                           help="gamma shape: 1 = Poisson, < 1 burstier, > 1 smoother")
     arrivals.add_argument("--time-scale", type=float, default=1.0,
                           help="multiply trace gaps by this (4 = four times slower)")
-    arrivals.add_argument("--surge", action="append", default=[], type=_arg(Surge.parse),
+    arrivals.add_argument("--surge", action="append", default=[], type=arg_type(Surge.parse),
                           metavar="FACTORx@START+DURATION",
                           help="multiply the rate over a window of seconds, e.g. 3x@20+30 "
                                "(repeatable)")
-    arrivals.add_argument("--ramp", action="append", default=[], type=_arg(Ramp.parse),
+    arrivals.add_argument("--ramp", action="append", default=[], type=arg_type(Ramp.parse),
                           metavar="FROMx-TOx@START+DURATION",
                           help="move the rate multiplier linearly over a window, e.g. "
                                "1x-3x@10+20 (repeatable; multiplies with surges)")
@@ -224,7 +224,7 @@ def _mean(values) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def _arg(parse: Callable[[str], object]) -> Callable[[str], object]:
+def arg_type(parse: Callable[[str], object]) -> Callable[[str], object]:
     """``parse`` with its ValueError shown by argparse word for word."""
     def parsed(text: str) -> object:
         try:
