@@ -253,6 +253,13 @@ def build_parser() -> argparse.ArgumentParser:
         "profile", help="measure this machine's step times and fit the simulator's cost model")
     add_profile_args(profile)
     add_engine_flags(profile)
+    from carpool.sim.command import add_simulate_args
+
+    simulate = commands.add_parser(
+        "simulate", help="replay a workload through simulated replicas running carpool's "
+                         "scheduler with a cost model (virtual clock); bench-serve report")
+    add_simulate_args(simulate)
+    add_engine_flags(simulate)
     return parser
 
 
@@ -311,6 +318,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from carpool.repl import run_chat
 
             return run_chat(config, sampling_from_args(args), system=args.system)
+        if args.command == "simulate":
+            from carpool.sim.command import run_simulate
+
+            return run_simulate(config, args)
         if args.command == "profile":
             from carpool.sim.profile import run_profile
 

@@ -190,3 +190,16 @@ def test_default_dir_is_found_from_the_repo_and_elsewhere(monkeypatch, tmp_path)
     repo_traces = Path(__file__).resolve().parents[2] / "shared" / "traces"
     monkeypatch.chdir(tmp_path)
     assert traces_dir().resolve() == repo_traces.resolve()
+
+
+def test_loop_window_replays_back_to_back_with_fresh_prefix_ids():
+    from carpool.bench.traces import loop_window
+
+    window = [TraceRequest(0.0, 10, 1, (0, 1)), TraceRequest(2.0, 20, 2, (1,)),
+              TraceRequest(4.0, 30, 3)]
+    looped = loop_window(window, 7)
+    # period = span 4 s + mean gap 2 s
+    assert [r.arrival for r in looped] == [0.0, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0]
+    assert [r.input_len for r in looped] == [10, 20, 30, 10, 20, 30, 10]
+    assert looped[3].hash_ids == (2, 3) and looped[6].hash_ids == (4, 5)
+    assert looped[4].hash_ids == (3,)

@@ -178,7 +178,7 @@ def run_regimes(config: EngineConfig, args: argparse.Namespace) -> int:
     rates = parse_rates(args.rates)
     if rates and not args.slo:
         raise ValueError("--rates looks for the peak rate under an SLO: give --slo too")
-    _warm_up(base, workload[0])
+    warm_up(base, workload[0])
     summary = surge_summary(base, config, workload, offsets) if args.surge else {}
 
     def engine_for(regime: str):
@@ -219,7 +219,8 @@ def regime_config(config: EngineConfig, regime: str) -> EngineConfig:
     return out.validate()
 
 
-def _warm_up(engine, request: BenchRequest) -> None:
+def warm_up(engine, request: BenchRequest) -> None:
+    """One short request through the engine, so first-step costs are paid before timing."""
     engine.add_request(request.prompt_token_ids[:16], SamplingParams(max_tokens=4))
     while engine.has_unfinished:
         engine.step()

@@ -18,6 +18,7 @@ requests sent, so rejected and failed requests count as misses.
 """
 from __future__ import annotations
 
+import bisect
 from collections import Counter
 from dataclasses import dataclass, field
 from itertools import pairwise
@@ -171,8 +172,12 @@ def timeseries(records: list[RequestRecord], duration: float,
             share = r.output_tokens / len(r.chunk_times)
             for t in r.chunk_times:
                 tokens[min(bins - 1, int(t // interval))] += share
-    in_flight = [sum(1 for r in records if r.sent is not None and r.sent <= edge
-                     and (r.finished is None or r.finished > edge)) for edge in edges]
+    # In flight at an edge: sent by then and not finished by then (a
+    # request finishes after it is sent, so the second count is a subset).
+    sent = sorted(r.sent for r in records if r.sent is not None)
+    done = sorted(r.finished for r in records if r.sent is not None and r.finished is not None)
+    in_flight = [bisect.bisect_right(sent, edge) - bisect.bisect_right(done, edge)
+                 for edge in edges]
     return {"interval": interval, "t": [interval * i for i in range(bins)],
             "in_flight": in_flight, "output_tok_s": list(tokens / interval),
             "server_waiting": _resample(server_samples, 1, edges),

@@ -194,6 +194,26 @@ def select_window(requests: Sequence[TraceRequest], start_s: float = 0.0,
     return chosen
 
 
+def loop_window(requests: Sequence[TraceRequest], count: int) -> list[TraceRequest]:
+    """``count`` requests from a timed window replayed back to back: copy
+    ``k`` arrives ``k`` periods later (period = the window's span plus one
+    mean gap), and Mooncake hash ids are shifted per copy so that copies
+    (other users) share no prefix the original did not share within itself."""
+    if not requests:
+        raise ValueError("cannot loop an empty trace window")
+    first, last = requests[0].arrival, requests[-1].arrival
+    gap = (last - first) / (len(requests) - 1) if len(requests) > 1 else 1.0
+    period = last - first + gap
+    id_stride = 1 + max((max(r.hash_ids, default=-1) for r in requests), default=-1)
+    out = []
+    for index in range(count):
+        copy, request = divmod(index, len(requests))
+        request = requests[request]
+        out.append(replace(request, arrival=request.arrival + copy * period,
+                           hash_ids=tuple(h + copy * id_stride for h in request.hash_ids)))
+    return out
+
+
 def scale_tokens(requests: Sequence[TraceRequest], token_scale: float = 1.0,
                  max_input_len: int | None = None,
                  max_output_len: int | None = None) -> list[TraceRequest]:

@@ -327,7 +327,7 @@ def run_tune(config: EngineConfig, args: argparse.Namespace) -> int:
     """Run the sweep, print the table and recommendation, write JSON/profile."""
     from tqdm import tqdm
 
-    from carpool.bench.regimes import _warm_up, encode_workload
+    from carpool.bench.regimes import warm_up, encode_workload
     from carpool.engine.llm_engine import LLMEngine
 
     batching = config.scheduler.batching
@@ -339,7 +339,7 @@ def run_tune(config: EngineConfig, args: argparse.Namespace) -> int:
               "batch size (max_num_seqs) only; --max-waits does not apply")
     base = LLMEngine.from_config(config)
     workload, offsets = encode_workload(args, base.tokenizer)
-    _warm_up(base, workload[0])
+    warm_up(base, workload[0])
     span = offsets[-1] - offsets[0]
     offered = (len(offsets) - 1) / span * sum(r.output_len for r in workload) / len(workload) \
         if span > 0 else float("inf")

@@ -23,6 +23,7 @@ from carpool.bench.traces import (
     TraceRequest,
     has_arrivals,
     load_trace,
+    loop_window,
     resolve_trace,
     scale_tokens,
     select_window,
@@ -51,7 +52,7 @@ def add_workload_args(parser: argparse.ArgumentParser, *, seed_flag: str = "--se
     """Groups "workload" and "arrivals". Dests: workload, num_requests,
     input_len, output_len, token_scale, max_input_len, max_output_len,
     trace_start, workload_seed, arrival, rate, burstiness, time_scale, surge,
-    ramp. ``seed_flag`` renames ``--seed`` on parsers that also take the
+    ramp, trace_loop. ``seed_flag`` renames ``--seed`` on parsers that also take the
     engine flags (which have their own ``--seed``)."""
     group = parser.add_argument_group("workload")
     group.add_argument("--workload", default=SYNTHETIC,
@@ -68,6 +69,9 @@ def add_workload_args(parser: argparse.ArgumentParser, *, seed_flag: str = "--se
     group.add_argument("--max-output-len", type=int, default=512, help="cap on trace outputs")
     group.add_argument("--trace-start", type=float, default=0.0,
                        help="seconds into a timed trace where the replay starts")
+    group.add_argument("--trace-loop", action="store_true",
+                       help="a timed trace shorter than --num-requests replays back to back "
+                            "(with --time-scale 0.1: ten copies at 10x the rate)")
     group.add_argument(seed_flag, dest="workload_seed", type=int, default=0, metavar="SEED",
                        help="seed for arrivals, sampled lengths and prompt text")
     arrivals = parser.add_argument_group("arrivals")
@@ -153,6 +157,7 @@ def describe_workload(args: argparse.Namespace,
         "token_scale": args.token_scale, "time_scale": args.time_scale,
         "max_input_len": args.max_input_len, "max_output_len": args.max_output_len,
         "trace_start": None if synthetic else args.trace_start,
+        "trace_loop": bool(getattr(args, "trace_loop", False)),
         "mooncake_block_tokens": mooncake_block_tokens(args.token_scale),
         "arrival": args.arrival,
         "process": describe_process(args.arrival, args.burstiness) if generated else "trace",
@@ -179,10 +184,12 @@ def _source_requests(args: argparse.Namespace) -> list[TraceRequest]:
     trace = load_trace(args.workload)
     if has_arrivals(trace):
         chosen = select_window(trace, start_s=args.trace_start, max_requests=count)
+        if len(chosen) < count and getattr(args, "trace_loop", False):
+            chosen = loop_window(chosen, count)
         if len(chosen) < count:
             raise ValueError(f"trace {args.workload!r} has only {len(chosen)} requests after "
                              f"--trace-start {args.trace_start:g}; lower --num-requests or "
-                             f"--trace-start")
+                             f"--trace-start, or add --trace-loop")
     else:
         rng = random.Random(f"{args.workload_seed}/lengths")
         chosen = [trace[rng.randrange(len(trace))] for _ in range(count)]

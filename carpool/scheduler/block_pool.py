@@ -80,11 +80,13 @@ class BlockPool:
         if count > self.num_free_blocks:
             raise RuntimeError(f"asked for {count} blocks, {self.num_free_blocks} free")
         blocks = []
+        ref_counts, key_of = self.ref_counts, self._key_of
         for _ in range(count):
             free = self._free if self._free else self._free_protected
             block_id, _ = free.popitem(last=False)
-            self._uncache(block_id)
-            self.ref_counts[block_id] = 1
+            if block_id in key_of:
+                self._uncache(block_id)
+            ref_counts[block_id] = 1
             blocks.append(block_id)
         return blocks
 
@@ -106,13 +108,14 @@ class BlockPool:
         eviction tail first, so a shared prefix outlives the suffixes that
         extend it.
         """
+        ref_counts, owners = self.ref_counts, self._owners
         for block_id in reversed(block_ids):
-            count = self.ref_counts[block_id]
+            count = ref_counts[block_id]
             if count <= 0:
                 raise RuntimeError(f"block {block_id} released more often than taken")
-            self.ref_counts[block_id] = count - 1
+            ref_counts[block_id] = count - 1
             if count == 1:
-                self._free_list(block_id)[block_id] = None
+                (self._free_protected if block_id in owners else self._free)[block_id] = None
 
     def register(self, block_id: int, key: tuple[int, tuple[int, ...]]) -> None:
         """Record that ``block_id`` now holds the KV of ``key`` (a full block)."""

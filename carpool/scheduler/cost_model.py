@@ -25,17 +25,18 @@ def _features(tokens: int, seqs: int) -> tuple[float, float, float]:
 class StepCostModel:
     """Least squares over a sliding window of (tokens, seqs, seconds) steps.
 
-    Invariant: ``_xtx`` and ``_xty`` are the sums over the steps in
-    ``_steps`` (added on record, subtracted on eviction), so a fit costs a
-    3x3 solve, not a pass over the window.
+    Invariant: ``_sums`` holds the moments of the steps in ``_steps``
+    (added on record, subtracted on eviction): n, sum t, sum s, sum t*t,
+    sum t*s, sum s*s, sum y, sum t*y, sum s*y; so a fit costs a 3x3 solve,
+    not a pass over the window. Recording is on every step's path (millions
+    of times in a simulation), hence the unrolled arithmetic.
     """
 
     def __init__(self, window: int = 256, min_steps: int = 8) -> None:
         self.window = window
         self.min_steps = min_steps
         self._steps: deque[tuple[int, int, float]] = deque()
-        self._xtx = [[0.0] * _FEATURES for _ in range(_FEATURES)]
-        self._xty = [0.0] * _FEATURES
+        self._sums = [0.0] * 9
         self._coef: list[float] | None = None
 
     @property
@@ -51,10 +52,11 @@ class StepCostModel:
 
     def record(self, tokens: int, seqs: int, seconds: float) -> None:
         """Add one measured step."""
-        self._accumulate(tokens, seqs, seconds, +1.0)
-        self._steps.append((tokens, seqs, seconds))
-        if len(self._steps) > self.window:
-            self._accumulate(*self._steps.popleft(), -1.0)
+        self._accumulate(tokens, seqs, seconds, 1.0)
+        steps = self._steps
+        steps.append((tokens, seqs, seconds))
+        if len(steps) > self.window:
+            self._accumulate(*steps.popleft(), -1.0)
         self._coef = None
 
     def predict(self, tokens: int, seqs: int) -> float | None:
@@ -76,20 +78,27 @@ class StepCostModel:
         return max(seqs, int(room / per_token))
 
     def _accumulate(self, tokens: int, seqs: int, seconds: float, sign: float) -> None:
-        x = _features(tokens, seqs)
-        for i in range(_FEATURES):
-            self._xty[i] += sign * x[i] * seconds
-            for j in range(_FEATURES):
-                self._xtx[i][j] += sign * x[i] * x[j]
+        t, s = sign * tokens, sign * seqs
+        sums = self._sums
+        sums[0] += sign
+        sums[1] += t
+        sums[2] += s
+        sums[3] += t * tokens
+        sums[4] += t * seqs
+        sums[5] += s * seqs
+        sums[6] += sign * seconds
+        sums[7] += t * seconds
+        sums[8] += s * seconds
 
     def _fit(self) -> list[float] | None:
         if not self.ready:
             return None
         if self._coef is None:
-            matrix = [row[:] for row in self._xtx]
+            n, st, ss, stt, sts, sss, sy, sty, ssy = self._sums
+            matrix = [[n, st, ss], [st, stt, sts], [ss, sts, sss]]
             for i in range(1, _FEATURES):  # scale-free: relative to the feature's own moment
-                matrix[i][i] += _RIDGE * max(self._xtx[i][i], 1.0)
-            self._coef = _solve(matrix, self._xty[:])
+                matrix[i][i] += _RIDGE * max(matrix[i][i], 1.0)
+            self._coef = _solve(matrix, [sy, sty, ssy])
         return self._coef
 
 

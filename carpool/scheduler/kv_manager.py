@@ -64,8 +64,8 @@ class KVCacheManager:
         max_blocks = (request.num_tokens - 1) // self.block_size
         self._extend_hashes(request, max_blocks)
         hits = []
-        for index in range(max_blocks):
-            block_id = self.pool.lookup(self._key(request, index))
+        for key in request.block_keys[:max_blocks]:
+            block_id = self.pool.lookup(key)
             if block_id is None:
                 break
             hits.append(block_id)
@@ -136,8 +136,9 @@ class KVCacheManager:
         if full <= start:
             return
         self._extend_hashes(request, full)
+        register, keys = self.pool.register, request.block_keys
         for index in range(start, full):
-            self.pool.register(table[index], self._key(request, index))
+            register(table[index], keys[index])
         self._num_registered[rid] = full
 
     def free(self, request: Request) -> None:
@@ -154,17 +155,14 @@ class KVCacheManager:
             prefix_queries=self.prefix_queries, prefix_hits=self.prefix_hits)
 
     def _extend_hashes(self, request: Request, num_blocks: int) -> None:
-        hashes = request.block_hashes
-        bs = self.block_size
-        while len(hashes) < num_blocks:
-            index = len(hashes)
-            parent = hashes[-1] if hashes else ROOT_HASH
-            hashes.append(chain_hash(block_key(parent, request.token_ids[index * bs:(index + 1) * bs])))
-
-    def _key(self, request: Request, index: int) -> tuple[int, tuple[int, ...]]:
-        parent = request.block_hashes[index - 1] if index else ROOT_HASH
-        bs = self.block_size
-        return block_key(parent, request.token_ids[index * bs:(index + 1) * bs])
+        hashes, keys, tokens = request.block_hashes, request.block_keys, request.token_ids
+        size = self.block_size
+        parent = hashes[-1] if hashes else ROOT_HASH
+        for index in range(len(hashes), num_blocks):
+            key = block_key(parent, tokens[index * size:(index + 1) * size])
+            parent = chain_hash(key)
+            keys.append(key)
+            hashes.append(parent)
 
     def check_invariants(self) -> None:
         """Refcounts equal the number of block-table entries per block (tests)."""

@@ -50,8 +50,10 @@ class Request:
     num_cached_tokens: int = 0  # prefix-cache hit on first admission
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
-    # Chained hashes of the full blocks of token_ids, filled lazily by the KV manager.
+    # Chained hashes of the full blocks of token_ids, filled lazily by the KV
+    # manager, and each block's prefix-cache key (parent hash, tokens).
     block_hashes: list[int] = field(default_factory=list)
+    block_keys: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
     first_scheduled_time: float | None = None
     reject_reason: str | None = None  # "deadline" or "queue_timeout" once rejected
     first_token_time: float | None = None  # clock times of the first and latest sampled token

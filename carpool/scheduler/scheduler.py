@@ -26,7 +26,7 @@ order and their cached prefix is protected between turns (``sessions``).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 from carpool.config import CacheConfig, ControllerConfig, SchedulerConfig
 from carpool.scheduler.admission import AdmissionControl, ExpiryQueue
@@ -121,8 +121,15 @@ class Scheduler:
 
     def record_step(self, num_tokens: int, num_seqs: int, seconds: float) -> None:
         """Feed the online cost model with an executed step's size and duration."""
-        self.admission.cost_model.record(num_tokens, num_seqs, seconds)
-        self.admission.busy.record(self.clock(), seconds)
+        self.record_steps(num_tokens, num_seqs, (seconds,), (self.clock(),))
+
+    def record_steps(self, num_tokens: int, num_seqs: int, seconds: Sequence[float],
+                     ends: Sequence[float]) -> None:
+        """``record_step`` for several steps of one size that ended at ``ends``."""
+        record, busy = self.admission.cost_model.record, self.admission.busy.record
+        for step_seconds, end in zip(seconds, ends):
+            record(num_tokens, num_seqs, step_seconds)
+            busy(end, step_seconds)
 
     def finish_request(self, request: Request, status: RequestStatus) -> None:
         """Remove a request (finished or aborted) and free its blocks."""
@@ -175,6 +182,11 @@ class Scheduler:
         budget = self.knobs.max_num_batched_tokens
         share_tokens = math.floor(self.config.long_prefill_share * budget)
         return None if share_tokens >= budget else max(1, share_tokens)
+
+    @property
+    def has_pending_rejections(self) -> bool:
+        """Expired requests not yet handed out by ``pop_rejected``."""
+        return bool(self._rejected)
 
     @property
     def has_unfinished(self) -> bool:

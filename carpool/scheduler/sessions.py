@@ -99,6 +99,13 @@ class SessionTracker:
                 del self._expires[sid]
                 self.pool.unprotect(sid)
 
+    @property
+    def next_expiry(self) -> float | None:
+        """The earliest time a protection may lapse (``expire`` after it may
+        change the pool), or None when nothing is protected. Stale entries
+        make it early, never late."""
+        return self._heap[0][0] if self._heap else None
+
     def stats(self) -> SessionStats:
         """Current counters; call ``expire`` first for up-to-date gauges."""
         return SessionStats(

@@ -208,39 +208,56 @@ class AnalyticCostModel:
     def __post_init__(self) -> None:
         if self.dtype_bytes <= 0:
             raise ValueError(f"dtype_bytes must be positive, got {self.dtype_bytes}")
+        m, hw = self.model, self.hardware
+        # Per-step constants, computed once: a simulation prices millions of steps.
+        constants = {"_token_flops": 2 * m.body_params, "_pair_flops": 4 * m.layers * m.q_dim,
+                     "_seq_flops": 2 * m.hidden * m.vocab,
+                     "_weight_bytes": m.streamed_params * self.dtype_bytes,
+                     "_kv_bytes": m.kv_bytes_per_token(self.dtype_bytes),
+                     "_flops_rate": hw.effective_flops, "_bytes_rate": hw.effective_bandwidth}
+        for name, value in constants.items():
+            object.__setattr__(self, name, value)
 
     def step_flops(self, shape: StepShape) -> float:
         """Arithmetic of one step (see the module docstring)."""
         _check(shape)
-        m = self.model
-        prefill = shape.prefill_tokens
-        # exact when the shape came from spans; else the estimate above
-        pairs = shape.attention_pairs or shape.context_tokens + prefill * (prefill - 1) / 2
-        return (2 * m.body_params * shape.tokens
-                + 4 * m.layers * m.q_dim * pairs
-                + 2 * m.hidden * m.vocab * shape.seqs)
+        return self._flops(shape.tokens, shape.seqs, _pairs(shape))
 
     def step_bytes(self, shape: StepShape) -> float:
         """Memory traffic of one step: the weights once, every KV entry once."""
         _check(shape)
-        weights = self.model.streamed_params * self.dtype_bytes
-        return weights + self.model.kv_bytes_per_token(self.dtype_bytes) * shape.context_tokens
+        return self._bytes(shape.context_tokens)
 
     def compute_seconds(self, shape: StepShape) -> float:
         """Seconds the arithmetic alone would take."""
-        return self.step_flops(shape) / self.hardware.effective_flops
+        return self.step_flops(shape) / self._flops_rate
 
     def memory_seconds(self, shape: StepShape) -> float:
         """Seconds the memory traffic alone would take."""
-        return self.step_bytes(shape) / self.hardware.effective_bandwidth
+        return self.step_bytes(shape) / self._bytes_rate
 
     def step_seconds(self, shape: StepShape) -> float:
         """Seconds one step of this shape takes; 0 for a step with no tokens."""
+        _check(shape)
         if shape.tokens == 0:
-            _check(shape)
             return 0.0
-        bound = max(self.compute_seconds(shape), self.memory_seconds(shape))
-        return self.hardware.step_overhead_s + bound
+        return self._seconds(shape.tokens, shape.seqs, shape.context_tokens, _pairs(shape))
+
+    def decode_step_seconds(self, seqs: int, context_tokens: int) -> float:
+        """``step_seconds`` of ``seqs`` decodes holding ``context_tokens`` in
+        all, without building the shape (the simulator's hot path)."""
+        return self._seconds(seqs, seqs, context_tokens, context_tokens)
+
+    def _flops(self, tokens: int, seqs: int, pairs: float) -> float:
+        return self._token_flops * tokens + self._pair_flops * pairs + self._seq_flops * seqs
+
+    def _bytes(self, context_tokens: int) -> float:
+        return self._weight_bytes + self._kv_bytes * context_tokens
+
+    def _seconds(self, tokens: int, seqs: int, context_tokens: int, pairs: float) -> float:
+        compute = self._flops(tokens, seqs, pairs) / self._flops_rate
+        memory = self._bytes(context_tokens) / self._bytes_rate
+        return self.hardware.step_overhead_s + max(compute, memory)
 
     def decode_tokens_per_second(self, batch: int, context: int) -> float:
         """Generated tokens/s of ``batch`` sequences decoding together, each
@@ -290,6 +307,13 @@ _FORM = ("step = step_overhead_s + max(flops / (peak_flops * flops_efficiency), 
          "bytes = (body_params + hidden * vocab) * dtype_bytes + kv_bytes_per_token * context_tokens; "
          "assumes the prefill tokens form one causal chunk of a fresh prompt, the LM head runs once "
          "per sequence, activations are free, and an empty step costs 0")
+
+
+def _pairs(shape: StepShape) -> float:
+    """Query x key pairs: exact when the shape came from spans, else the
+    module docstring's estimate."""
+    prefill = shape.prefill_tokens
+    return shape.attention_pairs or shape.context_tokens + prefill * (prefill - 1) / 2
 
 
 def _check(shape: StepShape) -> None:

@@ -65,6 +65,11 @@ class CostModel(Protocol):
 
     def step_seconds(self, shape: StepShape) -> float: ...
 
+    def decode_step_seconds(self, seqs: int, context_tokens: int) -> float:
+        """Exactly ``step_seconds(StepShape(0, seqs, context_tokens, seqs,
+        context_tokens))``: a step of ``seqs`` one-token decodes."""
+        ...
+
     def describe(self) -> dict: ...
 
 

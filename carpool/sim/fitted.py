@@ -33,7 +33,17 @@ class FittedCostModel:
     kind: str = "measured"
 
     def step_seconds(self, shape: StepShape) -> float:
-        return sum(c * x for c, x in zip(self.coefficients, features(shape)))
+        return self._seconds(shape.tokens, shape.seqs, shape.context_tokens,
+                             shape.attention_pairs)
+
+    def decode_step_seconds(self, seqs: int, context_tokens: int) -> float:
+        """``step_seconds`` of ``seqs`` decodes holding ``context_tokens`` in
+        all, without building the shape (the simulator's hot path)."""
+        return self._seconds(seqs, seqs, context_tokens, context_tokens)
+
+    def _seconds(self, tokens: int, seqs: int, context_tokens: int, pairs: int) -> float:
+        c0, c1, c2, c3, c4 = self.coefficients
+        return c0 + c1 * tokens + c2 * seqs + c3 * context_tokens + c4 * pairs
 
     def describe(self) -> dict:
         return {"model_kind": self.kind, "form": FORM,

@@ -170,9 +170,19 @@ def _meta(engine, config: EngineConfig, args: argparse.Namespace) -> dict:
                      "device": str(getattr(engine.executor, "device", "cpu"))},
         "model": config.model.model or "default (SmolLM2-135M-Instruct)",
         "dtype": str(engine.executor.dtype).replace("torch.", ""),
+        "kv_bytes_per_token": _kv_bytes_per_token(engine),
+        "max_model_len": engine.max_model_len,
         "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
         "max_num_seqs": config.scheduler.max_num_seqs,
         "grid": "quick" if args.quick else "full", "repeats": args.repeats}
+
+
+def _kv_bytes_per_token(engine) -> int:
+    """K and V of every layer for one token, in the engine's dtype (what
+    the simulator sizes a pool from ``--kv-cache-memory`` with)."""
+    config = engine.model_config
+    return (2 * config.num_layers * config.num_kv_heads * config.head_dim
+            * engine.executor.dtype.itemsize)
 
 
 def _cpu_count() -> int | None:

@@ -1,0 +1,111 @@
+"""Runs of identical decode steps, applied in one go (for the simulator).
+
+Between arrivals and finishes a replica mostly runs steps in which every
+running request decodes one token and nothing else changes but token
+counts and block tables. ``decode_run_limit`` says how many such steps
+follow from the scheduler's own state; ``apply_decode_steps`` applies them
+with exactly the effects ``schedule`` + ``commit`` + ``record_step`` would
+have had step by step (same blocks allocated and registered in the same
+order, same times, same cost-model samples), at a cost per request and per
+block boundary instead of per request and per step. The caller bounds the
+run by what the scheduler cannot see (arrivals; ``horizon``). Pure Python.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from carpool.scheduler.request import Request
+from carpool.scheduler.step import is_decoding
+
+
+def decode_order(scheduler) -> list[Request]:
+    """The order ``_schedule_running`` visits running requests in."""
+    order = list(scheduler.running)
+    if scheduler.config.policy == "priority":
+        order.sort(key=lambda r: (r.priority, r.arrival_time))
+    return order
+
+
+def decode_run_limit(scheduler) -> int:
+    """How many of the next steps are pure decode steps that change nothing
+    but tokens and blocks: 0 unless nothing waits, every running request is
+    decoding, their tokens fit the step budget and no controller, overload
+    detector or batch gate acts per step. The run ends at the latest with
+    the step in which a request samples its last token (the caller then
+    finishes it, as the engine does after that step's commit), and before
+    any step that would run out of free blocks (it would preempt). Session
+    protections lapse by time: see ``horizon``."""
+    running = scheduler.running
+    if (not running or scheduler.waiting or scheduler.has_pending_rejections
+            or scheduler.gate is not None or scheduler.controller is not None
+            or scheduler.overload is not None
+            or len(running) > scheduler.knobs.max_num_batched_tokens):
+        return 0
+    if not all(is_decoding(r) for r in running):
+        return 0
+    steps = min(r.max_tokens - r.num_output_tokens for r in running)
+    if steps <= 0 or _blocks_needed(scheduler, 1) > scheduler.kv.pool.num_free_blocks:
+        return 0
+    free = scheduler.kv.pool.num_free_blocks
+    if _blocks_needed(scheduler, steps) <= free:
+        return steps
+    low, high = 1, steps  # needed(low) <= free < needed(high)
+    while high - low > 1:
+        middle = (low + high) // 2
+        if _blocks_needed(scheduler, middle) <= free:
+            low = middle
+        else:
+            high = middle
+    return low
+
+
+def horizon(scheduler) -> float | None:
+    """The latest clock time a run's step may start at (a session's
+    protection lapses after it), or None."""
+    return scheduler.sessions.next_expiry
+
+
+def _blocks_needed(scheduler, steps: int) -> int:
+    kv = scheduler.kv
+    return sum(max(0, kv.blocks_for(r.num_computed_tokens + steps)
+                   - len(kv.block_tables[r.request_id])) for r in scheduler.running)
+
+
+def apply_decode_steps(scheduler, seconds: Sequence[float], step_ends: Sequence[float],
+                       set_time: Callable[[float], None], token_id: int = 0) -> list[Request]:
+    """Apply ``len(seconds)`` decode steps (at most ``decode_run_limit``),
+    step ``i`` taking ``seconds[i]`` and committing at ``step_ends[i]``;
+    every request samples ``token_id`` each step. ``set_time`` moves the
+    scheduler's clock (a step's effects are timed at its end). Returns the
+    requests in the order the steps visited them: the order in which the
+    caller finishes those that reached their ``max_tokens``."""
+    steps = len(seconds)
+    kv, size = scheduler.kv, scheduler.kv.block_size
+    order = decode_order(scheduler)
+    # Step by step, a step allocates in visiting order while scheduling,
+    # then registers newly full blocks in the same order on commit; the
+    # block ids and the prefix-cache entries depend on that order.
+    events: list[tuple[int, int, int, int]] = []  # (step, phase, position, computed)
+    starts = [request.num_computed_tokens for request in order]
+    for position, (request, computed) in enumerate(zip(order, starts)):
+        covered = len(kv.block_tables[request.request_id]) * size
+        for step in range(covered - computed, steps, size):
+            events.append((step, 0, position, computed + step))
+        for step in range((size - 1 - computed) % size, steps, size):
+            events.append((step, 1, position, computed + step + 1))
+        request.token_ids.extend([token_id] * steps)
+    events.sort()
+    for _, phase, position, computed in events:
+        request = order[position]
+        request.num_computed_tokens = computed
+        if phase == 0:
+            grown = kv.try_grow(request, 1)
+            assert grown, "a decode run outgrew the free blocks"
+        else:
+            kv.cache_computed_blocks(request)
+    for request, computed in zip(order, starts):
+        request.num_computed_tokens = computed + steps
+        request.last_token_time = step_ends[-1]
+    scheduler.record_steps(len(order), len(order), seconds, step_ends)
+    set_time(step_ends[-1])
+    return order

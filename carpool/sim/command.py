@@ -1,0 +1,123 @@
+"""The ``carpool simulate`` command: workload and cost model from flags,
+the simulation (carpool/sim/simulate.py), a bench-serve result out."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from carpool.bench.workload import (
+    BenchItem,
+    add_workload_args,
+    arg_type,
+    describe_workload,
+    mooncake_block_tokens,
+    plan_workload,
+)
+from carpool.config import EngineConfig
+from carpool.sim.costs import CostModel
+from carpool.sim.simulate import (
+    ROUTING,
+    SimRun,
+    SimSettings,
+    add_cost_model_args,
+    cost_model_from_args,
+    pool_blocks,
+    simulate,
+)
+
+
+def add_simulation_args(parser: argparse.ArgumentParser) -> None:
+    """Group "simulation": replicas, routing and the simulator's options."""
+    group = parser.add_argument_group("simulation")
+    group.add_argument("--replicas", type=int, default=1)
+    group.add_argument("--routing", choices=ROUTING, default="round-robin")
+    group.add_argument("--no-fast-forward", dest="fast_forward", action="store_false",
+                       help="step through every decode step (same result, slower)")
+    group.add_argument("--workers", type=int, default=None,
+                       help="processes for round-robin replicas, which are simulated "
+                            "independently (default: the CPUs available; same result)")
+    group.add_argument("--token-times", action="store_true",
+                       help="keep every token's time, for inter-token latency (memory grows "
+                            "with output tokens)")
+
+
+def add_simulate_args(parser: argparse.ArgumentParser) -> None:
+    from carpool.bench.tune import parse_slo
+
+    add_workload_args(parser, seed_flag="--workload-seed")
+    add_cost_model_args(parser)
+    add_simulation_args(parser)
+    out = parser.add_argument_group("results")
+    out.add_argument("--slo", type=arg_type(parse_slo), default={},
+                     help="per-request limits for goodput, e.g. ttft=500ms,tpot=100ms")
+    out.add_argument("--label", default=None, help="name of this run in reports")
+    out.add_argument("--json", default=None, help="write the result here")
+    out.add_argument("--html", default=None, help="write an HTML report with plots here (dir)")
+
+
+def settings_from_args(config: EngineConfig, cost: CostModel,
+                       args: argparse.Namespace) -> SimSettings:
+    max_len = config.model.max_model_len or getattr(cost, "meta", {}).get("max_model_len")
+    return SimSettings(args.replicas, args.routing, args.fast_forward, args.token_times,
+                       max_len, mooncake_block_tokens(args.token_scale),
+                       args.workers or available_cpus()).validate()
+
+
+def available_cpus() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def run_simulate(config: EngineConfig, args: argparse.Namespace) -> int:
+    from carpool.bench.serve import format_result, write_outputs
+
+    cost = cost_model_from_args(args)
+    num_blocks = pool_blocks(config, cost, memory_set=args.engine_kv_cache_memory is not None)
+    settings = settings_from_args(config, cost, args)
+    plan = plan_workload(args)
+    run = simulate(plan, config, cost, num_blocks, settings)
+    label = args.label or f"simulated: {settings.replicas} x {cost_label(cost)}"
+    result = simulation_result(label, args, config, cost, num_blocks, settings, plan, run)
+    print(format_result(result))
+    print(format_speed(result["simulation"]))
+    write_outputs(result, args.json, args.html)
+    return 0
+
+
+def cost_label(cost: CostModel) -> str:
+    """Which cost model priced a run, in a few words (reports name the kind)."""
+    data = cost.describe()
+    if cost.kind == "analytic":
+        return f"{data['model']['name']} on {data['hardware']['name']} (analytic)"
+    return f"{data.get('model', 'model')}, {data.get('dtype', '?')} (measured)"
+
+
+def simulation_result(label: str, args: argparse.Namespace, config: EngineConfig,
+                      cost: CostModel, num_blocks: int, settings: SimSettings,
+                      plan, run: SimRun) -> dict:
+    """The bench-serve document of a simulated run, plus its ``simulation`` section."""
+    from carpool.bench.loadgen import LoadRun
+    from carpool.bench.serve import make_result
+
+    items = [BenchItem(i, r.arrival, "", r.input_len, r.output_len) for i, r in enumerate(plan)]
+    run_config = {k: v for k, v in vars(args).items()
+                  if k not in ("func", "slo") and not k.startswith("engine_")}
+    run_config.update({"model": cost_label(cost), "workload": describe_workload(args, items),
+                       "engine": dataclasses.asdict(config)})
+    result = make_result(label, run_config, LoadRun(run.records, run.duration,
+                                                    run.server_samples), args.slo)
+    result["simulation"] = {
+        "cost_model_kind": cost.kind, "cost_model": cost.describe(),
+        "num_blocks": num_blocks, "settings": dataclasses.asdict(settings),
+        "speed": run.speed(), "replicas": run.per_replica}
+    return result
+
+
+def format_speed(simulation: dict) -> str:
+    speed = simulation["speed"]
+    return (f"simulated {speed['requests']} requests, {speed['steps']} scheduler steps "
+            f"({speed['fast_forwarded_steps']} fast-forwarded) in {speed['wall_s']:.2f} s wall: "
+            f"{speed['requests_per_wall_s']:.0f} requests/s, {speed['steps_per_wall_s']:.0f} "
+            f"steps/s, {speed['simulated_s_per_wall_s']:.0f}x real time | cost model: "
+            f"{simulation['cost_model_kind']} | pool {simulation['num_blocks']} blocks")

@@ -1,0 +1,277 @@
+"""One simulated replica: carpool's own ``Scheduler`` with a cost model in
+place of the model.
+
+The replica does what ``LLMEngine.step`` and its loop do, in virtual time:
+requests that arrived while a step ran are added at the next step
+boundary, a step's tokens are committed when its cost-model time is up,
+and a request finishes when it has generated its output length (every
+request runs with ignore_eos, as in the benchmark). Runs of identical
+decode steps can be applied in one go (``carpool.scheduler.fast_forward``)
+with the same result as stepping through them.
+"""
+from __future__ import annotations
+
+import enum
+
+from carpool.bench.stats import FAILED, OK, REJECTED, RequestRecord
+from carpool.bench.traces import TraceRequest
+from carpool.config import EngineConfig
+from carpool.scheduler import RejectedError, Request, RequestStatus, Scheduler
+from carpool.scheduler.fast_forward import apply_decode_steps, decode_run_limit, horizon
+from carpool.scheduler.step import SchedulerOutput
+from carpool.sim.costs import CostModel, StepShape
+
+# An engine with requests it cannot schedule yet (a request-level batch
+# waiting to fill) loops without sleeping; the simulator looks again this
+# much later.
+POLL_S = 0.001
+SAMPLED_TOKEN = 0  # what every simulated step samples (content never matters)
+_FIRST_RUN, _MAX_RUN = 16, 4096  # steps planned per fast-forward run (doubling)
+
+
+class VirtualClock:
+    """The simulation's time in seconds; the schedulers read it by calling it."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def set(self, now: float) -> None:
+        self.now = now
+
+
+def prompt_token_ids(index: int, length: int, hash_ids: tuple[int, ...] = (),
+                     hash_block: int = 1) -> list[int]:
+    """Token ids that give the prefix cache what the real prompts would:
+    blocks of ``hash_block`` tokens equal wherever (Mooncake) hash ids are
+    equal, the rest unique to the request. Token ids never reach a model."""
+    tokens: list[int] = []
+    for hash_id in hash_ids:
+        if len(tokens) >= length:
+            break
+        tokens += [hash_id + 1] + [0] * (hash_block - 1)  # ids >= 1: shared blocks
+    if len(tokens) < length:
+        tokens += [-(index + 1)] + [0] * (length - len(tokens) - 1)  # ids < 0: this request only
+    return tokens[:length]
+
+
+def step_shape(output: SchedulerOutput) -> StepShape:
+    """What the executor computes for ``output``: its ragged spans, or with
+    ``pad_rows`` the padded rectangle (every row as long as the longest
+    span, missing rows all padding)."""
+    if not output.pad_rows:
+        return StepShape.of(output.spans)
+    longest = max(span.num_tokens for span in output.spans)
+    rows = [(span.start, longest) for span in output.spans]
+    rows += [(0, longest)] * max(0, output.pad_rows - len(output.spans))
+    return StepShape.of([_Row(start, tokens) for start, tokens in rows])
+
+
+class _Row:
+    __slots__ = ("start", "num_tokens")
+
+    def __init__(self, start: int, num_tokens: int) -> None:
+        self.start, self.num_tokens = start, num_tokens
+
+
+class State(enum.Enum):
+    IDLE = "idle"  # nothing to do; an arrival starts a step at once
+    STEP = "step"  # one step runs until next_time
+    RUN = "run"  # a planned run of decode steps ends at next_time (cut short by an arrival)
+    BOUNDARY = "boundary"  # a cut run: the next step boundary is at next_time
+    POLL = "poll"  # work it cannot schedule yet; looks again at next_time
+
+
+class SimReplica:
+    """A scheduler, its inbox and its in-flight step, in virtual time.
+
+    ``next_time`` is when the replica next needs the simulation's attention
+    (None while idle); ``outstanding`` counts requests routed here and not
+    yet finished or rejected (what least-outstanding routing reads).
+    """
+
+    def __init__(self, index: int, config: EngineConfig, num_blocks: int, cost: CostModel,
+                 clock: VirtualClock, *, max_model_len: int | None = None,
+                 fast_forward: bool = True, token_times: bool = False,
+                 hash_block: int = 1) -> None:
+        self.index = index
+        self.cost = cost
+        self.clock = clock
+        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, clock,
+                                   config.controller)
+        self.max_model_len = max_model_len
+        self.fast_forward = fast_forward
+        self.token_times = token_times
+        self.hash_block = hash_block
+        self.state = State.IDLE
+        self.next_time: float | None = None
+        self.outstanding = 0
+        self.steps = 0  # scheduler steps simulated, fast-forwarded ones included
+        self.fast_forwarded_steps = 0
+        self._inbox: list[tuple[TraceRequest, RequestRecord]] = []
+        self._records: dict[str, RequestRecord] = {}
+        self._output: SchedulerOutput | None = None
+        self._seconds = 0.0
+        self._run: tuple[list[float], list[float]] = ([], [])  # (seconds, ends) of a RUN
+        self._run_steps = _FIRST_RUN
+
+    # -- events ----------------------------------------------------------------
+
+    def receive(self, request: TraceRequest, record: RequestRecord, now: float) -> bool:
+        """A request routed here at ``now``; it joins at the next step
+        boundary. Returns whether ``next_time`` changed."""
+        record.sent = now
+        self._inbox.append((request, record))
+        self.outstanding += 1
+        if self.state in (State.IDLE, State.POLL):
+            self._boundary(now)
+            return True
+        if self.state == State.RUN:
+            return self._cut_run(now)
+        return False
+
+    def advance(self, now: float) -> None:
+        """``next_time`` has come: finish what was in flight, start what is next."""
+        if self.state == State.STEP:
+            self._commit(now)
+        elif self.state == State.RUN:
+            self._apply_run(len(self._run[0]))
+            self._run_steps = min(_MAX_RUN, 2 * self._run_steps)
+        self._boundary(now)
+
+    # -- a step boundary -----------------------------------------------------------
+
+    def _boundary(self, now: float) -> None:
+        self.clock.set(now)
+        inbox, self._inbox = self._inbox, []
+        for request, record in inbox:
+            self._add(request, record, now)
+        if self.fast_forward and self._plan_run(now):
+            return
+        output = self.scheduler.schedule()
+        self._reject_expired()
+        if not output.is_empty:
+            self._output, self._seconds = output, self.cost.step_seconds(step_shape(output))
+            self._set(State.STEP, now + self._seconds)
+        elif self.scheduler.has_unfinished:
+            self._set(State.POLL, now + POLL_S)
+        else:
+            self._set(State.IDLE, None)
+
+    def _set(self, state: State, next_time: float | None) -> None:
+        self.state, self.next_time = state, next_time
+
+    def _add(self, item: TraceRequest, record: RequestRecord, now: float) -> None:
+        total = item.input_len + item.output_len
+        if self.max_model_len is not None and total > self.max_model_len:
+            self._fail(record, now, f"the request needs {total} tokens of context, more than "
+                                    f"max_model_len {self.max_model_len}")
+            return
+        request_id = f"r{record.index}"
+        request = Request(request_id, prompt_token_ids(record.index, item.input_len,
+                                                       item.hash_ids, self.hash_block),
+                          item.output_len, arrival_time=record.scheduled)
+        try:
+            self.scheduler.add_request(request)
+        except RejectedError as exc:
+            self._done(record, REJECTED, now, exc.reason)
+        except ValueError as exc:
+            self._fail(record, now, str(exc))
+        else:
+            self._records[request_id] = record
+
+    def _fail(self, record: RequestRecord, now: float, message: str) -> None:
+        record.error = message
+        self._done(record, FAILED, now, "http_400")  # what the server answers
+
+    def _done(self, record: RequestRecord, status: str, now: float, reason: str | None) -> None:
+        record.status, record.reason, record.finished = status, reason, now
+        self.outstanding -= 1
+
+    def _reject_expired(self) -> None:
+        for request in self.scheduler.pop_rejected():
+            record = self._records.pop(request.request_id)
+            self._done(record, REJECTED, self.clock.now, request.reject_reason or "shed")
+
+    # -- one step ------------------------------------------------------------------
+
+    def _commit(self, now: float) -> None:
+        output, scheduler = self._output, self.scheduler
+        self._output = None
+        sampled = [span.request for span in output.spans if span.sample]
+        scheduler.commit(output, [(request, SAMPLED_TOKEN) for request in sampled])
+        scheduler.record_step(output.num_tokens, len(output.spans), self._seconds)
+        self.steps += 1
+        for request in sampled:
+            if request.status != RequestStatus.RUNNING:
+                continue
+            if self.token_times:
+                self._records[request.request_id].chunk_times.append(now)
+            if request.num_output_tokens >= request.max_tokens:
+                scheduler.finish_request(request, RequestStatus.FINISHED_LENGTH)
+                self._finish(request, now)
+
+    def _finish(self, request: Request, now: float) -> None:
+        record = self._records.pop(request.request_id)
+        if not self.token_times:
+            record.chunk_times = [request.first_token_time]
+        record.output_tokens = request.num_output_tokens
+        self._done(record, OK, now, None)
+
+    # -- runs of decode steps ----------------------------------------------------------
+
+    def _plan_run(self, now: float) -> bool:
+        """Plan a run of identical decode steps from ``now`` if one is due
+        (at least two steps); its steps' times are priced one by one, as
+        stepping would."""
+        scheduler = self.scheduler
+        limit = min(decode_run_limit(scheduler), self._run_steps)
+        if limit < 2:
+            return False
+        latest = horizon(scheduler)
+        running = len(scheduler.running)
+        context = sum(r.num_computed_tokens + 1 for r in scheduler.running)
+        seconds: list[float] = []
+        ends: list[float] = []
+        start = now
+        for _ in range(limit):
+            if latest is not None and start > latest:
+                break
+            step = self.cost.decode_step_seconds(running, context)
+            start += step
+            seconds.append(step)
+            ends.append(start)
+            context += running
+        if len(seconds) < 2:
+            return False
+        self._run = (seconds, ends)
+        self._set(State.RUN, ends[-1])
+        return True
+
+    def _cut_run(self, now: float) -> bool:
+        """An arrival at ``now`` ends the run at the first boundary at or after it."""
+        seconds, ends = self._run
+        cut = next(i for i, end in enumerate(ends) if end >= now) + 1
+        if cut == len(ends):
+            return False
+        self._apply_run(cut)
+        self._run_steps = _FIRST_RUN
+        self._set(State.BOUNDARY, ends[cut - 1])
+        return True
+
+    def _apply_run(self, steps: int) -> None:
+        seconds, ends = self._run
+        seconds, ends = seconds[:steps], ends[:steps]
+        if self.token_times:
+            for request in self.scheduler.running:
+                self._records[request.request_id].chunk_times.extend(ends)
+        order = apply_decode_steps(self.scheduler, seconds, ends, self.clock.set, SAMPLED_TOKEN)
+        self.steps += steps
+        self.fast_forwarded_steps += steps
+        self._run = ([], [])
+        for request in order:
+            if request.num_output_tokens >= request.max_tokens:
+                self.scheduler.finish_request(request, RequestStatus.FINISHED_LENGTH)
+                self._finish(request, ends[-1])
