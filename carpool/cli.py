@@ -260,6 +260,20 @@ def build_parser() -> argparse.ArgumentParser:
                          "scheduler with a cost model (virtual clock); bench-serve report")
     add_simulate_args(simulate)
     add_engine_flags(simulate)
+    from carpool.sim.fidelity import add_fidelity_args
+
+    fidelity = commands.add_parser(
+        "fidelity", help="replay one workload on the real engine and in the simulator (with "
+                         "this machine's profile) and report the simulation's error")
+    add_fidelity_args(fidelity)
+    add_engine_flags(fidelity)
+    from carpool.sim.plan_command import add_plan_args
+
+    plan = commands.add_parser(
+        "plan", help="capacity planning: the fewest simulated replicas that meet an SLO at a "
+                     "peak load, their cost, and optionally a day on a replica schedule")
+    add_plan_args(plan)
+    add_engine_flags(plan)
     return parser
 
 
@@ -322,6 +336,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             from carpool.sim.command import run_simulate
 
             return run_simulate(config, args)
+        if args.command == "fidelity":
+            from carpool.sim.fidelity import run_fidelity
+
+            return run_fidelity(config, args)
+        if args.command == "plan":
+            from carpool.sim.plan_command import run_plan
+
+            return run_plan(config, args)
         if args.command == "profile":
             from carpool.sim.profile import run_profile
 

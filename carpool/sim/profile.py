@@ -105,37 +105,49 @@ def add_profile_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_profile(config: EngineConfig, args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
     from carpool.engine.llm_engine import LLMEngine
 
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     config.scheduler.batching = "continuous"
-    engine = LLMEngine.from_config(config)
-    recorder = _ShapeRecorder(engine.executor)
-    engine.executor = recorder
-    rng = random.Random(args.profile_seed)
-    special = set(engine.tokenizer.all_special_ids)
-    vocab = [t for t in range(engine.model_config.vocab_size) if t not in special]
-    kv_tokens = engine.scheduler.kv.stats().num_blocks * config.cache.block_size
-    scenarios = [s for s in grid(args.quick, config.scheduler.max_num_batched_tokens,
-                                 config.scheduler.max_num_seqs)
-                 if s.count * (s.prompt_len + s.output_len) <= kv_tokens]  # no preemption
-    run_scenario(engine, recorder, Scenario("warm-up", 2, 16, 4), rng, vocab)
-    samples, points = [], []
-    for scenario in tqdm(scenarios, desc="profile", unit="point", file=sys.stderr):
-        measured = []
-        for _ in range(args.repeats):
-            measured += run_scenario(engine, recorder, scenario, rng, vocab)
-        samples += measured
-        points.append((scenario, measured))
-    model = fit(samples, _meta(engine, config, args))
-    model.meta["points"] = [_point_row(s, m, model) for s, m in points]
+    model = measure(LLMEngine.from_config(config), config, args)
     save_cost_model(model, args.out)
     print(format_profile(model))
     print(f"wrote {args.out}")
     return 0
+
+
+def measure(engine, config: EngineConfig, args: argparse.Namespace) -> FittedCostModel:
+    """Run the grid (``args.quick``, ``args.repeats``, ``args.profile_seed``)
+    on a loaded continuous-batching engine and fit; the engine is left as it
+    was (drained, its executor unwrapped)."""
+    from tqdm import tqdm
+
+    recorder = _ShapeRecorder(engine.executor)
+    engine.executor = recorder
+    try:
+        rng = random.Random(args.profile_seed)
+        special = set(engine.tokenizer.all_special_ids)
+        vocab = [t for t in range(engine.model_config.vocab_size) if t not in special]
+        kv_tokens = engine.scheduler.kv.stats().num_blocks * config.cache.block_size
+        scenarios = [s for s in grid(args.quick, config.scheduler.max_num_batched_tokens,
+                                     config.scheduler.max_num_seqs)
+                     if s.count * (s.prompt_len + s.output_len) <= kv_tokens]  # no preemption
+        run_scenario(engine, recorder, Scenario("warm-up", 2, 16, 4), rng, vocab)
+        measured: list[list[tuple[StepShape, float]]] = [[] for _ in scenarios]
+        # Repeats go round the whole grid rather than back to back: a shared
+        # machine's speed drifts by 10-20% over tens of seconds, and each
+        # point should see that drift as the simulated workload will.
+        runs = [(i, s) for _ in range(args.repeats) for i, s in enumerate(scenarios)]
+        for index, scenario in tqdm(runs, desc="profile", unit="run", file=sys.stderr):
+            measured[index] += run_scenario(engine, recorder, scenario, rng, vocab)
+        samples = [sample for runs_of_point in measured for sample in runs_of_point]
+        points = list(zip(scenarios, measured))
+    finally:
+        engine.executor = recorder._inner
+    model = fit(samples, _meta(engine, config, args))
+    model.meta["points"] = [_point_row(s, m, model) for s, m in points]
+    return model
 
 
 def _point_row(scenario: Scenario, measured: list[tuple[StepShape, float]],

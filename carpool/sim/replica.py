@@ -134,6 +134,7 @@ class SimReplica:
 
     def advance(self, now: float) -> None:
         """``next_time`` has come: finish what was in flight, start what is next."""
+        self.clock.set(now)  # a step's tokens are committed at its end
         if self.state == State.STEP:
             self._commit(now)
         elif self.state == State.RUN:

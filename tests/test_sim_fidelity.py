@@ -1,0 +1,60 @@
+"""The fidelity procedure on a small scale: this machine's (quick) profile,
+one short trace window on the real default model and in the simulator."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from carpool.config import EngineConfig
+from carpool.sim.fidelity import FidelityRow, add_fidelity_args, compare, fidelity, format_rows
+
+
+@pytest.fixture(scope="module")
+def real_engine(real_model_path):
+    from carpool.engine.llm_engine import LLMEngine
+
+    config = EngineConfig()
+    config.update({"model": {"model": str(real_model_path), "dtype": "bfloat16"},
+                   "cache": {"num_blocks": 256}})
+    return LLMEngine.from_config(config.validate()), config
+
+
+def test_fidelity_on_a_short_window_of_the_azure_trace(real_engine, tmp_path):
+    from carpool.sim.profile import measure
+
+    engine, config = real_engine
+    profile = measure(engine, config, argparse.Namespace(quick=True, repeats=1,
+                                                         profile_seed=0))
+    assert not engine.has_unfinished and engine.executor.__class__.__name__ == "TorchExecutor"
+    parser = argparse.ArgumentParser()
+    add_fidelity_args(parser)
+    args = parser.parse_args([
+        "--cost-model", "unused.json", "--workload", "azure-conv", "--arrival", "trace",
+        "--token-scale", "0.03", "--max-output-len", "12", "--time-scale", "3",
+        "--num-requests", "10"])
+    result = fidelity(engine, config, profile, args)
+    assert "step" not in vars(engine)  # the timing wrapper is gone
+    real, simulated = result.real["summary"], result.simulated["summary"]
+    assert real["completed"] == simulated["completed"] == 10
+    assert real["output_tokens"] == simulated["output_tokens"]
+    assert {row.name for row in result.rows} >= {"TTFT p50", "TPOT p99", "output tok/s"}
+    assert result.simulated["simulation"]["cost_model_kind"] == "measured"
+    # A quick grid and ten requests on a shared machine: a loose bound that
+    # still fails if the simulator's timing were off by a step or more.
+    by_name = {row.name: row for row in result.rows}
+    for name in ("TTFT p50", "TPOT p50", "E2E p50"):
+        assert abs(by_name[name].error) < 0.5, (name, by_name[name])
+    print(format_rows(result.rows))
+    assert "cost model on the" in result.notes
+
+
+def test_compare_rows_and_goals():
+    real = {m: {"p50": 1.0, "p99": 2.0} for m in ("ttft", "tpot", "e2e")}
+    simulated = {m: {"p50": 1.05, "p99": 2.5} for m in ("ttft", "tpot", "e2e")}
+    real["output_throughput"], simulated["output_throughput"] = 100.0, 95.0
+    rows = {row.name: row for row in compare(real, simulated)}
+    assert rows["TTFT p50"].error == pytest.approx(0.05) and rows["TTFT p50"].within_goal
+    assert rows["TTFT p99"].error == pytest.approx(0.25) and not rows["TTFT p99"].within_goal
+    assert rows["output tok/s"].within_goal
+    assert FidelityRow("x", None, 1.0, 0.1).error is None
