@@ -73,8 +73,8 @@ def test_profile_measures_the_tiny_model_and_writes_a_fit(tiny_model_dir, tmp_pa
     model = load_cost_model(out)
     assert model.kind == "measured" and all(c >= 0 for c in model.coefficients)
     labels = [p["label"] for p in model.meta["points"]]
-    assert "prefill 32" in labels and "mixed b=4 + chunk 24" in labels
-    mixed = model.meta["points"][labels.index("mixed b=4 + chunk 24")]["shape"]
+    assert "prefill 32" in labels and "mixed b=4 ctx=32 + chunk 24" in labels
+    mixed = model.meta["points"][labels.index("mixed b=4 ctx=32 + chunk 24")]["shape"]
     assert mixed["prefill_tokens"] == 24 and mixed["decode_seqs"] == 4
     assert model.meta["fit"]["steps"] > len(labels) and model.meta["hardware"]["cpus"] >= 1
     assert model.step_seconds(StepShape(0, 4, 200, 4)) > 0

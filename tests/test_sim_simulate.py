@@ -183,8 +183,15 @@ def test_same_seed_same_report_and_compare_reads_it(tmp_path, capsys):
     assert "TTFT" in capsys.readouterr().out
 
 
-def test_missing_cost_model_is_a_clear_error(capsys):
+def test_default_cost_model_and_bad_ones(tmp_path, capsys):
     from carpool.cli import main
 
-    assert main(["simulate", "--num-requests", "5"]) != 0
-    assert "--cost-model" in capsys.readouterr().err
+    assert main(["simulate", "--num-requests", "5", "--input-len", "32",
+                 "--output-len", "8"]) == 0
+    assert "(measured)" in capsys.readouterr().out  # the shipped dev-machine profile
+    assert main(["simulate", "--num-requests", "5", "--hardware", "h100-sxm"]) != 0
+    assert "--model-shape" in capsys.readouterr().err
+    broken = tmp_path / "broken.json"
+    broken.write_text("{}")
+    assert main(["simulate", "--num-requests", "5", "--cost-model", str(broken)]) != 0
+    assert "not a carpool cost model" in capsys.readouterr().err

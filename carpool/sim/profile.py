@@ -42,17 +42,18 @@ class Scenario:
 def grid(quick: bool, max_batch_tokens: int, max_seqs: int) -> list[Scenario]:
     """Prefill chunks, decode batches x contexts, mixed steps (within the engine's limits)."""
     if quick:
-        prefills, batches, contexts, mixed = [8, 32], [1, 4], [16, 48], [(4, 24)]
+        prefills, batches, contexts, mixed = [8, 32], [1, 4], [16, 48], [(4, 32, 24)]
     else:
         prefills = [16, 64, 256, 512, 1024]
         batches, contexts = [1, 4, 16, 64], [64, 256, 1024]
-        mixed = [(8, 128), (32, 512), (64, 256)]
+        # (decodes, their context, the chunk that joins them)
+        mixed = [(8, 256, 128), (16, 128, 256), (32, 32, 512), (64, 32, 256)]
     out = [Scenario(f"prefill {t}", 1, t, 1) for t in prefills if t <= max_batch_tokens]
     # enough output that every member still decodes once the last prompt is in
     out += [Scenario(f"decode b={b} ctx={c}", b, c, 16 + -(-b * c // max_batch_tokens))
             for b in batches for c in contexts if b <= max_seqs]
-    out += [Scenario(f"mixed b={b} + chunk {t}", b, 32, 32, late_prompt=t)
-            for b, t in mixed if b < max_seqs and t <= max_batch_tokens]
+    out += [Scenario(f"mixed b={b} ctx={c} + chunk {t}", b, c, 32, late_prompt=t)
+            for b, c, t in mixed if b < max_seqs and t <= max_batch_tokens]
     return out
 
 

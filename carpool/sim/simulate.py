@@ -18,6 +18,7 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from carpool.bench.stats import RequestRecord
 from carpool.bench.traces import TraceRequest
@@ -26,6 +27,9 @@ from carpool.sim.costs import CostModel
 from carpool.sim.replica import SimReplica, VirtualClock
 
 ROUTING = ("round-robin", "least-outstanding")
+# The measured model of carpool's development machine (2-core CPU, default
+# model, bf16): what a simulation uses when given no cost model.
+DEFAULT_COST_MODEL = Path(__file__).parent / "data" / "dev-cpu-smollm2-bf16.json"
 _SAMPLES = 1000  # queue-gauge samples per run, about
 
 
@@ -276,7 +280,8 @@ def add_cost_model_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("cost model")
     group.add_argument("--cost-model", default=None,
                        help="a cost model JSON (carpool profile --out); default: the analytic "
-                            "model when --hardware is given")
+                            "model when --hardware is given, else the measured model of "
+                            "carpool's 2-core development CPU (default model, bf16)")
     group.add_argument("--hardware", default=None,
                        help="analytic model: accelerator preset (h100-sxm, h200, a100-80gb, l4)")
     group.add_argument("--model-shape", default=None,
@@ -299,8 +304,7 @@ def cost_model_from_args(args: argparse.Namespace) -> CostModel:
         from carpool.sim.analytic import analytic_from_names
 
         return analytic_from_names(args.hardware, args.model_shape, args.dtype_bytes)
-    raise ValueError("no cost model: pass --cost-model FILE (from carpool profile) or "
-                     "--hardware NAME --model-shape NAME")
+    return load_cost_model(DEFAULT_COST_MODEL)
 
 
 def pool_blocks(config: EngineConfig, cost: CostModel, memory_set: bool) -> int:
