@@ -6,6 +6,7 @@ flags given on the command line win (CLI > file > defaults).
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Sequence
 
@@ -247,33 +248,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_profiles_args(commands.add_parser(
         "profiles", help="list the built-in settings profiles, or show one resolved"))
-    from carpool.sim.profile import add_profile_args
-
-    profile = commands.add_parser(
-        "profile", help="measure this machine's step times and fit the simulator's cost model")
-    add_profile_args(profile)
-    add_engine_flags(profile)
-    from carpool.sim.command import add_simulate_args
-
-    simulate = commands.add_parser(
-        "simulate", help="replay a workload through simulated replicas running carpool's "
-                         "scheduler with a cost model (virtual clock); bench-serve report")
-    add_simulate_args(simulate)
-    add_engine_flags(simulate)
-    from carpool.sim.fidelity import add_fidelity_args
-
-    fidelity = commands.add_parser(
-        "fidelity", help="replay one workload on the real engine and in the simulator (with "
-                         "this machine's profile) and report the simulation's error")
-    add_fidelity_args(fidelity)
-    add_engine_flags(fidelity)
-    from carpool.sim.plan_command import add_plan_args
-
-    plan = commands.add_parser(
-        "plan", help="capacity planning: the fewest simulated replicas that meet an SLO at a "
-                     "peak load, their cost, and optionally a day on a replica schedule")
-    add_plan_args(plan)
-    add_engine_flags(plan)
+    for name, help_text, module, add_args in _SIM_COMMANDS:
+        sub = commands.add_parser(name, help=help_text)
+        getattr(importlib.import_module(module), add_args)(sub)
+        add_engine_flags(sub)
     return parser
 
 
@@ -308,6 +286,33 @@ def _run_client_bench(args: argparse.Namespace) -> int:
     return run_compare(args)
 
 
+# The simulator's commands: (name, help, module, the function adding its flags).
+_SIM_COMMANDS = (
+    ("profile", "measure this machine's step times and fit the simulator's cost model",
+     "carpool.sim.profile", "add_profile_args"),
+    ("simulate", "replay a workload through simulated replicas running carpool's scheduler "
+                 "with a cost model (virtual clock); bench-serve report",
+     "carpool.sim.command", "add_simulate_args"),
+    ("fidelity", "replay one workload on the real engine and in the simulator (with this "
+                 "machine's profile) and report the simulation's error",
+     "carpool.sim.fidelity", "add_fidelity_args"),
+    ("plan", "capacity planning: the fewest simulated replicas that meet an SLO at a peak "
+             "load, their cost, and optionally a day on a replica schedule",
+     "carpool.sim.plan_command", "add_plan_args"),
+)
+
+# Commands run as function(engine config, args), imported only when chosen.
+_CONFIG_COMMANDS = {
+    "simulate": ("carpool.sim.command", "run_simulate"),
+    "fidelity": ("carpool.sim.fidelity", "run_fidelity"),
+    "plan": ("carpool.sim.plan_command", "run_plan"),
+    "profile": ("carpool.sim.profile", "run_profile"),
+    "tune": ("carpool.bench.tune", "run_tune"),
+    "bench regimes": ("carpool.bench.regimes", "run_regimes"),
+    "bench throughput": ("carpool.bench.throughput", "run_throughput"),
+}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -332,33 +337,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             from carpool.repl import run_chat
 
             return run_chat(config, sampling_from_args(args), system=args.system)
-        if args.command == "simulate":
-            from carpool.sim.command import run_simulate
-
-            return run_simulate(config, args)
-        if args.command == "fidelity":
-            from carpool.sim.fidelity import run_fidelity
-
-            return run_fidelity(config, args)
-        if args.command == "plan":
-            from carpool.sim.plan_command import run_plan
-
-            return run_plan(config, args)
-        if args.command == "profile":
-            from carpool.sim.profile import run_profile
-
-            return run_profile(config, args)
-        if args.command == "tune":
-            from carpool.bench.tune import run_tune
-
-            return run_tune(config, args)
-        if args.bench_command == "regimes":
-            from carpool.bench.regimes import run_regimes
-
-            return run_regimes(config, args)
-        from carpool.bench.throughput import run_throughput
-
-        return run_throughput(config, args)
+        name = args.command if args.command != "bench" else f"bench {args.bench_command}"
+        module, function = _CONFIG_COMMANDS[name]
+        return getattr(importlib.import_module(module), function)(config, args)
     except KeyboardInterrupt:
         return 130
     except (ValueError, OSError) as exc:

@@ -23,6 +23,7 @@ from carpool.sim.plan import (
 )
 from carpool.sim.plan_day import hourly_replicas, parse_curve, spread_over_curve
 from carpool.sim.simulate import SimSettings
+from sim_helpers import ConstantCost
 
 # An L4 serving llama-3-8b, short requests, at most 16 running per replica:
 # at 60 req/s the search settles on 4 replicas in about a second.
@@ -30,24 +31,6 @@ BASE = ["plan", "--hardware", "l4", "--model-shape", "llama-3-8b", "--input-len"
         "--output-len", "16", "--max-num-seqs", "16", "--peak-rate", "60", "--window", "10",
         "--slo", "ttft=200ms,tpot=90ms", "--workers", "1"]
 CURVE = ",".join(["0.25"] * 8 + ["0.5"] * 8 + ["1"] * 8)
-
-
-class ConstantCost:
-    """Every step takes ``seconds``: timings a test can work out by hand."""
-
-    kind = "measured"
-
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
-
-    def step_seconds(self, shape) -> float:
-        return self.seconds
-
-    def decode_step_seconds(self, seqs: int, context_tokens: int) -> float:
-        return self.seconds
-
-    def describe(self) -> dict:
-        return {"model_kind": self.kind, "constant_s": self.seconds}
 
 
 def _plan(tmp_path, *extra: str, name: str = "plan.json") -> dict:

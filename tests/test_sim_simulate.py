@@ -11,24 +11,7 @@ from carpool.bench.traces import TraceRequest
 from carpool.config import EngineConfig
 from carpool.sim.analytic import analytic_from_names
 from carpool.sim.simulate import SimSettings, simulate
-
-
-class ConstantCost:
-    """Every step takes ``seconds``: timings a test can work out by hand."""
-
-    kind = "measured"
-
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
-
-    def step_seconds(self, shape) -> float:
-        return self.seconds
-
-    def decode_step_seconds(self, seqs: int, context_tokens: int) -> float:
-        return self.seconds
-
-    def describe(self) -> dict:
-        return {"model_kind": self.kind, "constant_s": self.seconds}
+from sim_helpers import ConstantCost
 
 
 def _outcome(run):

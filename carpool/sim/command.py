@@ -26,19 +26,23 @@ from carpool.sim.simulate import (
 )
 
 
-def add_simulation_args(parser: argparse.ArgumentParser) -> None:
-    """Group "simulation": replicas, routing and the simulator's options."""
+def add_simulation_args(parser: argparse.ArgumentParser, *, fleet: bool = True) -> None:
+    """Group "simulation": routing and the simulator's options; with
+    ``fleet`` also the replica count and per-token times (``carpool plan``
+    chooses the replicas itself)."""
     group = parser.add_argument_group("simulation")
-    group.add_argument("--replicas", type=int, default=1)
+    if fleet:
+        group.add_argument("--replicas", type=int, default=1)
     group.add_argument("--routing", choices=ROUTING, default="round-robin")
     group.add_argument("--no-fast-forward", dest="fast_forward", action="store_false",
                        help="step through every decode step (same result, slower)")
     group.add_argument("--workers", type=int, default=None,
                        help="processes for round-robin replicas, which are simulated "
                             "independently (default: the CPUs available; same result)")
-    group.add_argument("--token-times", action="store_true",
-                       help="keep every token's time, for inter-token latency (memory grows "
-                            "with output tokens)")
+    if fleet:
+        group.add_argument("--token-times", action="store_true",
+                           help="keep every token's time, for inter-token latency (memory "
+                                "grows with output tokens)")
 
 
 def add_simulate_args(parser: argparse.ArgumentParser) -> None:

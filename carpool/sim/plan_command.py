@@ -19,9 +19,9 @@ from carpool.bench.workload import (
     plan_workload,
 )
 from carpool.config import EngineConfig
-from carpool.sim.command import cost_label, settings_from_args
+from carpool.sim.command import add_simulation_args, cost_label, settings_from_args
 from carpool.sim.plan import ASSUMED_PRICE, Batching, PeakProblem, plan_peak
-from carpool.sim.simulate import ROUTING, add_cost_model_args, cost_model_from_args, pool_blocks
+from carpool.sim.simulate import add_cost_model_args, cost_model_from_args, pool_blocks
 
 
 def add_plan_args(parser: argparse.ArgumentParser) -> None:
@@ -32,13 +32,7 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
 
     add_workload_args(parser, seed_flag="--workload-seed")
     add_cost_model_args(parser)
-    sim = parser.add_argument_group("simulation")
-    sim.add_argument("--routing", choices=ROUTING, default="round-robin")
-    sim.add_argument("--no-fast-forward", dest="fast_forward", action="store_false",
-                     help="step through every decode step (same result, slower)")
-    sim.add_argument("--workers", type=int, default=None,
-                     help="processes for round-robin replicas (default: the CPUs available; "
-                          "same result)")
+    add_simulation_args(parser, fleet=False)
     group = parser.add_argument_group("plan")
     group.add_argument("--peak-rate", type=float, required=True,
                        help="requests/s at the peak; replaces --rate and --num-requests (a "
