@@ -131,10 +131,14 @@ async def _deadline_while_busy(url: str) -> tuple[httpx.Response, list[httpx.Res
 
 def test_deadline_passed_in_the_queue_gives_429(server, client):
     late, busy = asyncio.run(_deadline_while_busy(server.url))
-    assert _error(late, 429)["code"] == "deadline"
+    # Expired in the queue, or turned away at arrival once the online cost
+    # model has seen enough steps to predict the miss: which one depends on
+    # how many steps ran before the late request came (timing).
+    code = _error(late, 429)["code"]
+    assert code in ("deadline", "predicted_deadline_miss")
     assert int(late.headers["retry-after"]) >= 1
     assert [r.status_code for r in busy] == [200, 200]
-    assert 'outcome="rejected:deadline"' in client.get("/metrics").text
+    assert f'outcome="rejected:{code}"' in client.get("/metrics").text
 
 
 def _stream_then_leave(url: str, chunks: int) -> None:

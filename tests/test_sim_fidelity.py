@@ -40,6 +40,8 @@ def test_fidelity_on_a_short_window_of_the_azure_trace(real_engine, tmp_path):
     assert real["output_tokens"] == simulated["output_tokens"]
     assert {row.name for row in result.rows} >= {"TTFT p50", "TPOT p99", "output tok/s"}
     assert result.simulated["simulation"]["cost_model_kind"] == "measured"
+    for doc in (result.real, result.simulated):  # compare's legend reads the scales
+        assert doc["config"]["workload"]["token_scale"] == 0.03
     # A quick grid and ten requests on a shared machine: a loose bound that
     # still fails if the simulator's timing were off by a step or more.
     by_name = {row.name: row for row in result.rows}

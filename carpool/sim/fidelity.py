@@ -20,7 +20,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from carpool.bench.traces import TraceRequest
-from carpool.bench.workload import add_workload_args, mooncake_block_tokens, plan_workload
+from carpool.bench.workload import (
+    add_workload_args,
+    describe_workload,
+    mooncake_block_tokens,
+    plan_workload,
+)
 from carpool.config import EngineConfig
 
 # (metric, statistic) pairs the report compares; throughput is added apart.
@@ -128,8 +133,9 @@ def fidelity(engine, config: EngineConfig, cost, args: argparse.Namespace) -> Fi
     settings = SimSettings(max_model_len=engine.max_model_len,
                            hash_block=mooncake_block_tokens(args.token_scale))
     sim = simulate(plan, config, cost, engine.executor.num_blocks, settings)
-    run_config = {"workload_args": {k: v for k, v in vars(args).items()
-                                    if not k.startswith("engine_") and k != "func"}}
+    run_config = {**{k: v for k, v in vars(args).items()
+                     if not k.startswith("engine_") and k != "func"},
+                  "workload": describe_workload(args)}
     real_doc = make_result("real engine (in-process replay)", run_config,
                            LoadRun(real.records, real.seconds), {})
     sim_doc = make_result(f"simulated: {cost_label(cost)}", run_config,
