@@ -156,7 +156,8 @@ def _point_row(scenario: Scenario, measured: list[tuple[StepShape, float]],
     """The steps the point is named after (its prefill, its full decode
     batch, or its mixed step): median time and median context vs the fit."""
     if scenario.late_prompt:
-        chosen = [m for m in measured if m[0].prefill_tokens and m[0].decode_seqs]
+        chosen = [m for m in measured if m[0].prefill_tokens == scenario.late_prompt
+                  and m[0].decode_seqs]
     elif scenario.output_len == 1:
         chosen = [m for m in measured if m[0].prefill_tokens]
     else:
