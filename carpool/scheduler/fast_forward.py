@@ -15,7 +15,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from carpool.scheduler.request import Request
-from carpool.scheduler.step import is_decoding
 
 
 def decode_order(scheduler) -> list[Request]:
@@ -41,18 +40,31 @@ def decode_run_limit(scheduler) -> int:
             or scheduler.overload is not None
             or len(running) > scheduler.knobs.max_num_batched_tokens):
         return 0
-    if not all(is_decoding(r) for r in running):
-        return 0
-    steps = min(r.max_tokens - r.num_output_tokens for r in running)
-    if steps <= 0 or _blocks_needed(scheduler, 1) > scheduler.kv.pool.num_free_blocks:
-        return 0
+    steps = None
+    for request in running:  # one pass: all decoding (is_decoding), fewest tokens left
+        num_tokens, num_prompt = len(request.token_ids), len(request.prompt_token_ids)
+        if request.num_computed_tokens != num_tokens - 1 or num_tokens <= num_prompt:
+            return 0
+        left = request.max_tokens - (num_tokens - num_prompt)
+        if steps is None or left < steps:
+            steps = left
     free = scheduler.kv.pool.num_free_blocks
-    if _blocks_needed(scheduler, steps) <= free:
+    kv = scheduler.kv
+    computed = [r.num_computed_tokens for r in running]
+    tables = [len(kv.block_tables[r.request_id]) for r in running]
+
+    def blocks_needed(run: int) -> int:
+        size = kv.block_size
+        return sum(max(0, -(-(c + run) // size) - t) for c, t in zip(computed, tables))
+
+    if steps <= 0 or blocks_needed(1) > free:
+        return 0
+    if blocks_needed(steps) <= free:
         return steps
     low, high = 1, steps  # needed(low) <= free < needed(high)
     while high - low > 1:
         middle = (low + high) // 2
-        if _blocks_needed(scheduler, middle) <= free:
+        if blocks_needed(middle) <= free:
             low = middle
         else:
             high = middle
@@ -63,12 +75,6 @@ def horizon(scheduler) -> float | None:
     """The latest clock time a run's step may start at (a session's
     protection lapses after it), or None."""
     return scheduler.sessions.next_expiry
-
-
-def _blocks_needed(scheduler, steps: int) -> int:
-    kv = scheduler.kv
-    return sum(max(0, kv.blocks_for(r.num_computed_tokens + steps)
-                   - len(kv.block_tables[r.request_id])) for r in scheduler.running)
 
 
 def apply_decode_steps(scheduler, seconds: Sequence[float], step_ends: Sequence[float],
@@ -95,14 +101,14 @@ def apply_decode_steps(scheduler, seconds: Sequence[float], step_ends: Sequence[
             events.append((step, 1, position, computed + step + 1))
         request.token_ids.extend([token_id] * steps)
     events.sort()
+    grow, register = kv.try_grow, kv.cache_computed_blocks
     for _, phase, position, computed in events:
         request = order[position]
         request.num_computed_tokens = computed
-        if phase == 0:
-            grown = kv.try_grow(request, 1)
-            assert grown, "a decode run outgrew the free blocks"
-        else:
-            kv.cache_computed_blocks(request)
+        if phase:
+            register(request)
+        elif not grow(request, 1):
+            raise AssertionError("a decode run outgrew the free blocks")
     for request, computed in zip(order, starts):
         request.num_computed_tokens = computed + steps
         request.last_token_time = step_ends[-1]

@@ -15,6 +15,7 @@ DIR`` both runs are written as bench-serve results (``real.json``,
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -179,6 +180,14 @@ def step_error_line(samples: list, cost) -> str:
     errors = sorted(abs(cost.step_seconds(shape) / seconds - 1) for shape, seconds in samples)
     measured = sum(seconds for _, seconds in samples)
     predicted = sum(cost.step_seconds(shape) for shape, _ in samples)
+    by_kind = {}
+    for shape, seconds in samples:
+        kind = ("decode" if not shape.prefill_tokens
+                else "mixed" if shape.decode_seqs else "prefill")
+        by_kind.setdefault(kind, []).append(cost.step_seconds(shape) / seconds - 1)
+    kinds = ", ".join(f"{kind} {statistics.median(errs):+.1%} ({len(errs)})"
+                      for kind, errs in sorted(by_kind.items()))
     return (f"cost model on the {len(samples)} real steps: |error| median "
-            f"{errors[len(errors) // 2]:.1%}, p90 {errors[int(len(errors) * 0.9)]:.1%}; busy "
-            f"time measured {measured:.1f} s, predicted {predicted:.1f} s")
+            f"{errors[len(errors) // 2]:.1%}, p90 {errors[int(len(errors) * 0.9)]:.1%}; median "
+            f"error by kind: {kinds}; busy time measured {measured:.1f} s, predicted "
+            f"{predicted:.1f} s")

@@ -12,6 +12,7 @@ with the same result as stepping through them.
 from __future__ import annotations
 
 import enum
+import math
 
 from carpool.bench.stats import FAILED, OK, REJECTED, RequestRecord
 from carpool.bench.traces import TraceRequest
@@ -232,15 +233,17 @@ class SimReplica:
         if limit < 2:
             return False
         latest = horizon(scheduler)
+        latest = math.inf if latest is None else latest
         running = len(scheduler.running)
         context = sum(r.num_computed_tokens + 1 for r in scheduler.running)
+        price = self.cost.decode_step_seconds
         seconds: list[float] = []
         ends: list[float] = []
         start = now
         for _ in range(limit):
-            if latest is not None and start > latest:
+            if start > latest:
                 break
-            step = self.cost.decode_step_seconds(running, context)
+            step = price(running, context)
             start += step
             seconds.append(step)
             ends.append(start)
