@@ -116,15 +116,18 @@ def target_from_args(args: argparse.Namespace) -> Target:
                   args.ignore_eos)
 
 
-def make_result(label: str, config: dict, run: LoadRun, slo: dict[str, float]) -> dict:
-    """The bench-serve JSON document (also what ``carpool simulate`` writes)."""
+def make_result(label: str, config: dict, run: LoadRun, slo: dict[str, float],
+                per_request: bool = True) -> dict:
+    """The bench-serve JSON document (also what ``carpool simulate`` writes);
+    without ``per_request`` its ``requests`` list is left empty (a result
+    that is only printed)."""
     return {
         "kind": RESULT_KIND, "version": RESULT_VERSION, "label": label,
         "started_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "config": config, "duration_s": run.duration,
         "summary": summarize(run.records, run.duration, slo),
         "timeseries": timeseries(run.records, run.duration, run.server_samples),
-        "requests": [r.to_dict() for r in run.records],
+        "requests": [r.to_dict() for r in run.records] if per_request else [],
     }
 
 

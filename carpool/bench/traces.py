@@ -209,8 +209,9 @@ def loop_window(requests: Sequence[TraceRequest], count: int) -> list[TraceReque
     for index in range(count):
         copy, request = divmod(index, len(requests))
         request = requests[request]
-        out.append(replace(request, arrival=request.arrival + copy * period,
-                           hash_ids=tuple(h + copy * id_stride for h in request.hash_ids)))
+        out.append(TraceRequest(request.arrival + copy * period, request.input_len,
+                                request.output_len,
+                                tuple(h + copy * id_stride for h in request.hash_ids)))
     return out
 
 
@@ -221,8 +222,10 @@ def scale_tokens(requests: Sequence[TraceRequest], token_scale: float = 1.0,
     caps; arrivals and hash ids are kept."""
     if token_scale <= 0:
         raise ValueError(f"token scale must be > 0, got {token_scale}")
-    return [replace(r, input_len=scale_count(r.input_len, token_scale, max_input_len),
-                    output_len=scale_count(r.output_len, token_scale, max_output_len))
+    # Built directly, not with dataclasses.replace: simulations scale
+    # hundreds of thousands of requests.
+    return [TraceRequest(r.arrival, scale_count(r.input_len, token_scale, max_input_len),
+                         scale_count(r.output_len, token_scale, max_output_len), r.hash_ids)
             for r in requests]
 
 

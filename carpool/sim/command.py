@@ -109,8 +109,10 @@ def simulation_result(label: str, args: argparse.Namespace, config: EngineConfig
                   if k not in ("func", "slo") and not k.startswith("engine_")}
     run_config.update({"model": cost_label(cost), "workload": describe_workload(args, items),
                        "engine": dataclasses.asdict(config)})
+    written = bool(getattr(args, "json", None) or getattr(args, "html", None))
     result = make_result(label, run_config, LoadRun(run.records, run.duration,
-                                                    run.server_samples), args.slo)
+                                                    run.server_samples), args.slo,
+                         per_request=written)
     result["simulation"] = {
         "cost_model_kind": cost.kind, "cost_model": cost.describe(),
         "num_blocks": num_blocks, "settings": dataclasses.asdict(settings),
