@@ -17,14 +17,6 @@ from collections.abc import Callable, Sequence
 from carpool.scheduler.request import Request
 
 
-def decode_order(scheduler) -> list[Request]:
-    """The order ``_schedule_running`` visits running requests in."""
-    order = list(scheduler.running)
-    if scheduler.config.policy == "priority":
-        order.sort(key=lambda r: (r.priority, r.arrival_time))
-    return order
-
-
 def decode_run_limit(scheduler) -> int:
     """How many of the next steps are pure decode steps that change nothing
     but tokens and blocks: 0 unless nothing waits, every running request is
@@ -48,8 +40,8 @@ def decode_run_limit(scheduler) -> int:
         left = request.max_tokens - (num_tokens - num_prompt)
         if steps is None or left < steps:
             steps = left
-    free = scheduler.kv.pool.num_free_blocks
     kv = scheduler.kv
+    free = kv.pool.num_free_blocks
     computed = [r.num_computed_tokens for r in running]
     tables = [len(kv.block_tables[r.request_id]) for r in running]
 
@@ -87,7 +79,7 @@ def apply_decode_steps(scheduler, seconds: Sequence[float], step_ends: Sequence[
     caller finishes those that reached their ``max_tokens``."""
     steps = len(seconds)
     kv, size = scheduler.kv, scheduler.kv.block_size
-    order = decode_order(scheduler)
+    order = scheduler.running_order()
     # Step by step, a step allocates in visiting order while scheduling,
     # then registers newly full blocks in the same order on commit; the
     # block ids and the prefix-cache entries depend on that order.

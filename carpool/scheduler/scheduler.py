@@ -252,11 +252,16 @@ class Scheduler:
         """Whether the request's next tokens count against the long allowance."""
         return self.waiting.is_long(request) and not is_decoding(request)
 
-    def _schedule_running(self, output: SchedulerOutput, step: StepBudget) -> None:
+    def running_order(self) -> list[Request]:
+        """The order a step visits running requests in: as they run, or
+        under ``policy: priority`` by (priority, arrival)."""
         order = list(self.running)
         if self._by_priority:
             order.sort(key=lambda r: (r.priority, r.arrival_time))
-        for request in order:
+        return order
+
+    def _schedule_running(self, output: SchedulerOutput, step: StepBudget) -> None:
+        for request in self.running_order():
             if step.tokens <= 0:
                 break
             if request.status != RequestStatus.RUNNING:

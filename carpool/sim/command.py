@@ -68,9 +68,12 @@ def settings_from_args(config: EngineConfig, cost: CostModel,
 
 
 def available_cpus() -> int:
+    """CPUs this process may run on."""
     import os
 
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def run_simulate(config: EngineConfig, args: argparse.Namespace) -> int:

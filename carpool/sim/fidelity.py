@@ -153,9 +153,9 @@ def fidelity(engine, config: EngineConfig, cost, args: argparse.Namespace) -> Fi
 def _time_steps(engine) -> list:
     """Wrap ``engine.step`` to keep (shape, seconds) of every step that ran
     a batch: the cost model's own error on the replayed steps."""
-    from carpool.sim.profile import _ShapeRecorder
+    from carpool.sim.profile import ShapeRecorder
 
-    recorder = _ShapeRecorder(engine.executor)
+    recorder = ShapeRecorder(engine.executor)
     engine.executor = recorder
     samples: list = []
     step = engine.step

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 
 from carpool.config import EngineConfig
+from carpool.sim.command import available_cpus
 from carpool.sim.costs import StepShape, save_cost_model
 from carpool.sim.fitted import FittedCostModel, fit
 
@@ -57,7 +58,7 @@ def grid(quick: bool, max_batch_tokens: int, max_seqs: int) -> list[Scenario]:
     return out
 
 
-class _ShapeRecorder:
+class ShapeRecorder:
     """Wraps the executor and keeps the shape of the batch it last ran."""
 
     def __init__(self, inner) -> None:
@@ -72,7 +73,7 @@ class _ShapeRecorder:
         return self._inner.execute(items, padding)
 
 
-def run_scenario(engine, recorder: _ShapeRecorder, scenario: Scenario, rng: random.Random,
+def run_scenario(engine, recorder: ShapeRecorder, scenario: Scenario, rng: random.Random,
                  vocab: list[int]) -> list[tuple[StepShape, float]]:
     """Every (shape, seconds) step of one scenario, run to completion."""
     from carpool.sampling_params import SamplingParams
@@ -124,7 +125,7 @@ def measure(engine, config: EngineConfig, args: argparse.Namespace) -> FittedCos
     was (drained, its executor unwrapped)."""
     from tqdm import tqdm
 
-    recorder = _ShapeRecorder(engine.executor)
+    recorder = ShapeRecorder(engine.executor)
     engine.executor = recorder
     try:
         rng = random.Random(args.profile_seed)
@@ -180,7 +181,7 @@ def _meta(engine, config: EngineConfig, args: argparse.Namespace) -> dict:
     return {
         "created_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "hardware": {"machine": platform.machine(), "processor": platform.processor(),
-                     "cpus": _cpu_count(), "torch": torch.__version__,
+                     "cpus": available_cpus(), "torch": torch.__version__,
                      "device": str(getattr(engine.executor, "device", "cpu"))},
         "model": config.model.model or "default (SmolLM2-135M-Instruct)",
         "dtype": str(engine.executor.dtype).replace("torch.", ""),
@@ -197,12 +198,6 @@ def _kv_bytes_per_token(engine) -> int:
     config = engine.model_config
     return (2 * config.num_layers * config.num_kv_heads * config.head_dim
             * engine.executor.dtype.itemsize)
-
-
-def _cpu_count() -> int | None:
-    import os
-
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
 def format_profile(model: FittedCostModel) -> str:
