@@ -57,3 +57,20 @@ def test_any_history_gives_finite_non_negative_predictions(steps):
     value = model.predict(100, 10)
     assert value is not None and 0.0 <= value < float("inf")
     assert model.max_tokens_within(0.1, 10) >= 10
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 4096), st.integers(1, 64),
+                          st.lists(st.floats(1e-4, 2.0), min_size=1, max_size=40)),
+                min_size=1, max_size=30),
+       st.integers(4, 64))
+def test_recording_runs_at_once_is_bit_identical_to_step_by_step(runs, window):
+    """The fast-forward records a run of same-size steps in one call; the
+    moments (hence every fit) must not depend on how steps are grouped."""
+    one_by_one, grouped = StepCostModel(window=window), StepCostModel(window=window)
+    for tokens, seqs, seconds in runs:
+        for step_seconds in seconds:
+            one_by_one.record(tokens, seqs, step_seconds)
+        grouped.record_many(tokens, seqs, seconds)
+    assert grouped._sums == one_by_one._sums
+    assert grouped.coefficients == one_by_one.coefficients

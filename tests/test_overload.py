@@ -77,3 +77,15 @@ def test_without_the_switch_a_full_queue_rejects_the_arrival():
     with pytest.raises(RejectedError) as info:
         scheduler.add_request(Request("high", [8] * 4, 4, scheduler.clock.now, priority=-1))
     assert info.value.reason == "queue_full"
+
+
+def test_busy_window_records_a_run_as_step_by_step():
+    ends = [0.5 * i + 0.1 for i in range(1, 60)]
+    seconds = [0.1 + 0.01 * (i % 7) for i in range(1, 60)]
+    one_by_one, grouped = BusyWindow(window_s=3.0), BusyWindow(window_s=3.0)
+    for end, step_seconds in zip(ends, seconds):
+        one_by_one.record(end, step_seconds)
+    grouped.record_many(ends[:20], seconds[:20])
+    grouped.record_many(ends[20:], seconds[20:])
+    assert grouped._total == one_by_one._total
+    assert grouped.fraction(ends[-1]) == one_by_one.fraction(ends[-1])

@@ -275,7 +275,7 @@ def apply_pool_op(pool: BlockPool, held: list[int], op: str, arg: int) -> None:
     if op == "release" and held:
         pool.release([held.pop(arg % len(held))])
     elif op == "register" and held:
-        pool.register(held[arg % len(held)], (arg % 5, (arg % 3,)))
+        pool.register([held[arg % len(held)]], [(arg % 5, (arg % 3,))])
     elif op == "hit":
         block = pool.lookup((arg % 5, (arg % 3,)))
         if block is not None:

@@ -13,11 +13,14 @@ import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-from matplotlib.figure import Figure
 
 from carpool.bench.stats import LATENCY_METRICS
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 METRIC_NAMES = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2e": "E2E"}
 SUMMARY_STATS = ("mean", "p50", "p90", "p95", "p99", "max")
@@ -110,6 +113,14 @@ def latency_samples(result: dict, metric: str) -> list[float]:
     return values
 
 
+def new_figure(width: float, height: float) -> Figure:
+    """A constrained-layout figure; matplotlib is imported on first use,
+    so commands that draw nothing start without it."""
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=(width, height), layout="constrained")
+
+
 def _save(fig: Figure, path: Path) -> Path:
     fig.savefig(path, dpi=90)
     return path
@@ -123,7 +134,7 @@ def plot_cdfs(results: Sequence[dict], path: Path, slo: dict | None = None) -> P
     """2x2 empirical CDFs of TTFT, TPOT, ITL and E2E (ms), one line per
     bench-serve result (legend: its label), each SLO threshold (seconds, keyed
     by metric) as a vertical dashed line. Writes a PNG to ``path``."""
-    fig = Figure(figsize=(11, 8), layout="constrained")
+    fig = new_figure(11, 8)
     for ax, metric in zip(fig.subplots(2, 2).flat, LATENCY_METRICS):
         drawn = False
         for result in results:
@@ -210,7 +221,7 @@ def timeseries_figure(result: dict) -> Figure:
     on every panel and labelled (``surge x3``, ``ramp x1->x3``) on the first."""
     series = result.get("timeseries") or {}
     rows = 3 if series.get("t") else 1
-    fig = Figure(figsize=(11, 1 + 3 * rows), layout="constrained")
+    fig = new_figure(11, 1 + 3 * rows)
     axes = np.atleast_1d(fig.subplots(rows, 1, sharex=True))
     _plot_ttft_over_time(axes[0], result)
     if rows == 3:

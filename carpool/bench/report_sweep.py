@@ -8,7 +8,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
-from matplotlib.figure import Figure
 
 from carpool.bench.report import (
     METRIC_NAMES,
@@ -21,6 +20,7 @@ from carpool.bench.report import (
     _pct,
     _save,
     format_ms,
+    new_figure,
     html_table,
     slo_terms,
     write_report,
@@ -90,7 +90,7 @@ def plot_sweep_latency(sweep: dict, path: Path) -> Path:
     horizontal line and the knee and capacity as vertical lines."""
     points = _sweep_points(sweep)
     rates = [rate for rate, _ in points]
-    fig = Figure(figsize=(11, 4.5), layout="constrained")
+    fig = new_figure(11, 4.5)
     for ax, metric in zip(fig.subplots(1, 2), ("ttft", "tpot")):
         for stat, style in (("p50", "o-"), ("p99", "s-")):
             ax.plot(rates, [_stat_ms(result, metric, stat) for _, result in points], style,
@@ -107,7 +107,7 @@ def plot_sweep_throughput(sweep: dict, path: Path) -> Path:
     points = _sweep_points(sweep)
     rates = [rate for rate, _ in points]
     summaries = [result.get("summary") or {} for _, result in points]
-    fig = Figure(figsize=(11, 4.5), layout="constrained")
+    fig = new_figure(11, 4.5)
     tokens, requests = fig.subplots(1, 2)
     tokens.plot(rates, [_or_nan(s.get("output_throughput")) for s in summaries], "o-",
                 label="output tok/s")

@@ -12,18 +12,27 @@ from collections.abc import Iterable, Sequence
 ROOT_HASH = 0
 
 
-def block_key(parent_hash: int, tokens: Sequence[int]) -> tuple[int, tuple[int, ...]]:
-    """The exact identity of a full block: its parent's hash and its tokens.
+BlockKey = tuple[int, tuple[int, ...]]
 
-    The cache is keyed by this tuple, so two blocks collide only when their
-    parents' 64-bit hashes collide *and* their tokens are equal.
+
+def chain_block_keys(parent_hash: int, tokens: Sequence[int], block_size: int,
+                     first: int, last: int) -> tuple[list[BlockKey], list[int]]:
+    """Keys and chained hashes of full blocks ``first..last-1`` of ``tokens``;
+    ``parent_hash`` is block ``first - 1``'s hash (``ROOT_HASH`` for none).
+
+    A block's key is its exact identity: (parent's hash, its tokens). The
+    cache is keyed by it, so two blocks collide only when their parents'
+    64-bit hashes collide *and* their tokens are equal. A key's hash is the
+    next block's parent hash.
     """
-    return (parent_hash, tuple(tokens))
-
-
-def chain_hash(key: tuple[int, tuple[int, ...]]) -> int:
-    """Hash of a block key; the parent hash of the next block in the chain."""
-    return hash(key)
+    keys: list[BlockKey] = []
+    hashes: list[int] = []
+    for start in range(first * block_size, last * block_size, block_size):
+        key = (parent_hash, tuple(tokens[start:start + block_size]))
+        parent_hash = hash(key)
+        keys.append(key)
+        hashes.append(parent_hash)
+    return keys, hashes
 
 
 class BlockPool:
@@ -52,8 +61,8 @@ class BlockPool:
         # Block id -> None, in eviction order (front = evicted first).
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._free_protected: OrderedDict[int, None] = OrderedDict()
-        self._cached: dict[tuple[int, tuple[int, ...]], int] = {}
-        self._key_of: dict[int, tuple[int, tuple[int, ...]]] = {}
+        self._cached: dict[BlockKey, int] = {}
+        self._key_of: list[BlockKey | None] = [None] * num_blocks  # by block id
         self._owners: dict[int, set[str]] = {}
         self._owned: dict[str, set[int]] = {}
 
@@ -80,17 +89,23 @@ class BlockPool:
         if count > self.num_free_blocks:
             raise RuntimeError(f"asked for {count} blocks, {self.num_free_blocks} free")
         blocks = []
-        ref_counts, key_of = self.ref_counts, self._key_of
+        ref_counts, key_of, cached, owners = self.ref_counts, self._key_of, self._cached, self._owners
+        free = self._free
         for _ in range(count):
-            free = self._free if self._free else self._free_protected
+            if not free:
+                free = self._free_protected
             block_id, _ = free.popitem(last=False)
-            if block_id in key_of:
-                self._uncache(block_id)
+            key = key_of[block_id]
+            if key is not None:  # evict: the block forgets its tokens
+                key_of[block_id] = None
+                del cached[key]
+                if block_id in owners:
+                    self._disown(block_id)
             ref_counts[block_id] = 1
             blocks.append(block_id)
         return blocks
 
-    def lookup(self, key: tuple[int, tuple[int, ...]]) -> int | None:
+    def lookup(self, key: BlockKey) -> int | None:
         """The block caching ``key``, if any (does not take a reference)."""
         return self._cached.get(key)
 
@@ -117,14 +132,17 @@ class BlockPool:
             if count == 1:
                 (self._free_protected if block_id in owners else self._free)[block_id] = None
 
-    def register(self, block_id: int, key: tuple[int, tuple[int, ...]]) -> None:
-        """Record that ``block_id`` now holds the KV of ``key`` (a full block)."""
-        if not self.enable_prefix_caching or block_id in self._key_of:
+    def register(self, block_ids: Sequence[int], keys: Sequence[BlockKey]) -> None:
+        """Record that each of ``block_ids`` now holds the KV of its key in
+        ``keys`` (full blocks)."""
+        if not self.enable_prefix_caching:
             return
-        if key in self._cached:
-            return  # another block already caches these tokens; keep the first
-        self._cached[key] = block_id
-        self._key_of[block_id] = key
+        cached, key_of = self._cached, self._key_of
+        for block_id, key in zip(block_ids, keys):
+            # Already registered, or another block caches these tokens: keep the first.
+            if key_of[block_id] is None and key not in cached:
+                cached[key] = block_id
+                key_of[block_id] = key
 
     # -- protection (session prefixes) ------------------------------------------
 
@@ -135,7 +153,7 @@ class BlockPool:
         block is left. Uncached blocks are ignored: nothing could hit them.
         """
         for block_id in block_ids:
-            if block_id not in self._key_of:
+            if self._key_of[block_id] is None:
                 continue
             owners = self._owners.setdefault(block_id, set())
             if not owners and self.ref_counts[block_id] == 0:
@@ -172,11 +190,8 @@ class BlockPool:
     def _free_list(self, block_id: int) -> OrderedDict[int, None]:
         return self._free_protected if block_id in self._owners else self._free
 
-    def _uncache(self, block_id: int) -> None:
-        key = self._key_of.pop(block_id, None)
-        if key is not None:
-            del self._cached[key]
-        for owner in self._owners.pop(block_id, ()):
+    def _disown(self, block_id: int) -> None:
+        for owner in self._owners.pop(block_id):
             owned = self._owned[owner]
             owned.discard(block_id)
             if not owned:
@@ -192,11 +207,11 @@ class BlockPool:
             if is_free:
                 assert (block_id in self._free_protected) == (block_id in self._owners), \
                     f"free block {block_id} in the wrong free list"
-        assert len(self._cached) == len(self._key_of)
+        assert len(self._cached) == len(self._key_of) - self._key_of.count(None)
         for key, block_id in self._cached.items():
             assert self._key_of[block_id] == key
         pairs = {(b, o) for b, owners in self._owners.items() for o in owners}
         assert pairs == {(b, o) for o, blocks in self._owned.items() for b in blocks}, \
             "protection maps are not inverse"
         assert all(self._owners.values()) and all(self._owned.values()), "empty protection set"
-        assert self._owners.keys() <= self._key_of.keys(), "an uncached block is protected"
+        assert all(self._key_of[b] is not None for b in self._owners), "an uncached block is protected"

@@ -11,6 +11,7 @@ simulator use it alike.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 
 _FEATURES = 3
 # Ridge on the slopes only: pure-decode windows have tokens == seqs, and
@@ -52,11 +53,43 @@ class StepCostModel:
 
     def record(self, tokens: int, seqs: int, seconds: float) -> None:
         """Add one measured step."""
-        self._accumulate(tokens, seqs, seconds, 1.0)
-        steps = self._steps
-        steps.append((tokens, seqs, seconds))
-        if len(steps) > self.window:
-            self._accumulate(*steps.popleft(), -1.0)
+        self.record_many(tokens, seqs, (seconds,))
+
+    def record_many(self, tokens: int, seqs: int, seconds: Iterable[float]) -> None:
+        """Add measured steps of one size, oldest first; the moments come
+        out bit-identical to recording them one at a time.
+
+        The moments without seconds are sums of integers, exact in floating
+        point at these magnitudes (< 2**53), so they are added once at the
+        end; those with seconds are summed step by step in the same order
+        as ``record`` (add the new step, then drop the evicted one).
+        """
+        steps, sums, window = self._steps, self._sums, self.window
+        added = 0
+        gone_n = gone_t = gone_s = gone_tt = gone_ts = gone_ss = 0
+        for y in seconds:
+            sums[6] += y
+            sums[7] += tokens * y
+            sums[8] += seqs * y
+            steps.append((tokens, seqs, y))
+            added += 1
+            if len(steps) > window:
+                t, s, y = steps.popleft()
+                sums[6] -= y
+                sums[7] -= t * y
+                sums[8] -= s * y
+                gone_n += 1
+                gone_t += t
+                gone_s += s
+                gone_tt += t * t
+                gone_ts += t * s
+                gone_ss += s * s
+        sums[0] += added - gone_n
+        sums[1] += added * tokens - gone_t
+        sums[2] += added * seqs - gone_s
+        sums[3] += added * tokens * tokens - gone_tt
+        sums[4] += added * tokens * seqs - gone_ts
+        sums[5] += added * seqs * seqs - gone_ss
         self._coef = None
 
     def predict(self, tokens: int, seqs: int) -> float | None:
@@ -76,19 +109,6 @@ class StepCostModel:
         per_token = max(coef[1], 1e-12)
         room = seconds - coef[0] - coef[2] * seqs
         return max(seqs, int(room / per_token))
-
-    def _accumulate(self, tokens: int, seqs: int, seconds: float, sign: float) -> None:
-        t, s = sign * tokens, sign * seqs
-        sums = self._sums
-        sums[0] += sign
-        sums[1] += t
-        sums[2] += s
-        sums[3] += t * tokens
-        sums[4] += t * seqs
-        sums[5] += s * seqs
-        sums[6] += sign * seconds
-        sums[7] += t * seconds
-        sums[8] += s * seconds
 
     def _fit(self) -> list[float] | None:
         if not self.ready:

@@ -17,15 +17,15 @@ from collections.abc import Callable, Sequence
 from carpool.scheduler.request import Request
 
 
-def decode_run_limit(scheduler) -> int:
-    """How many of the next steps are pure decode steps that change nothing
-    but tokens and blocks: 0 unless nothing waits, every running request is
-    decoding, their tokens fit the step budget and no controller, overload
-    detector or batch gate acts per step. The run ends at the latest with
-    the step in which a request samples its last token (the caller then
-    finishes it, as the engine does after that step's commit), and before
-    any step that would run out of free blocks (it would preempt). Session
-    protections lapse by time: see ``horizon``."""
+def decode_run_limit(scheduler, most: int | None = None) -> int:
+    """How many of the next steps (at most ``most``) are pure decode steps
+    that change nothing but tokens and blocks: 0 unless nothing waits,
+    every running request is decoding, their tokens fit the step budget and
+    no controller, overload detector or batch gate acts per step. The run
+    ends at the latest with the step in which a request samples its last
+    token (the caller then finishes it, as the engine does after that
+    step's commit), and before any step that would run out of free blocks
+    (it would preempt). Session protections lapse by time: see ``horizon``."""
     running = scheduler.running
     if (not running or scheduler.waiting or scheduler.has_pending_rejections
             or scheduler.gate is not None or scheduler.controller is not None
@@ -40,6 +40,8 @@ def decode_run_limit(scheduler) -> int:
         left = request.max_tokens - (num_tokens - num_prompt)
         if steps is None or left < steps:
             steps = left
+    if most is not None:
+        steps = min(steps, most)
     kv = scheduler.kv
     free = kv.pool.num_free_blocks
     computed = [r.num_computed_tokens for r in running]
@@ -49,10 +51,12 @@ def decode_run_limit(scheduler) -> int:
         size = kv.block_size
         return sum(max(0, -(-(c + run) // size) - t) for c, t in zip(computed, tables))
 
-    if steps <= 0 or blocks_needed(1) > free:
+    if steps <= 0:
         return 0
     if blocks_needed(steps) <= free:
         return steps
+    if blocks_needed(1) > free:
+        return 0
     low, high = 1, steps  # needed(low) <= free < needed(high)
     while high - low > 1:
         middle = (low + high) // 2
@@ -85,22 +89,24 @@ def apply_decode_steps(scheduler, seconds: Sequence[float], step_ends: Sequence[
     # block ids and the prefix-cache entries depend on that order.
     events: list[tuple[int, int, int, int]] = []  # (step, phase, position, computed)
     starts = [request.num_computed_tokens for request in order]
-    for position, (request, computed) in enumerate(zip(order, starts)):
-        covered = len(kv.block_tables[request.request_id]) * size
+    tables = [kv.block_tables[request.request_id] for request in order]
+    for position, (request, computed, table) in enumerate(zip(order, starts, tables)):
+        covered = len(table) * size
         for step in range(covered - computed, steps, size):
             events.append((step, 0, position, computed + step))
         for step in range((size - 1 - computed) % size, steps, size):
             events.append((step, 1, position, computed + step + 1))
         request.token_ids.extend([token_id] * steps)
     events.sort()
-    grow, register = kv.try_grow, kv.cache_computed_blocks
+    # A growth event needs exactly one block, and the run limit left enough free.
+    allocate, register = kv.pool.allocate, kv.cache_computed_blocks
     for _, phase, position, computed in events:
         request = order[position]
         request.num_computed_tokens = computed
         if phase:
             register(request)
-        elif not grow(request, 1):
-            raise AssertionError("a decode run outgrew the free blocks")
+        else:
+            tables[position] += allocate(1)
     for request, computed in zip(order, starts):
         request.num_computed_tokens = computed + steps
         request.last_token_time = step_ends[-1]

@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
-from carpool.scheduler.block_pool import ROOT_HASH, BlockPool, block_key, chain_hash
+from carpool.scheduler.block_pool import ROOT_HASH, BlockPool, chain_block_keys
 from carpool.scheduler.request import Request
 
 
@@ -117,7 +117,7 @@ class KVCacheManager:
     def try_grow(self, request: Request, num_new_tokens: int) -> bool:
         """Add blocks so a running request can compute ``num_new_tokens`` more."""
         table = self.block_tables[request.request_id]
-        fresh = self.blocks_for(request.num_computed_tokens + num_new_tokens) - len(table)
+        fresh = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size) - len(table)
         if fresh <= 0:
             return True
         if fresh > self.pool.num_free_blocks:
@@ -130,15 +130,13 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         rid = request.request_id
+        start = self._num_registered[rid]
+        if request.num_computed_tokens // self.block_size <= start:
+            return  # no block filled up since the last call (most steps)
         table = self.block_tables[rid]
         full = min(request.num_computed_tokens // self.block_size, len(table))
-        start = self._num_registered[rid]
-        if full <= start:
-            return
         self._extend_hashes(request, full)
-        register, keys = self.pool.register, request.block_keys
-        for index in range(start, full):
-            register(table[index], keys[index])
+        self.pool.register(table[start:full], request.block_keys[start:full])
         self._num_registered[rid] = full
 
     def free(self, request: Request) -> None:
@@ -155,14 +153,14 @@ class KVCacheManager:
             prefix_queries=self.prefix_queries, prefix_hits=self.prefix_hits)
 
     def _extend_hashes(self, request: Request, num_blocks: int) -> None:
-        hashes, keys, tokens = request.block_hashes, request.block_keys, request.token_ids
-        size = self.block_size
-        parent = hashes[-1] if hashes else ROOT_HASH
-        for index in range(len(hashes), num_blocks):
-            key = block_key(parent, tokens[index * size:(index + 1) * size])
-            parent = chain_hash(key)
-            keys.append(key)
-            hashes.append(parent)
+        hashes = request.block_hashes
+        if len(hashes) >= num_blocks:
+            return
+        keys, new_hashes = chain_block_keys(hashes[-1] if hashes else ROOT_HASH,
+                                            request.token_ids, self.block_size,
+                                            len(hashes), num_blocks)
+        request.block_keys += keys
+        hashes += new_hashes
 
     def check_invariants(self) -> None:
         """Refcounts equal the number of block-table entries per block (tests)."""

@@ -27,9 +27,19 @@ class BusyWindow:
         self._total = 0.0
 
     def record(self, now: float, seconds: float) -> None:
-        self._steps.append((now, seconds))
-        self._total += seconds
-        self._prune(now)
+        self.record_many((now,), (seconds,))
+
+    def record_many(self, ends: Iterable[float], seconds: Iterable[float]) -> None:
+        """Steps that ended at ``ends`` and took ``seconds``, oldest first
+        (the same arithmetic, in the same order, as one ``record`` each)."""
+        steps, window_s = self._steps, self.window_s
+        total = self._total
+        for now, step_seconds in zip(ends, seconds):
+            steps.append((now, step_seconds))
+            total += step_seconds
+            while steps and steps[0][0] < now - window_s:
+                total -= steps.popleft()[1]
+        self._total = total
 
     def fraction(self, now: float) -> float:
         self._prune(now)

@@ -126,10 +126,9 @@ class Scheduler:
     def record_steps(self, num_tokens: int, num_seqs: int, seconds: Sequence[float],
                      ends: Sequence[float]) -> None:
         """``record_step`` for several steps of one size that ended at ``ends``."""
-        record, busy = self.admission.cost_model.record, self.admission.busy.record
-        for step_seconds, end in zip(seconds, ends):
-            record(num_tokens, num_seqs, step_seconds)
-            busy(end, step_seconds)
+        # The two windows never read each other, so each takes the steps in one go.
+        self.admission.cost_model.record_many(num_tokens, num_seqs, seconds)
+        self.admission.busy.record_many(ends, seconds)
 
     def finish_request(self, request: Request, status: RequestStatus) -> None:
         """Remove a request (finished or aborted) and free its blocks."""
@@ -250,7 +249,7 @@ class Scheduler:
 
     def _is_capped(self, request: Request) -> bool:
         """Whether the request's next tokens count against the long allowance."""
-        return self.waiting.is_long(request) and not is_decoding(request)
+        return not is_decoding(request) and self.waiting.is_long(request)
 
     def running_order(self) -> list[Request]:
         """The order a step visits running requests in: as they run, or
@@ -261,14 +260,16 @@ class Scheduler:
         return order
 
     def _schedule_running(self, output: SchedulerOutput, step: StepBudget) -> None:
+        running = RequestStatus.RUNNING
         for request in self.running_order():
             if step.tokens <= 0:
                 break
-            if request.status != RequestStatus.RUNNING:
+            if request.status is not running:
                 continue  # preempted earlier in this loop
-            assert request.num_pending_tokens > 0, "a running request always has a token to compute"
+            pending = request.num_pending_tokens
+            assert pending > 0, "a running request always has a token to compute"
             capped = self._is_capped(request)
-            num_tokens = min(request.num_pending_tokens, step.limit(capped))
+            num_tokens = min(pending, step.limit(capped))
             if num_tokens <= 0:
                 continue  # the long allowance is spent; decodes and short ones still run
             while not self.kv.try_grow(request, num_tokens):

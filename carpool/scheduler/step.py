@@ -15,7 +15,7 @@ from carpool.scheduler.kv_manager import KVCacheManager
 from carpool.scheduler.request import Request
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledSpan:
     """Compute tokens ``[start, start + num_tokens)`` of ``request.token_ids``.
 

@@ -229,7 +229,7 @@ class SimReplica:
         (at least two steps); its steps' times are priced one by one, as
         stepping would."""
         scheduler = self.scheduler
-        limit = min(decode_run_limit(scheduler), self._run_steps)
+        limit = decode_run_limit(scheduler, self._run_steps)
         if limit < 2:
             return False
         latest = horizon(scheduler)
