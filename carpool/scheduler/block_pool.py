@@ -5,6 +5,8 @@ by block id.
 """
 from __future__ import annotations
 
+import struct
+from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
@@ -12,7 +14,12 @@ from collections.abc import Iterable, Sequence
 ROOT_HASH = 0
 
 
-BlockKey = tuple[int, tuple[int, ...]]
+# A full block's exact identity: its parent's chain hash (8 bytes), then its
+# token ids as native int32 (every vocabulary is far smaller, and the
+# engine rejects ids outside it; the simulator's ids fit too).
+BlockKey = bytes
+_TOKEN_FORMAT = "i"
+_pack_parent = struct.Struct("<q").pack
 
 
 def chain_block_keys(parent_hash: int, tokens: Sequence[int], block_size: int,
@@ -20,15 +27,23 @@ def chain_block_keys(parent_hash: int, tokens: Sequence[int], block_size: int,
     """Keys and chained hashes of full blocks ``first..last-1`` of ``tokens``;
     ``parent_hash`` is block ``first - 1``'s hash (``ROOT_HASH`` for none).
 
-    A block's key is its exact identity: (parent's hash, its tokens). The
-    cache is keyed by it, so two blocks collide only when their parents'
-    64-bit hashes collide *and* their tokens are equal. A key's hash is the
-    next block's parent hash.
+    The cache is keyed by the exact key, so two blocks collide only when
+    their parents' 64-bit hashes collide *and* their tokens are equal. A
+    key's hash is the next block's parent hash: Python's hash of bytes,
+    keyed per process (unless PYTHONHASHSEED fixes it), so clients cannot
+    craft collisions.
+
+    Why bytes: a bytes object is one allocation that caches its own hash,
+    so the dict operations on every eviction and registration (millions in
+    a simulation) neither rehash it nor chase the pointers of a tuple.
     """
+    raw = array(_TOKEN_FORMAT, tokens[first * block_size:last * block_size])
+    width = raw.itemsize * block_size
+    raw = raw.tobytes()
     keys: list[BlockKey] = []
     hashes: list[int] = []
-    for start in range(first * block_size, last * block_size, block_size):
-        key = (parent_hash, tuple(tokens[start:start + block_size]))
+    for start in range(0, len(raw), width):
+        key = _pack_parent(parent_hash) + raw[start:start + width]
         parent_hash = hash(key)
         keys.append(key)
         hashes.append(parent_hash)

@@ -51,9 +51,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
     # Chained hashes of the full blocks of token_ids, filled lazily by the KV
-    # manager, and each block's prefix-cache key (parent hash, tokens).
+    # manager, and each block's prefix-cache key (parent hash and tokens, as bytes).
     block_hashes: list[int] = field(default_factory=list)
-    block_keys: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)
+    block_keys: list[bytes] = field(default_factory=list)
     first_scheduled_time: float | None = None
     reject_reason: str | None = None  # "deadline" or "queue_timeout" once rejected
     first_token_time: float | None = None  # clock times of the first and latest sampled token
