@@ -6,7 +6,6 @@ by block id.
 from __future__ import annotations
 
 import struct
-from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
@@ -15,17 +14,13 @@ ROOT_HASH = 0
 
 
 # A full block's exact identity: its parent's chain hash (8 bytes), then its
-# token ids as native int32 (every vocabulary is far smaller, and the
-# engine rejects ids outside it; the simulator's ids fit too).
+# token ids as int32 (every vocabulary is far smaller, and the engine
+# rejects ids outside it; the simulator's ids fit too).
 BlockKey = bytes
-_TOKEN_FORMAT = "i"
-_pack_parent = struct.Struct("<q").pack
 
 
-def chain_block_keys(parent_hash: int, tokens: Sequence[int], block_size: int,
-                     first: int, last: int) -> tuple[list[BlockKey], list[int]]:
-    """Keys and chained hashes of full blocks ``first..last-1`` of ``tokens``;
-    ``parent_hash`` is block ``first - 1``'s hash (``ROOT_HASH`` for none).
+class BlockKeyChain:
+    """Prefix-cache keys of full blocks of ``block_size`` tokens.
 
     The cache is keyed by the exact key, so two blocks collide only when
     their parents' 64-bit hashes collide *and* their tokens are equal. A
@@ -37,17 +32,25 @@ def chain_block_keys(parent_hash: int, tokens: Sequence[int], block_size: int,
     so the dict operations on every eviction and registration (millions in
     a simulation) neither rehash it nor chase the pointers of a tuple.
     """
-    raw = array(_TOKEN_FORMAT, tokens[first * block_size:last * block_size])
-    width = raw.itemsize * block_size
-    raw = raw.tobytes()
-    keys: list[BlockKey] = []
-    hashes: list[int] = []
-    for start in range(0, len(raw), width):
-        key = _pack_parent(parent_hash) + raw[start:start + width]
-        parent_hash = hash(key)
-        keys.append(key)
-        hashes.append(parent_hash)
-    return keys, hashes
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self._pack = struct.Struct(f"<q{block_size}i").pack
+
+    def keys(self, parent_hash: int, tokens: Sequence[int], first: int,
+             last: int) -> tuple[list[BlockKey], list[int]]:
+        """Keys and chained hashes of full blocks ``first..last-1`` of
+        ``tokens``; ``parent_hash`` is block ``first - 1``'s hash
+        (``ROOT_HASH`` for none)."""
+        size, pack = self.block_size, self._pack
+        keys: list[BlockKey] = []
+        hashes: list[int] = []
+        for start in range(first * size, last * size, size):
+            key = pack(parent_hash, *tokens[start:start + size])
+            parent_hash = hash(key)
+            keys.append(key)
+            hashes.append(parent_hash)
+        return keys, hashes
 
 
 class BlockPool:

@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
-from carpool.scheduler.block_pool import ROOT_HASH, BlockPool, chain_block_keys
+from carpool.scheduler.block_pool import ROOT_HASH, BlockKeyChain, BlockPool
 from carpool.scheduler.request import Request
 
 
@@ -40,6 +40,7 @@ class KVCacheManager:
                  enable_prefix_caching: bool = True, watermark: float = 0.01) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self._key_chain = BlockKeyChain(block_size)
         self.enable_prefix_caching = enable_prefix_caching
         self.watermark_blocks = max(1, int(num_blocks * watermark)) if watermark > 0 else 0
         self.block_tables: dict[str, list[int]] = {}
@@ -156,9 +157,8 @@ class KVCacheManager:
         hashes = request.block_hashes
         if len(hashes) >= num_blocks:
             return
-        keys, new_hashes = chain_block_keys(hashes[-1] if hashes else ROOT_HASH,
-                                            request.token_ids, self.block_size,
-                                            len(hashes), num_blocks)
+        keys, new_hashes = self._key_chain.keys(hashes[-1] if hashes else ROOT_HASH,
+                                                request.token_ids, len(hashes), num_blocks)
         request.block_keys += keys
         hashes += new_hashes
 
