@@ -16,6 +16,7 @@ from carpool.bench.stats import (
     OK,
     REJECTED,
     RequestRecord,
+    meets_slo,
     summarize,
     timeseries,
 )
@@ -185,3 +186,10 @@ def test_sweep_rescales_arrivals_and_picks_the_highest_rate_meeting_the_slo():
             {"mode": "rate", "rate": 1.5, "meets_slo": True}]
     assert capacity(runs, 0.9) == 1.5
     assert capacity(runs[:1], 0.9) is None
+
+
+def test_an_itl_limit_holds_for_every_gap_of_a_request():
+    steady = _ok(0, 0.0, [0.1, 0.2, 0.3], 3)
+    stalled = _ok(1, 0.0, [0.1, 0.2, 0.9], 3)
+    assert meets_slo(steady, {"itl": 0.15}) and not meets_slo(stalled, {"itl": 0.15})
+    assert summarize([steady, stalled], 1.0, {"itl": 0.15})["slo_attainment"] == 0.5

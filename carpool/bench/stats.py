@@ -53,6 +53,15 @@ class RequestRecord:
     def ok(self) -> bool:
         return self.status == OK and bool(self.chunk_times)
 
+    def latencies(self) -> tuple[float, float | None, float] | None:
+        """(TTFT, TPOT, E2E) in one go, None unless completed; TPOT is None
+        for fewer than two tokens. Summaries of many records use this."""
+        if not self.ok:
+            return None
+        ttft, e2e = self.chunk_times[0] - self.sent, self.finished - self.sent
+        tpot = (e2e - ttft) / (self.output_tokens - 1) if self.output_tokens >= 2 else None
+        return ttft, tpot, e2e
+
     @property
     def ttft(self) -> float | None:
         return self.chunk_times[0] - self.sent if self.ok else None
@@ -63,9 +72,8 @@ class RequestRecord:
 
     @property
     def tpot(self) -> float | None:
-        if not self.ok or self.output_tokens < 2:
-            return None
-        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+        latencies = self.latencies()
+        return None if latencies is None else latencies[1]
 
     @property
     def itl(self) -> list[float]:
@@ -94,16 +102,27 @@ def distribution(values: list[float]) -> dict[str, float | None]:
     return out
 
 
+_SLO_METRICS = ("ttft", "tpot", "e2e")  # the order of RequestRecord.latencies()
+
+
 def meets_slo(record: RequestRecord, slo: dict[str, float]) -> bool:
-    """Completed, and every SLO metric (ttft, tpot, e2e) within its limit; a
-    one-token answer has no TPOT and cannot miss a TPOT limit."""
-    if not record.ok:
+    """Completed, and every SLO metric within its limit: ttft, tpot, e2e,
+    and for itl every gap between chunks; a one-token answer has no TPOT
+    and cannot miss a TPOT limit."""
+    return _within(record, record.latencies(), slo)
+
+
+def _within(record: RequestRecord, latencies: tuple[float, float | None, float] | None,
+            slo: dict[str, float]) -> bool:
+    """``meets_slo`` given the record's ``latencies()``."""
+    if latencies is None:
         return False
-    for metric, limit in slo.items():
-        value = getattr(record, metric)
-        if value is not None and value > limit:
+    for metric, value in zip(_SLO_METRICS, latencies):
+        limit = slo.get(metric)
+        if limit is not None and value is not None and value > limit:
             return False
-    return True
+    limit = slo.get("itl")
+    return limit is None or all(gap <= limit for gap in record.itl)
 
 
 def peak_concurrency(records: list[RequestRecord]) -> int:
@@ -114,7 +133,7 @@ def peak_concurrency(records: list[RequestRecord]) -> int:
         if r.sent is not None and r.finished is not None:
             events += [(r.sent, 1), (r.finished, -1)]
     # at equal times a finish goes first: back-to-back requests do not overlap
-    events.sort(key=lambda e: (e[0], e[1]))
+    events.sort()
     peak = current = 0
     for _, step in events:
         current += step
@@ -133,7 +152,8 @@ def summarize(records: list[RequestRecord], duration: float,
     duration = max(duration, 1e-9)
     input_tokens = sum(r.input_tokens for r in done)
     output_tokens = sum(r.output_tokens for r in done)
-    good = sum(meets_slo(r, slo) for r in done) if slo else None
+    latencies = [r.latencies() for r in done]
+    good = sum(_within(r, values, slo) for r, values in zip(done, latencies)) if slo else None
     counted = [r for r in done if r.counted_tokens is not None]
     return {
         "requests": len(sent), "completed": len(done),
@@ -145,10 +165,10 @@ def summarize(records: list[RequestRecord], duration: float,
         "output_throughput": output_tokens / duration,
         "total_token_throughput": (input_tokens + output_tokens) / duration,
         "input_tokens": input_tokens, "output_tokens": output_tokens,
-        "ttft": distribution([r.ttft for r in done]),
-        "tpot": distribution([r.tpot for r in done if r.tpot is not None]),
+        "ttft": distribution([values[0] for values in latencies]),
+        "tpot": distribution([values[1] for values in latencies if values[1] is not None]),
         "itl": distribution([gap for r in done for gap in r.itl]),
-        "e2e": distribution([r.e2e for r in done]),
+        "e2e": distribution([values[2] for values in latencies]),
         "slo": dict(slo),
         "goodput": good / duration if slo else None,
         "slo_attainment": good / max(1, len(sent)) if slo else None,

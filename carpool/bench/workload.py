@@ -128,14 +128,14 @@ def build_workload(args: argparse.Namespace, tokenizer: TokenizerLike) -> list[B
     return items
 
 
-def describe_workload(args: argparse.Namespace,
-                      items: Sequence[BenchItem] | None = None) -> dict:
+def describe_workload(args: argparse.Namespace, items: Sequence[BenchItem] | None = None,
+                      plan: Sequence[TraceRequest] | None = None) -> dict:
     """JSON-able description for results and reports: the source and its
     attribution, both scales, the arrival process and its parameters, the
-    seed, and the offered rate of the actual schedule (``items``, else
-    planned again from ``args``)."""
+    seed, and the offered rate of the actual schedule (``items`` or its
+    ``plan``, else planned again from ``args``)."""
     if items is None:
-        plan = plan_workload(args)
+        plan = plan_workload(args) if plan is None else plan
         offsets = [r.arrival for r in plan]
         lengths = [(r.input_len, r.output_len) for r in plan]
     else:

@@ -6,7 +6,7 @@ by block id.
 from __future__ import annotations
 
 import struct
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 
 # Chain seed for the first block of a sequence.
@@ -53,6 +53,27 @@ class BlockKeyChain:
         return keys, hashes
 
 
+class LazyRun:
+    """Full blocks of one sequence, cached without their keys yet.
+
+    Computing a key costs a hash per block; most sequences are never
+    looked up by anyone (their first block is unique), so the KV manager
+    registers them as a run and computes the keys only when a lookup from
+    the same first block may need them (``BlockPool.materialize``).
+    ``owner`` is opaque to the pool (what the keys come from); ``blocks``
+    holds the sequence's blocks 0, 1, ... in order, an entry counting only
+    while the pool's ``lazy_of`` still points at this run; ``live`` is how
+    many do.
+    """
+
+    __slots__ = ("root", "owner", "blocks", "live")
+
+    def __init__(self, root: BlockKey, owner: object) -> None:
+        self.root, self.owner = root, owner
+        self.blocks: list[int] = []
+        self.live = 0
+
+
 class BlockPool:
     """A pool of ``num_blocks`` blocks.
 
@@ -67,7 +88,14 @@ class BlockPool:
       protecting cached block ``b``, and ``_owned`` is its exact inverse.
       A free block is in ``_free_protected`` iff it has owners. Eviction
       takes ``_free`` first and ``_free_protected`` only when ``_free`` is
-      empty; an evicted block loses its cache entry and its owners.
+      empty; an evicted block loses its cache entry and its owners;
+    - a cached block is either keyed (in ``_cached``, its chain's first key
+      in ``_root_of``) or lazy (``lazy_of[b]`` is its run, which is
+      ``_lazy_runs[run.root]``); at most one run per first key, and none
+      while a keyed block of that chain is cached. A lazy block has no
+      owners. So a run's keys, computed whenever, are what eager
+      registration would have cached: nothing else under its first key
+      could have been registered before it or since.
     """
 
     def __init__(self, num_blocks: int, enable_prefix_caching: bool = True) -> None:
@@ -83,6 +111,11 @@ class BlockPool:
         self._key_of: list[BlockKey | None] = [None] * num_blocks  # by block id
         self._owners: dict[int, set[str]] = {}
         self._owned: dict[str, set[int]] = {}
+        self._root_of: list[BlockKey | None] = [None] * num_blocks  # keyed blocks' first key
+        self._keyed_per_root: dict[BlockKey, int] = {}
+        self.lazy_of: list[LazyRun | None] = [None] * num_blocks
+        self._lazy_runs: dict[BlockKey, LazyRun] = {}
+        self._num_lazy = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -99,7 +132,7 @@ class BlockPool:
 
     @property
     def num_cached_blocks(self) -> int:
-        return len(self._cached)
+        return len(self._cached) + self._num_lazy
 
     def allocate(self, count: int) -> list[int]:
         """Take ``count`` fresh blocks (ref_count 1), evicting cached ones LRU,
@@ -108,7 +141,7 @@ class BlockPool:
             raise RuntimeError(f"asked for {count} blocks, {self.num_free_blocks} free")
         blocks = []
         ref_counts, key_of, cached, owners = self.ref_counts, self._key_of, self._cached, self._owners
-        free = self._free
+        lazy_of, free = self.lazy_of, self._free
         for _ in range(count):
             if not free:
                 free = self._free_protected
@@ -117,8 +150,11 @@ class BlockPool:
             if key is not None:  # evict: the block forgets its tokens
                 key_of[block_id] = None
                 del cached[key]
+                self._forget_root(block_id)
                 if block_id in owners:
                     self._disown(block_id)
+            elif lazy_of[block_id] is not None:
+                self._forget_lazy(block_id)
             ref_counts[block_id] = 1
             blocks.append(block_id)
         return blocks
@@ -150,17 +186,80 @@ class BlockPool:
             if count == 1:
                 (self._free_protected if block_id in owners else self._free)[block_id] = None
 
-    def register(self, block_ids: Sequence[int], keys: Sequence[BlockKey]) -> None:
+    def register(self, block_ids: Sequence[int], keys: Sequence[BlockKey],
+                 root: BlockKey) -> None:
         """Record that each of ``block_ids`` now holds the KV of its key in
-        ``keys`` (full blocks)."""
+        ``keys`` (full blocks of a chain whose first key is ``root``).
+        ``root`` must have no lazy run: materialize it first (it came first)."""
         if not self.enable_prefix_caching:
             return
-        cached, key_of = self._cached, self._key_of
+        cached, key_of, root_of = self._cached, self._key_of, self._root_of
+        registered = 0
         for block_id, key in zip(block_ids, keys):
             # Already registered, or another block caches these tokens: keep the first.
             if key_of[block_id] is None and key not in cached:
                 cached[key] = block_id
                 key_of[block_id] = key
+                root_of[block_id] = root
+                registered += 1
+        if registered:
+            self._keyed_per_root[root] = self._keyed_per_root.get(root, 0) + registered
+
+    # -- lazy runs ------------------------------------------------------------------
+
+    def lazy_run(self, root: BlockKey) -> LazyRun | None:
+        """The lazy run of the chain starting with key ``root``, if any."""
+        return self._lazy_runs.get(root)
+
+    def may_start_lazy(self, root: BlockKey) -> bool:
+        """Whether a new chain with first key ``root`` may be cached lazily:
+        no other block of such a chain is cached, keyed or lazy."""
+        return root not in self._lazy_runs and root not in self._keyed_per_root
+
+    def start_lazy(self, root: BlockKey, owner: object) -> LazyRun:
+        """A new, empty lazy run (``may_start_lazy(root)`` must hold)."""
+        run = self._lazy_runs[root] = LazyRun(root, owner)
+        return run
+
+    def extend_lazy(self, run: LazyRun, block_ids: Sequence[int]) -> None:
+        """Cache the run's next blocks (fresh ones: neither keyed nor lazy)."""
+        if not self.enable_prefix_caching:
+            return
+        lazy_of = self.lazy_of
+        for block_id in block_ids:
+            lazy_of[block_id] = run
+        run.blocks += block_ids
+        run.live += len(block_ids)
+        self._num_lazy += len(block_ids)
+
+    def materialize(self, run: LazyRun, keys: Sequence[BlockKey]) -> None:
+        """Key the run's still-cached blocks: ``keys[i]`` is the key of its
+        ``blocks[i]``. The run ends."""
+        del self._lazy_runs[run.root]
+        lazy_of = self.lazy_of
+        still = [(b, key) for b, key in zip(run.blocks, keys) if lazy_of[b] is run]
+        for block_id, _ in still:
+            lazy_of[block_id] = None
+        self._num_lazy -= len(still)
+        run.live = 0
+        self.register([b for b, _ in still], [key for _, key in still], run.root)
+
+    def _forget_lazy(self, block_id: int) -> None:
+        run = self.lazy_of[block_id]
+        self.lazy_of[block_id] = None
+        self._num_lazy -= 1
+        run.live -= 1
+        if not run.live and self._lazy_runs.get(run.root) is run:
+            del self._lazy_runs[run.root]
+
+    def _forget_root(self, block_id: int) -> None:
+        root = self._root_of[block_id]
+        self._root_of[block_id] = None
+        left = self._keyed_per_root[root] - 1
+        if left:
+            self._keyed_per_root[root] = left
+        else:
+            del self._keyed_per_root[root]
 
     # -- protection (session prefixes) ------------------------------------------
 
@@ -171,6 +270,7 @@ class BlockPool:
         block is left. Uncached blocks are ignored: nothing could hit them.
         """
         for block_id in block_ids:
+            assert self.lazy_of[block_id] is None, "a lazy block cannot be protected"
             if self._key_of[block_id] is None:
                 continue
             owners = self._owners.setdefault(block_id, set())
@@ -233,3 +333,14 @@ class BlockPool:
             "protection maps are not inverse"
         assert all(self._owners.values()) and all(self._owned.values()), "empty protection set"
         assert all(self._key_of[b] is not None for b in self._owners), "an uncached block is protected"
+        roots = [r for r in self._root_of if r is not None]
+        assert len(roots) == len(self._cached), "a keyed block without its chain's first key"
+        assert self._keyed_per_root == dict(Counter(roots)), "keyed counts per chain are off"
+        lazy = [(b, run) for b, run in enumerate(self.lazy_of) if run is not None]
+        assert len(lazy) == self._num_lazy, "lazy count is off"
+        for block_id, run in lazy:
+            assert self._key_of[block_id] is None, f"block {block_id} is keyed and lazy"
+            assert self._lazy_runs.get(run.root) is run, f"block {block_id} in an ended run"
+        for root, run in self._lazy_runs.items():
+            assert run.root == root and run.live == sum(r is run for _, r in lazy) > 0
+            assert root not in self._keyed_per_root, "a lazy run beside keyed blocks of its chain"

@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
-from carpool.scheduler.block_pool import ROOT_HASH, BlockKeyChain, BlockPool
+from carpool.scheduler.block_pool import ROOT_HASH, BlockKey, BlockKeyChain, BlockPool, LazyRun
 from carpool.scheduler.request import Request
 
 
@@ -33,7 +33,9 @@ class KVCacheManager:
 
     Invariant: ``block_tables[rid]`` covers at least the request's computed
     tokens, each entry holds one reference on its block, and the first
-    ``_num_registered[rid]`` entries are registered in the prefix cache.
+    ``_num_registered[rid]`` entries are registered in the prefix cache,
+    keyed or in the request's lazy run (``_run_of[rid]``, while the pool
+    still has it).
     """
 
     def __init__(self, num_blocks: int, block_size: int,
@@ -45,6 +47,10 @@ class KVCacheManager:
         self.watermark_blocks = max(1, int(num_blocks * watermark)) if watermark > 0 else 0
         self.block_tables: dict[str, list[int]] = {}
         self._num_registered: dict[str, int] = {}
+        self._run_of: dict[str, LazyRun] = {}  # request id -> its lazy run while it holds blocks
+        # False keys every block when it is registered: the reference the
+        # lazy runs must match exactly (tests compare the two).
+        self.lazy_keys = True
         self.prefix_queries = 0
         self.prefix_hits = 0
 
@@ -60,13 +66,15 @@ class KVCacheManager:
 
         At least the last token is left uncached: its logits must be computed.
         """
-        if not self.enable_prefix_caching:
-            return []
         max_blocks = (request.num_tokens - 1) // self.block_size
-        self._extend_hashes(request, max_blocks)
-        hits = []
-        for key in request.block_keys[:max_blocks]:
-            block_id = self.pool.lookup(key)
+        if not self.enable_prefix_caching or max_blocks < 1:
+            return []
+        self._materialize(self._root(request))
+        hits: list[int] = []
+        keys = request.block_keys
+        while len(hits) < max_blocks:  # keys only as far as the hits go
+            self._extend_hashes(request, len(hits) + 1)
+            block_id = self.pool.lookup(keys[len(hits)])
             if block_id is None:
                 break
             hits.append(block_id)
@@ -136,14 +144,29 @@ class KVCacheManager:
             return  # no block filled up since the last call (most steps)
         table = self.block_tables[rid]
         full = min(request.num_computed_tokens // self.block_size, len(table))
-        self._extend_hashes(request, full)
-        self.pool.register(table[start:full], request.block_keys[start:full])
         self._num_registered[rid] = full
+        pool, root = self.pool, self._root(request)
+        # A request's first registration starts a lazy run when nothing of
+        # its chain is cached; the run grows until a lookup from the same
+        # first block keys it. Sessions' blocks get protected, which needs
+        # keys: never lazy.
+        run = self._run_of.get(rid)
+        if (run is None and self.lazy_keys and start == 0 and request.session_id is None
+                and pool.may_start_lazy(root)):
+            run = self._run_of[rid] = pool.start_lazy(root, request)
+        if run is not None and pool.lazy_run(root) is run:
+            pool.extend_lazy(run, table[start:full])
+            return
+        self._run_of.pop(rid, None)  # ended by a lookup from the same first block
+        self._materialize(root)
+        self._extend_hashes(request, full)
+        pool.register(table[start:full], request.block_keys[start:full], root)
 
     def free(self, request: Request) -> None:
         """Return all of the request's blocks (cached ones stay revivable)."""
         table = self.block_tables.pop(request.request_id, None)
         self._num_registered.pop(request.request_id, None)
+        self._run_of.pop(request.request_id, None)  # its blocks stay cached in the run
         if table:
             self.pool.release(table)
 
@@ -152,6 +175,20 @@ class KVCacheManager:
             num_blocks=self.pool.num_blocks, used_blocks=self.pool.num_used_blocks,
             free_blocks=self.pool.num_free_blocks, cached_blocks=self.pool.num_cached_blocks,
             prefix_queries=self.prefix_queries, prefix_hits=self.prefix_hits)
+
+    def _root(self, request: Request) -> BlockKey:
+        """The key of the request's first block (it must be full)."""
+        self._extend_hashes(request, 1)
+        return request.block_keys[0]
+
+    def _materialize(self, root: BlockKey) -> None:
+        """Key the lazy run starting with ``root``, if any: a lookup or a
+        keyed registration from that first block is about to need it."""
+        run = self.pool.lazy_run(root)
+        if run is not None:
+            owner = run.owner
+            self._extend_hashes(owner, len(run.blocks))
+            self.pool.materialize(run, owner.block_keys)
 
     def _extend_hashes(self, request: Request, num_blocks: int) -> None:
         hashes = request.block_hashes

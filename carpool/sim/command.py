@@ -6,7 +6,6 @@ import argparse
 import dataclasses
 
 from carpool.bench.workload import (
-    BenchItem,
     add_workload_args,
     arg_type,
     describe_workload,
@@ -107,10 +106,9 @@ def simulation_result(label: str, args: argparse.Namespace, config: EngineConfig
     from carpool.bench.loadgen import LoadRun
     from carpool.bench.serve import make_result
 
-    items = [BenchItem(i, r.arrival, "", r.input_len, r.output_len) for i, r in enumerate(plan)]
     run_config = {k: v for k, v in vars(args).items()
                   if k not in ("func", "slo") and not k.startswith("engine_")}
-    run_config.update({"model": cost_label(cost), "workload": describe_workload(args, items),
+    run_config.update({"model": cost_label(cost), "workload": describe_workload(args, plan=plan),
                        "engine": dataclasses.asdict(config)})
     written = bool(getattr(args, "json", None) or getattr(args, "html", None))
     result = make_result(label, run_config, LoadRun(run.records, run.duration,

@@ -12,7 +12,6 @@ import time
 from carpool.bench.arrivals import rescale_offsets
 from carpool.bench.traces import TraceRequest
 from carpool.bench.workload import (
-    BenchItem,
     add_workload_args,
     arg_type,
     describe_workload,
@@ -139,11 +138,9 @@ def run_plan(config: EngineConfig, args: argparse.Namespace) -> int:
 def _plan_header(args: argparse.Namespace, problem: PeakProblem, shaped: argparse.Namespace,
                  config: EngineConfig, price: float) -> dict:
     """The plan document's description of what was planned and how it was priced."""
-    items = [BenchItem(i, r.arrival, "", r.input_len, r.output_len)
-             for i, r in enumerate(problem.workload)]
     return {"kind": "carpool-plan", "cost_model_kind": problem.cost.kind,
             "cost_model_label": cost_label(problem.cost), "cost_model": problem.cost.describe(),
-            "workload": describe_workload(shaped, items),
+            "workload": describe_workload(shaped, plan=problem.workload),
             "inputs": {"peak_rate": problem.peak_rate, "window_s": problem.window_s,
                        "requests_per_probe": len(problem.workload), "slo": problem.slo,
                        "attainment": problem.attainment, "utilization": args.utilization,
