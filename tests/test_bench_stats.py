@@ -17,6 +17,7 @@ from carpool.bench.stats import (
     REJECTED,
     RequestRecord,
     meets_slo,
+    peak_concurrency,
     summarize,
     timeseries,
 )
@@ -193,3 +194,11 @@ def test_an_itl_limit_holds_for_every_gap_of_a_request():
     stalled = _ok(1, 0.0, [0.1, 0.2, 0.9], 3)
     assert meets_slo(steady, {"itl": 0.15}) and not meets_slo(stalled, {"itl": 0.15})
     assert summarize([steady, stalled], 1.0, {"itl": 0.15})["slo_attainment"] == 0.5
+
+
+def test_back_to_back_requests_do_not_overlap():
+    first, second = _ok(0, 0.0, [0.5, 1.0], 2), _ok(1, 1.0, [1.5, 2.0], 2)
+    overlapping = _ok(2, 0.9, [1.2], 1)
+    assert peak_concurrency([first, second]) == 1
+    assert peak_concurrency([first, second, overlapping]) == 2
+    assert peak_concurrency([]) == 0

@@ -128,17 +128,14 @@ def _within(record: RequestRecord, latencies: tuple[float, float | None, float] 
 def peak_concurrency(records: list[RequestRecord]) -> int:
     """The most requests in flight (sent, not yet answered) at any instant;
     callers leave out rejected ones, which were never being served."""
-    events = []
-    for r in records:
-        if r.sent is not None and r.finished is not None:
-            events += [(r.sent, 1), (r.finished, -1)]
+    spans = [(r.sent, r.finished) for r in records if r.sent is not None and r.finished is not None]
+    if not spans:
+        return 0
+    times = np.array(spans, dtype=float).T.ravel()  # every start, then every finish
+    steps = np.repeat([1, -1], len(spans))
     # at equal times a finish goes first: back-to-back requests do not overlap
-    events.sort()
-    peak = current = 0
-    for _, step in events:
-        current += step
-        peak = max(peak, current)
-    return peak
+    order = np.lexsort((steps, times))
+    return int(max(0, np.cumsum(steps[order]).max()))
 
 
 def summarize(records: list[RequestRecord], duration: float,
@@ -167,7 +164,7 @@ def summarize(records: list[RequestRecord], duration: float,
         "input_tokens": input_tokens, "output_tokens": output_tokens,
         "ttft": distribution([values[0] for values in latencies]),
         "tpot": distribution([values[1] for values in latencies if values[1] is not None]),
-        "itl": distribution([gap for r in done for gap in r.itl]),
+        "itl": distribution([gap for r in done if len(r.chunk_times) > 1 for gap in r.itl]),
         "e2e": distribution([values[2] for values in latencies]),
         "slo": dict(slo),
         "goodput": good / duration if slo else None,

@@ -209,9 +209,11 @@ def loop_window(requests: Sequence[TraceRequest], count: int) -> list[TraceReque
     for index in range(count):
         copy, request = divmod(index, len(requests))
         request = requests[request]
+        shift = copy * id_stride
+        ids = tuple(h + shift for h in request.hash_ids) if request.hash_ids and shift else \
+            request.hash_ids
         out.append(TraceRequest(request.arrival + copy * period, request.input_len,
-                                request.output_len,
-                                tuple(h + copy * id_stride for h in request.hash_ids)))
+                                request.output_len, ids))
     return out
 
 

@@ -182,18 +182,20 @@ def _source_requests(args: argparse.Namespace) -> list[TraceRequest]:
     if args.workload == SYNTHETIC:
         return [TraceRequest(None, args.input_len, args.output_len)] * count
     trace = load_trace(args.workload)
-    if has_arrivals(trace):
-        chosen = select_window(trace, start_s=args.trace_start, max_requests=count)
-        if len(chosen) < count and getattr(args, "trace_loop", False):
-            chosen = loop_window(chosen, count)
-        if len(chosen) < count:
-            raise ValueError(f"trace {args.workload!r} has only {len(chosen)} requests after "
-                             f"--trace-start {args.trace_start:g}; lower --num-requests or "
-                             f"--trace-start, or add --trace-loop")
-    else:
+    if not has_arrivals(trace):
         rng = random.Random(f"{args.workload_seed}/lengths")
         chosen = [trace[rng.randrange(len(trace))] for _ in range(count)]
-    return scale_tokens(chosen, args.token_scale, args.max_input_len, args.max_output_len)
+        return scale_tokens(chosen, args.token_scale, args.max_input_len, args.max_output_len)
+    chosen = select_window(trace, start_s=args.trace_start, max_requests=count)
+    # Scaled before looping (the same either way): the window is the smaller list.
+    chosen = scale_tokens(chosen, args.token_scale, args.max_input_len, args.max_output_len)
+    if len(chosen) < count and getattr(args, "trace_loop", False):
+        chosen = loop_window(chosen, count)
+    if len(chosen) < count:
+        raise ValueError(f"trace {args.workload!r} has only {len(chosen)} requests after "
+                         f"--trace-start {args.trace_start:g}; lower --num-requests or "
+                         f"--trace-start, or add --trace-loop")
+    return chosen
 
 
 def _validate(args: argparse.Namespace) -> None:

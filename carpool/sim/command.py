@@ -20,6 +20,7 @@ from carpool.sim.simulate import (
     SimSettings,
     add_cost_model_args,
     cost_model_from_args,
+    cyclic_gc_paused,
     pool_blocks,
     simulate,
 )
@@ -81,10 +82,11 @@ def run_simulate(config: EngineConfig, args: argparse.Namespace) -> int:
     cost = cost_model_from_args(args)
     num_blocks = pool_blocks(config, cost, memory_set=args.engine_kv_cache_memory is not None)
     settings = settings_from_args(config, cost, args)
-    plan = plan_workload(args)
-    run = simulate(plan, config, cost, num_blocks, settings)
-    label = args.label or f"simulated: {settings.replicas} x {cost_label(cost)}"
-    result = simulation_result(label, args, config, cost, num_blocks, settings, plan, run)
+    with cyclic_gc_paused():  # the result's passes over the records too
+        plan = plan_workload(args)
+        run = simulate(plan, config, cost, num_blocks, settings)
+        label = args.label or f"simulated: {settings.replicas} x {cost_label(cost)}"
+        result = simulation_result(label, args, config, cost, num_blocks, settings, plan, run)
     print(format_result(result))
     print(format_speed(result["simulation"]))
     write_outputs(result, args.json, args.html)

@@ -144,10 +144,10 @@ def simulate(plan: Sequence[TraceRequest], config: EngineConfig, cost: CostModel
             shares[router.next_turn(router.active(plan[i].arrival))].append(i)
         jobs = [(index, [(i, plan[i]) for i in share], config, cost, num_blocks, settings,
                  interval) for index, share in enumerate(shares)]
-        with _cyclic_gc_paused():  # forked workers inherit the pause
+        with cyclic_gc_paused():  # forked workers inherit the pause
             parts = _map(_simulate_one, jobs, settings.workers)
     else:
-        with _cyclic_gc_paused():
+        with cyclic_gc_paused():
             parts = [_event_loop(list(range(settings.replicas)), [(i, plan[i]) for i in order],
                                  config, cost, num_blocks, settings, interval)]
     records: list[RequestRecord | None] = [None] * len(plan)
@@ -162,8 +162,8 @@ def simulate(plan: Sequence[TraceRequest], config: EngineConfig, cost: CostModel
 
 
 @contextlib.contextmanager
-def _cyclic_gc_paused() -> Iterator[None]:
-    """Pause Python's cyclic garbage collector.
+def cyclic_gc_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector (nested pauses are fine).
 
     A simulation allocates millions of small objects (block keys, spans,
     token lists) that reference counting frees; the collector's passes
