@@ -62,7 +62,7 @@ class LazyRun:
     the same first block may need them (``BlockPool.materialize``).
     ``owner`` is opaque to the pool (what the keys come from); ``blocks``
     holds the sequence's blocks 0, 1, ... in order, an entry counting only
-    while the pool's ``lazy_of`` still points at this run; ``live`` is how
+    while the pool's ``_lazy_of`` still points at this run; ``live`` is how
     many do.
     """
 
@@ -90,7 +90,7 @@ class BlockPool:
       takes ``_free`` first and ``_free_protected`` only when ``_free`` is
       empty; an evicted block loses its cache entry and its owners;
     - a cached block is either keyed (in ``_cached``, its chain's first key
-      in ``_root_of``) or lazy (``lazy_of[b]`` is its run, which is
+      in ``_root_of``) or lazy (``_lazy_of[b]`` is its run, which is
       ``_lazy_runs[run.root]``); at most one run per first key, and none
       while a keyed block of that chain is cached. A lazy block has no
       owners. So a run's keys, computed whenever, are what eager
@@ -113,7 +113,7 @@ class BlockPool:
         self._owned: dict[str, set[int]] = {}
         self._root_of: list[BlockKey | None] = [None] * num_blocks  # keyed blocks' first key
         self._keyed_per_root: dict[BlockKey, int] = {}
-        self.lazy_of: list[LazyRun | None] = [None] * num_blocks
+        self._lazy_of: list[LazyRun | None] = [None] * num_blocks
         self._lazy_runs: dict[BlockKey, LazyRun] = {}
         self._num_lazy = 0
 
@@ -141,7 +141,7 @@ class BlockPool:
             raise RuntimeError(f"asked for {count} blocks, {self.num_free_blocks} free")
         blocks = []
         ref_counts, key_of, cached, owners = self.ref_counts, self._key_of, self._cached, self._owners
-        lazy_of, free = self.lazy_of, self._free
+        lazy_of, free = self._lazy_of, self._free
         for _ in range(count):
             if not free:
                 free = self._free_protected
@@ -218,14 +218,14 @@ class BlockPool:
 
     def start_lazy(self, root: BlockKey, owner: object) -> LazyRun:
         """A new, empty lazy run (``may_start_lazy(root)`` must hold)."""
-        run = self._lazy_runs[root] = LazyRun(root, owner)
-        return run
+        self._lazy_runs[root] = LazyRun(root, owner)
+        return self._lazy_runs[root]
 
     def extend_lazy(self, run: LazyRun, block_ids: Sequence[int]) -> None:
         """Cache the run's next blocks (fresh ones: neither keyed nor lazy)."""
         if not self.enable_prefix_caching:
             return
-        lazy_of = self.lazy_of
+        lazy_of = self._lazy_of
         for block_id in block_ids:
             lazy_of[block_id] = run
         run.blocks += block_ids
@@ -236,7 +236,7 @@ class BlockPool:
         """Key the run's still-cached blocks: ``keys[i]`` is the key of its
         ``blocks[i]``. The run ends."""
         del self._lazy_runs[run.root]
-        lazy_of = self.lazy_of
+        lazy_of = self._lazy_of
         still = [(b, key) for b, key in zip(run.blocks, keys) if lazy_of[b] is run]
         for block_id, _ in still:
             lazy_of[block_id] = None
@@ -245,8 +245,8 @@ class BlockPool:
         self.register([b for b, _ in still], [key for _, key in still], run.root)
 
     def _forget_lazy(self, block_id: int) -> None:
-        run = self.lazy_of[block_id]
-        self.lazy_of[block_id] = None
+        run = self._lazy_of[block_id]
+        self._lazy_of[block_id] = None
         self._num_lazy -= 1
         run.live -= 1
         if not run.live and self._lazy_runs.get(run.root) is run:
@@ -270,7 +270,7 @@ class BlockPool:
         block is left. Uncached blocks are ignored: nothing could hit them.
         """
         for block_id in block_ids:
-            assert self.lazy_of[block_id] is None, "a lazy block cannot be protected"
+            assert self._lazy_of[block_id] is None, "a lazy block cannot be protected"
             if self._key_of[block_id] is None:
                 continue
             owners = self._owners.setdefault(block_id, set())
@@ -336,7 +336,7 @@ class BlockPool:
         roots = [r for r in self._root_of if r is not None]
         assert len(roots) == len(self._cached), "a keyed block without its chain's first key"
         assert self._keyed_per_root == dict(Counter(roots)), "keyed counts per chain are off"
-        lazy = [(b, run) for b, run in enumerate(self.lazy_of) if run is not None]
+        lazy = [(b, run) for b, run in enumerate(self._lazy_of) if run is not None]
         assert len(lazy) == self._num_lazy, "lazy count is off"
         for block_id, run in lazy:
             assert self._key_of[block_id] is None, f"block {block_id} is keyed and lazy"
