@@ -223,8 +223,6 @@ class BlockPool:
 
     def extend_lazy(self, run: LazyRun, block_ids: Sequence[int]) -> None:
         """Cache the run's next blocks (fresh ones: neither keyed nor lazy)."""
-        if not self.enable_prefix_caching:
-            return
         lazy_of = self._lazy_of
         for block_id in block_ids:
             lazy_of[block_id] = run

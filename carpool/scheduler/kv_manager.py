@@ -65,6 +65,8 @@ class KVCacheManager:
         """Blocks that already hold a prefix of the request (no reference taken).
 
         At least the last token is left uncached: its logits must be computed.
+        A lazy run with the same first block gets its keys first (what the
+        cache holds stays the same; only how it is indexed changes).
         """
         max_blocks = (request.num_tokens - 1) // self.block_size
         if not self.enable_prefix_caching or max_blocks < 1:
@@ -107,7 +109,8 @@ class KVCacheManager:
         """Blocks missing for ``try_admit(request, num_new_tokens)`` to succeed
         (<= 0: it would), as if the blocks in ``released`` had no reference
         left. ``hits``: ``find_cached_prefix(request)`` if already known
-        (releasing blocks does not change it). Changes nothing."""
+        (releasing blocks does not change it). Changes nothing the cache
+        holds (it may key a lazy run, as ``find_cached_prefix`` does)."""
         if hits is None:
             hits = self.find_cached_prefix(request)
         return self._admit_need(request, num_new_tokens, hits, released)[0]
