@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from carpool.config import EngineConfig, read_yaml
 from carpool.sampling_params import SamplingParams
+from carpool.slo import parse_target, slo_arg, slo_sources
 
 # (flag, config key, type, help). The key is an EngineConfig field name.
 ENGINE_FLAGS: list[tuple[str, str, type, str]] = [
@@ -40,6 +41,8 @@ ENGINE_FLAGS: list[tuple[str, str, type, str]] = [
      "seconds a request may wait to start before it is rejected"),
     ("--session-ttl", "session_ttl", float,
      "seconds a session's prefix stays preferred in the KV cache"),
+    ("--max-session-requests", "max_session_requests", int,
+     "unfinished requests one session may hold (more get 429 session_full)"),
     ("--aging-interval", "aging_interval", float,
      "policy priority: seconds of waiting that raise a request one priority class "
      "(null in a config file: no aging)"),
@@ -60,16 +63,24 @@ ENGINE_FLAGS: list[tuple[str, str, type, str]] = [
      "true: under sustained overload shed the lowest priorities first"),
     ("--max-batch-tokens", "max_batch_tokens", int, "same as --max-num-batched-tokens"),
     ("--adaptive", "adaptive", lambda v: v.lower() in ("1", "true", "yes", "on"),
-     "true: the adaptive controller retunes batch limit, step budget and batching wait live"),
+     "the adaptive controller and SLO admission (default: on for serve, off elsewhere); "
+     "false: plain batching at the configured knobs"),
     ("--controller-interval", "controller_interval", float,
-     "adaptive: seconds between controller decisions (>= 0.1)"),
+     "adaptive: seconds between regular controller decisions (>= 0.1; events tick sooner)"),
     ("--controller-window", "controller_window", float,
-     "adaptive: seconds of live metrics each decision reads"),
+     "adaptive: seconds of live metrics the slow signals read"),
+    ("--controller-fast-window", "controller_fast_window", float,
+     "adaptive: seconds of live metrics the fast signals (step times, arrivals) read"),
     ("--controller-mode", "controller_mode", str,
      "adaptive: auto | latency | balanced | throughput (a fixed mode)"),
-    ("--ttft-target", "ttft_target", float,
-     "adaptive: p95 time-to-first-token target in seconds (also sheds predicted misses)"),
-    ("--tpot-target", "tpot_target", float, "adaptive: p95 time-per-output-token target, s"),
+    ("--ttft-target", "ttft_target", parse_target,
+     "adaptive: p99 time-to-first-token target (0.5, 500ms or auto: measured at serve "
+     "start-up); admission sheds predicted misses"),
+    ("--tpot-target", "tpot_target", parse_target,
+     "adaptive: p99 time-per-output-token target (0.1, 100ms or auto)"),
+    ("--calibrate", "calibrate", lambda v: v.lower() in ("1", "true", "yes", "on"),
+     "serve: measure the unloaded TTFT/TPOT at start-up for auto targets (default true; "
+     "false: auto targets are 2 s / 200 ms)"),
     ("--memory-headroom", "memory_headroom", float,
      "adaptive: share of the KV pool the batch limit keeps free"),
 ]
@@ -79,8 +90,19 @@ SERVER_FLAGS: list[tuple[str, str, type, str]] = [
     ("--host", "host", str, "address to listen on (default 127.0.0.1; 0.0.0.0 for all)"),
     ("--port", "port", int, "port to listen on (default 8000; 0 = any free port)"),
     ("--served-model-name", "served_model_name", str, "model name in the API"),
-    ("--api-key", "api_key", str, "require 'Authorization: Bearer KEY' "
-                                  "(default: $CARPOOL_API_KEY; none = open)"),
+    ("--api-key", "api_key", str, "require 'Authorization: Bearer KEY' (visible in ps: "
+                                  "prefer $CARPOOL_API_KEY or --api-key-file; none = open)"),
+    ("--api-key-file", "api_key_file", str, "read the API key from this file's first line"),
+    ("--api-keys", "api_keys", str, "YAML/JSON file of API keys, each with its tenant and "
+                                    "privileges (max_priority, share_prefix_cache)"),
+    ("--header-timeout", "header_timeout", float,
+     "seconds a connection may take to send a request head (default 10)"),
+    ("--keep-alive-timeout", "keep_alive_timeout", float,
+     "seconds an idle keep-alive connection stays open (default 5)"),
+    ("--special-tokens-in-content", "special_tokens_in_content",
+     lambda v: v.lower() in ("1", "true", "yes", "on"),
+     "true: parse special-token text (<|im_start|>...) inside chat message content "
+     "(default false: it is plain text)"),
     ("--shutdown-timeout", "shutdown_timeout", float,
      "seconds in-flight requests get to finish after SIGTERM"),
     ("--status-interval", "status_interval", float, "seconds between status lines while busy"),
@@ -131,6 +153,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         config.update({k: v for k, v in layer.items() if k != "server"})
     overrides = {name[len("engine_"):]: value for name, value in vars(args).items()
                  if name.startswith("engine_") and value is not None}
+    if "slo" in overrides:  # serve's --slo first: --ttft-target / --tpot-target win over it
+        config.update({"slo": overrides.pop("slo")})
     config.update(overrides)
     return config.validate()
 
@@ -171,6 +195,8 @@ def server_config_from_args(args: argparse.Namespace):
             setattr(config, key, value)
     if args.cors_origins:
         config.cors_origins = list(args.cors_origins)
+    if args.allowed_hosts:
+        config.allowed_hosts = list(args.allowed_hosts)
     return config.validate()
 
 
@@ -185,7 +211,16 @@ def add_serve_parser(commands) -> None:
         group.add_argument(flag, dest=f"server_{key}", type=kind, default=None, help=help_text)
     group.add_argument("--cors-origins", nargs="*", default=None,
                        help="allowed CORS origins (CORS is off unless given)")
+    group.add_argument("--allowed-hosts", nargs="*", default=None,
+                       help="Host header names accepted (default: loopback names on a keyless "
+                            "loopback server, else any)")
     add_engine_flags(serve)
+    serve.add_argument("--slo", dest="engine_slo", type=slo_arg, default=None,
+                       metavar="ttft=500ms,tpot=100ms",
+                       help="latency targets for admitted requests (p99): the controller keeps "
+                            "them and sheds what would miss them (429); default: measured at "
+                            "start-up, see README 'Adaptive controller'")
+
 
 
 def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
@@ -328,7 +363,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "serve":
             from carpool.server.launcher import run_server
 
-            return run_server(config, server_config_from_args(args), profile_schedule(args))
+            return run_server(config, server_config_from_args(args), profile_schedule(args),
+                              slo_sources=slo_sources(args))
         if args.command == "generate":
             from carpool.repl import run_generate
 

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from carpool.slo import AUTO, FALLBACK_TPOT, FALLBACK_TTFT, parse_targets
+
 # Padded execution of static / dynamic batches: where a row's pad tokens sit.
 PADDINGS = ("none", "left", "right", "center")
 
@@ -69,6 +71,9 @@ class SchedulerConfig:
     # Seconds a session's cached prefix stays protected from eviction after
     # its latest request finished; 0 = no protection (order is still kept).
     session_ttl: float = 1800.0
+    # Unfinished requests one session may hold (they run one at a time); more
+    # are rejected ("session_full"), so one session cannot fill the queue.
+    max_session_requests: int = 8
     # policy priority: a waiting request's effective priority improves by one
     # class per aging_interval seconds waited, so low classes cannot starve.
     # None = no aging.
@@ -120,6 +125,9 @@ class SchedulerConfig:
         if self.queue_timeout is not None and not self.queue_timeout > 0:
             raise ValueError(f"queue_timeout must be > 0 seconds or null (wait forever), "
                              f"got {self.queue_timeout}")
+        if self.max_session_requests < 1:
+            raise ValueError(f"max_session_requests must be >= 1, "
+                             f"got {self.max_session_requests}")
         if not self.session_ttl >= 0:  # also rejects NaN
             raise ValueError(f"session_ttl must be >= 0 seconds, got {self.session_ttl}")
         if self.aging_interval is not None and not self.aging_interval > 0:
@@ -159,44 +167,83 @@ class SchedulerConfig:
 
 @dataclass
 class ControllerConfig:
-    """The adaptive controller (``carpool.scheduler.controller``): off unless
-    ``adaptive``; then it retunes the batching knobs every interval from a
-    sliding window of live metrics against the latency targets."""
+    """The adaptive controller (``carpool.scheduler.controller``) and the
+    latency targets it serves.
 
-    adaptive: bool = False
-    controller_interval: float = 10.0  # seconds between decisions; >= 0.1
-    controller_window: float = 30.0  # seconds of metrics each decision reads
+    ``adaptive``: None (the default) means on under ``carpool serve`` and off
+    everywhere else (offline generation, benchmarks of fixed settings, the
+    simulator), resolved once by ``resolve_adaptive``. Targets are seconds,
+    ``"auto"`` (measured at serve start-up, see ``carpool.slo``; elsewhere
+    the fallbacks) or None (no target).
+    """
+
+    adaptive: bool | None = None
+    controller_interval: float = 1.0  # seconds between regular decisions; >= 0.1
+    controller_window: float = 30.0  # seconds of metrics the slow signals read
+    # Seconds of metrics the fast signals read (step times, recent arrivals):
+    # what lets a surge be acted on within a second or two. At most
+    # controller_window (a longer value is cut to it).
+    controller_fast_window: float = 2.0
     controller_mode: str = "auto"  # auto | latency | balanced | throughput (pinned)
-    ttft_target: float | None = 2.0  # seconds, p95; None = no target
-    tpot_target: float | None = 0.2  # seconds, p95; None = no target
+    ttft_target: float | str | None = AUTO  # seconds, p99 of admitted requests
+    tpot_target: float | str | None = AUTO  # seconds, p99 of admitted requests
+    # carpool serve: measure the unloaded TTFT / TPOT at start-up for "auto"
+    # targets; false: "auto" means FALLBACK_TTFT / FALLBACK_TPOT.
+    calibrate: bool = True
     # Share of the KV pool the batch limit leaves free for growth (the by_memory term).
     memory_headroom: float = 0.2
     transition_steps: int = 3  # scheduler steps a knob change is spread over (1..3)
     hysteresis_ticks: int = 2  # ticks in a row wanting a new mode before it switches
     # Adaptive only: reject at arrival a request the cost model predicts
-    # cannot get its first token within ttft_target (as predictive shedding
-    # does for explicit deadlines).
+    # cannot get its first token within its share of ttft_target (as
+    # predictive shedding does for explicit deadlines).
     shed_on_ttft_target: bool = True
 
     def validate(self) -> None:
+        if self.adaptive not in (None, True, False):
+            raise ValueError(f"adaptive must be true, false or null (on for serve), "
+                             f"got {self.adaptive!r}")
         if not self.controller_interval >= 0.1:
             raise ValueError(f"controller_interval must be >= 0.1 s, got {self.controller_interval}")
         if not self.controller_window >= self.controller_interval:
             raise ValueError(f"controller_window ({self.controller_window}) must be >= "
                              f"controller_interval ({self.controller_interval})")
+        if not self.controller_fast_window >= 0.1:  # a longer one is cut to controller_window
+            raise ValueError(f"controller_fast_window must be >= 0.1 s, "
+                             f"got {self.controller_fast_window}")
         if self.controller_mode not in ("auto", "latency", "balanced", "throughput"):
             raise ValueError(f"controller_mode must be auto|latency|balanced|throughput, "
                              f"got {self.controller_mode!r}")
         for name in ("ttft_target", "tpot_target"):
             value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise ValueError(f"{name} must be > 0 seconds or null, got {value}")
+            if value == AUTO or value is None:
+                continue
+            if isinstance(value, str) or isinstance(value, bool) or not value > 0:
+                raise ValueError(f"{name} must be > 0 seconds, auto or null, got {value!r}")
         if not 0.0 <= self.memory_headroom < 1.0:
             raise ValueError(f"memory_headroom must be in [0, 1), got {self.memory_headroom}")
         if not 1 <= self.transition_steps <= 3:
             raise ValueError(f"transition_steps must be 1..3, got {self.transition_steps}")
         if self.hysteresis_ticks < 1:
             raise ValueError(f"hysteresis_ticks must be >= 1, got {self.hysteresis_ticks}")
+
+    def resolve_adaptive(self, serving: bool) -> None:
+        """The one place ``adaptive: null`` is decided: on when serving."""
+        if self.adaptive is None:
+            self.adaptive = serving
+
+    @property
+    def auto_targets(self) -> tuple[str, ...]:
+        """The metrics (``ttft``, ``tpot``) whose target is still ``auto``."""
+        return tuple(m for m in ("ttft", "tpot") if getattr(self, f"{m}_target") == AUTO)
+
+    def concrete(self) -> "ControllerConfig":
+        """A copy the scheduler can run: ``adaptive`` a bool, every ``auto``
+        target replaced by its fallback (measured targets are set before this)."""
+        fallback = {"ttft_target": FALLBACK_TTFT, "tpot_target": FALLBACK_TPOT}
+        changes = {name: value for name, value in fallback.items()
+                   if getattr(self, name) == AUTO}
+        return dataclasses.replace(self, adaptive=bool(self.adaptive), **changes)
 
 
 @dataclass
@@ -262,6 +309,9 @@ class EngineConfig:
                 for sub_key, sub_value in value.items():
                     _set_field(sections[key], sub_key, sub_value, f"{key}.{sub_key}")
                 continue
+            if key == "slo":  # shorthand for the controller's targets
+                _set_field(self.controller, key, value, key)
+                continue
             owners = [s for s in sections.values() if key in _field_names(s)]
             if not owners:
                 raise ValueError(f"unknown config key {key!r}")
@@ -292,6 +342,23 @@ def _field_names(obj: Any) -> set[str]:
 
 def _set_field(obj: Any, name: str, value: Any, label: str) -> None:
     name = _ALIASES.get(name, name)
+    if name == "slo" and isinstance(obj, ControllerConfig):
+        for target, seconds in _slo_targets(value, label).items():
+            setattr(obj, target, seconds)
+        return
     if name not in _field_names(obj):
         raise ValueError(f"unknown config key {label!r}")
     setattr(obj, name, value)
+
+
+def _slo_targets(value: Any, label: str) -> dict[str, float]:
+    """``slo:`` as ``"ttft=500ms,tpot=100ms"`` or ``{ttft: 0.5, tpot: 100ms}``
+    (numbers are seconds) -> the controller's target fields."""
+    if isinstance(value, str):
+        return parse_targets(value)
+    if not isinstance(value, dict):
+        raise ValueError(f"{label} must be a string like ttft=500ms,tpot=100ms or a mapping, "
+                         f"got {value!r}")
+    text = ",".join(f"{k}={f'{v}s' if isinstance(v, (int, float)) else v}"
+                    for k, v in value.items())
+    return parse_targets(text)

@@ -287,3 +287,26 @@ def test_load_result_names_the_file_and_the_problem(tmp_path, content, message):
     with pytest.raises(ValueError, match=message) as info:
         load_result(path)
     assert str(path) in str(info.value)
+
+
+def _phases(ttft_p99: float, rejected: float, goodput: float) -> list[dict]:
+    def phase(name: str, offered: float, share: float) -> dict:
+        return {"phase": name, "offered_rate": offered, "rejected_share": share,
+                "ttft": {"p99": ttft_p99}, "tpot": {"p99": 0.05}, "completed_rate": 1.0,
+                "goodput": goodput}
+    return [phase("calm 1", 2.0, 0.0), phase("surge 1 x3", 6.0, rejected),
+            phase("calm 2", 2.0, 0.0)]
+
+
+def test_compare_puts_the_phases_of_surge_runs_side_by_side(tmp_path, capsys):
+    a, b = make_serve(seed=1, label="plain"), make_serve(seed=2, label="adaptive")
+    a["phases"], b["phases"] = _phases(0.6, 0.0, 1.0), _phases(0.3, 0.4, 1.5)
+    paths = [_write(tmp_path, "a.json", a), _write(tmp_path, "b.json", b)]
+    run_compare(_compare_args(*map(str, paths)))
+    out = capsys.readouterr().out
+    assert "phase: metric" in out
+    assert _row(out, "surge 1 x3: TTFT p99 ms") == ["600.0", "300.0", "0.50x"]
+    assert _row(out, "surge 1 x3: goodput req/s") == ["1.00", "1.50", "1.50x"]
+    assert _row(out, "calm 2: rejected %") == ["0.0", "0.0", "-"]
+    b["phases"] = b["phases"][:2]  # different phases: no phase table
+    assert "phase: metric" not in format_summary_table([a, b])

@@ -18,6 +18,8 @@ from carpool.bench.stats import (
     RequestRecord,
     meets_slo,
     peak_concurrency,
+    phase_summaries,
+    phase_windows,
     summarize,
     timeseries,
 )
@@ -202,3 +204,37 @@ def test_back_to_back_requests_do_not_overlap():
     assert peak_concurrency([first, second]) == 1
     assert peak_concurrency([first, second, overlapping]) == 2
     assert peak_concurrency([]) == 0
+
+
+def test_surges_cut_the_run_into_calm_and_surge_phases():
+    surge = {"start": 10.0, "duration": 5.0, "factor": 3.0}
+    assert phase_windows([surge], 30.0) == [("calm 1", 0.0, 10.0), ("surge 1 x3", 10.0, 15.0),
+                                            ("calm 2", 15.0, 30.0)]
+    overlapping = [surge, {"start": 12.0, "duration": 6.0, "factor": 2.0}]
+    assert phase_windows(overlapping, 20.0)[1] == ("surge 1 x3", 10.0, 18.0)
+    assert phase_windows([], 7.0) == [("all", 0.0, 7.0)]
+    assert phase_windows([{"start": 0.0, "duration": 4.0}], 4.0) == [("surge 1 x1", 0.0, 4.0)]
+
+
+def test_phase_summaries_count_each_request_in_the_phase_it_was_scheduled_in():
+    records = [
+        _ok(0, 0.0, [0.2, 0.4, 0.6], 3),  # calm: ttft 0.2, tpot 0.2
+        _ok(1, 1.0, [1.1, 1.2], 2),  # calm: ttft 0.1, tpot 0.1
+        _ok(2, 2.0, [3.0, 3.1], 2),  # surge: ttft 1.0 (misses ttft<=0.5)
+        RequestRecord(3, 2.5, 10, 16, sent=2.5, status=REJECTED, reason="http_429",
+                      finished=2.5),
+        _ok(4, 3.5, [3.7, 3.8], 2),  # surge
+        _ok(5, 4.0, [4.1, 4.2], 2),  # calm 2: the last send ends the phase
+    ]
+    phases = phase_summaries(records, [{"start": 2.0, "duration": 2.0, "factor": 3.0}],
+                             {"ttft": 0.5})
+    assert [p["phase"] for p in phases] == ["calm 1", "surge 1 x3", "calm 2"]
+    calm, surge, after = phases
+    assert (calm["requests"], calm["rejected"], calm["completed"]) == (2, 0, 2)
+    assert calm["offered_rate"] == pytest.approx(1.0) and calm["goodput"] == pytest.approx(1.0)
+    assert calm["ttft"]["max"] == pytest.approx(0.2) and calm["tpot"]["max"] == pytest.approx(0.2)
+    assert surge["requests"] == 3 and surge["rejected_share"] == pytest.approx(1 / 3)
+    assert surge["goodput"] == pytest.approx(0.5)  # one of three within the SLO, over 2 s
+    assert surge["completed_rate"] == pytest.approx(1.0)
+    assert after["requests"] == 1 and after["end"] == pytest.approx(4.0)
+    assert phase_summaries(records, [])[0]["goodput"] is None  # no SLO: no goodput

@@ -247,7 +247,7 @@ def _client(engine, **server_settings) -> TestClient:
     config = ServerConfig(**server_settings).validate()
     ctx = ServerContext(engine, engine.engine.tokenizer, "tiny", engine.engine.max_model_len,
                         config, Metrics("tiny", lambda: engine.stats))
-    return TestClient(build_app(ctx))
+    return TestClient(build_app(ctx), base_url="http://127.0.0.1")
 
 
 def test_server_rejects_prompts_over_max_prompt_chars(engine):

@@ -13,6 +13,8 @@ from carpool.engine.stats import EngineCounters, EngineStats
 from carpool.server.config import ServerConfig
 from carpool.server.metrics import RateWindow
 
+LOCAL = "http://127.0.0.1"  # a loopback Host, as a keyless loopback server requires
+
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
@@ -39,10 +41,11 @@ def _app(engine, **server_settings):
 
 
 def test_cors_is_off_unless_configured(engine):
-    with TestClient(_app(engine)) as client:
+    with TestClient(_app(engine), base_url=LOCAL) as client:
         response = client.get("/v1/models", headers={"Origin": "https://app.example"})
         assert "access-control-allow-origin" not in response.headers
-    with TestClient(_app(engine, cors_origins=["https://app.example"], api_key="k")) as client:
+    app = _app(engine, cors_origins=["https://app.example"], api_key="k")
+    with TestClient(app, base_url=LOCAL) as client:
         preflight = client.options("/v1/chat/completions", headers={
             "Origin": "https://app.example", "Access-Control-Request-Method": "POST"})
         assert preflight.status_code == 200
@@ -66,7 +69,7 @@ VLLM_STYLE_NAMES = [
 
 
 def test_metrics_expose_the_vllm_style_set_and_business_metrics(engine):
-    with TestClient(_app(engine)) as client:
+    with TestClient(_app(engine), base_url=LOCAL) as client:
         reply = client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 5,
                                                       "ignore_eos": True})
         assert reply.json()["usage"]["completion_tokens"] == 5
@@ -79,7 +82,7 @@ def test_metrics_expose_the_vllm_style_set_and_business_metrics(engine):
 
 
 def test_policy_endpoint_and_extension_headers(engine):
-    with TestClient(_app(engine)) as client:
+    with TestClient(_app(engine), base_url=LOCAL) as client:
         policy = client.get("/carpool/policy").json()
         assert policy["batching"] == "continuous" and policy["knobs"]["max_num_seqs"] >= 1
         ok = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2},
@@ -94,7 +97,7 @@ def test_policy_endpoint_and_extension_headers(engine):
 
 
 def test_tokenize_detokenize_round_trip(engine):
-    with TestClient(_app(engine)) as client:
+    with TestClient(_app(engine), base_url=LOCAL) as client:
         tokens = client.post("/tokenize", json={"prompt": "The quick brown fox"}).json()
         assert tokens["count"] == len(tokens["tokens"]) > 0
         text = client.post("/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"]

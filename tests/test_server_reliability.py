@@ -14,8 +14,11 @@ import pytest
 from server_utils import ServerProcess
 
 KEY = "sk-test-key"
+# Plain batching: the queue bound, not the SLO's predicted misses, turns the
+# overload away here (tests/test_server_slo.py covers the default server).
 TINY_FLAGS = ["--attention-backend", "torch", "--max-num-seqs", "2", "--max-queue-requests", "4",
-              "--max-body-bytes", "65536", "--api-key", KEY, "--status-interval", "0.5"]
+              "--max-body-bytes", "65536", "--api-key", KEY, "--status-interval", "0.5",
+              "--adaptive", "false"]
 
 
 @pytest.fixture(scope="module")
@@ -84,8 +87,13 @@ def test_oversized_and_malformed_bodies(client):
                        json={"messages": [{"role": "wizard", "content": "x"}]}), 400)
     assert _error(client.post("/v1/completions", json={"prompt": "hi", "model": "gpt-9"}),
                   404)["code"] == "model_not_found"
-    long_prompt = "hello " * 2000
+    long_prompt = "hello " * 1000  # over the 512-token context, under the character cap
     assert _error(client.post("/v1/completions", json={"prompt": long_prompt}),
+                  400)["code"] == "context_length_exceeded"
+    # The default character cap: 16 per token of context (8192 here), before tokenizing.
+    assert _error(client.post("/v1/completions", json={"prompt": "hello " * 2000}),
+                  400)["code"] == "prompt_too_long"
+    assert _error(client.post("/v1/completions", json={"prompt": [[5] * 600]}),
                   400)["code"] == "context_length_exceeded"
     _error(client.get("/health", headers={"x-big": "a" * 20000}), 431)
 

@@ -1,10 +1,22 @@
-"""Predicted time to first token from the step-cost model."""
+"""Predicted time to first token from the step-cost model, and admission
+against the TTFT target: class shares, Retry-After, long prompts, priority."""
 from __future__ import annotations
 
 import pytest
+from test_scheduler_properties import FakeClock, run_step
 
+from carpool.config import CacheConfig, ControllerConfig, SchedulerConfig
+from carpool.scheduler import RejectedError, Request, Scheduler
+from carpool.scheduler.admission import MARGIN_MAX_AGE
 from carpool.scheduler.cost_model import StepCostModel
-from carpool.scheduler.shedding import predict_first_token_delay, predict_slot_delay
+from carpool.scheduler.overload import BusyWindow
+from carpool.scheduler.shedding import (
+    PredictionError,
+    predict_first_token_delay,
+    predict_slot_delay,
+    ttft_allowance,
+)
+from carpool.slo import TTFT_MULTIPLE
 
 
 def _model() -> StepCostModel:
@@ -42,3 +54,126 @@ def test_slot_delay_waits_for_the_kth_shortest_remaining_request():
         (12 + 50) * decode_step, rel=1e-3)
     assert predict_slot_delay(model, [], 1) is None
     assert predict_slot_delay(StepCostModel(), [3], 1) is None
+
+
+# -- the TTFT target at admission (adaptive controller) ------------------------------
+
+
+def test_allowance_is_the_class_share_or_the_prompt_own_multiple():
+    assert ttft_allowance(1.0, -1, None) == 1.0  # high: the whole target
+    assert ttft_allowance(1.0, 0, 0.01) == pytest.approx(0.85)  # normal
+    assert ttft_allowance(1.0, 1, None) == pytest.approx(0.6)  # low: shed first
+    assert ttft_allowance(1.0, 5, None) == pytest.approx(0.6)
+    # A prompt whose prefill alone takes 0.3 s is more than a quarter of the
+    # target: it is held to TTFT_MULTIPLE (5) x its own unloaded time instead.
+    assert ttft_allowance(1.0, 0, 0.3) == pytest.approx(TTFT_MULTIPLE * 0.3)
+
+
+def _adaptive(remaining: int, policy: str = "fcfs", target: float = 1.0) -> Scheduler:
+    """Four running requests with ``remaining`` tokens left each, on a cost
+    model of exactly 0.01 s + 1 ms per token (a decode step of 4: 14 ms)."""
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, policy=policy)
+    controller = ControllerConfig(adaptive=True, ttft_target=target, tpot_target=1.0,
+                                  controller_interval=1000.0, controller_window=1000.0)
+    scheduler = Scheduler(config, CacheConfig(block_size=4), 4096, FakeClock(), controller)
+    for tokens, seqs in [(1, 1), (8, 8), (64, 2), (40, 4), (16, 16), (30, 10), (5, 2),
+                         (60, 3), (12, 4), (50, 6)]:
+        scheduler.record_step(tokens, seqs, 0.01 + 0.001 * tokens)
+    # Steps as they ran lately: 14 ms decodes (the wait for the step in flight,
+    # and a slot's wait per token, are counted at this length).
+    scheduler.admission.busy = BusyWindow()
+    scheduler.admission.busy.record(0.0, 0.014)
+    for i in range(4):
+        scheduler.add_request(Request(f"run{i}", [1, 2, 3, 4], remaining + 1, 0.0))
+    run_step(scheduler)  # all four start; each has its first token
+    assert len(scheduler.running) == 4
+    return scheduler
+
+
+def _try(scheduler: Scheduler, name: str, priority: int = 0, prompt: int = 4):
+    try:
+        scheduler.add_request(Request(name, [7] * prompt, 4, scheduler.clock(), priority))
+    except RejectedError as exc:
+        return exc
+    return None
+
+
+@pytest.mark.parametrize("remaining, admitted", [(50, {"high", "normal"}), (65, {"high"}),
+                                                 (80, set())])
+def test_lower_classes_are_shed_first_as_the_predicted_wait_grows(remaining, admitted):
+    # The first slot frees after `remaining` decode steps of 14 ms (0.70 / 0.91 / 1.12 s),
+    # plus the step in flight when it came (14 ms).
+    seen = set()
+    for name, priority in [("low", 1), ("normal", 0), ("high", -1)]:
+        scheduler = _adaptive(remaining)
+        error = _try(scheduler, name, priority)
+        if error is None:
+            seen.add(name)
+        else:
+            assert error.reason == "predicted_ttft_miss"
+    assert seen == admitted
+
+
+def test_retry_after_is_the_time_over_the_allowance_not_the_whole_wait():
+    scheduler = _adaptive(250)  # the first slot frees in 250 x 14 ms = 3.5 s
+    error = _try(scheduler, "late")
+    assert error.reason == "predicted_ttft_miss"
+    # 3.5 s + 14 ms in flight - 0.85 s allowed = 2.66 s -> 3 s; the whole wait says 4 s.
+    assert error.retry_after == 3.0
+    assert "0.85 s its priority class is allowed" in str(error)
+
+
+def test_a_full_queue_is_the_reason_even_when_the_target_would_be_missed():
+    scheduler = _adaptive(250)
+    scheduler.config.max_queue_requests = 1
+    scheduler.admission.ttft_target = None  # let one in: the queue is then at its bound
+    assert _try(scheduler, "queued") is None
+    scheduler.admission.ttft_target = 1.0
+    error = _try(scheduler, "late")
+    assert error.reason == "queue_full"
+
+
+def test_a_prompt_too_long_for_the_target_is_still_served_in_its_own_time():
+    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64)
+    controller = ControllerConfig(adaptive=True, ttft_target=0.25, tpot_target=1.0)
+    scheduler = Scheduler(config, CacheConfig(block_size=4), 4096, FakeClock(), controller)
+    for tokens, seqs in [(1, 1), (8, 8), (64, 2), (40, 4), (16, 16), (30, 10), (5, 2), (60, 3)]:
+        scheduler.record_step(tokens, seqs, 0.01 + 0.001 * tokens)
+    assert _try(scheduler, "short") is None  # first in line: always admitted
+    # Behind it, 204 tokens at 64 a step: 4 steps of 74 ms = 0.30 s > 0.85 x 0.25 s,
+    # which no server could do better; it is held to 5x its own 0.30 s instead.
+    assert _try(scheduler, "long", prompt=200) is None
+    assert _try(scheduler, "another short").reason == "predicted_ttft_miss"  # 0.30 s too
+
+
+def test_under_priority_scheduling_a_high_arrival_is_not_behind_normal_work():
+    scheduler = _adaptive(50, policy="priority")
+    for i in range(4):  # 0.70 s each: within the normal share (0.85 s)
+        assert _try(scheduler, f"n{i}") is None
+    assert _try(scheduler, "n4").reason == "predicted_ttft_miss"  # two rounds: 1.4 s
+    # Nothing of its class or better is ahead, and the normal runners yield their slots.
+    assert _try(scheduler, "h", priority=-1) is None
+
+
+def test_a_large_learned_margin_never_turns_away_the_next_in_line():
+    """A surge taught a 5 s margin; had it made the server shed every arrival,
+    no first token would ever correct it (before: an idle server rejecting
+    everything). The next in line for a free slot is always admitted, and
+    errors older than MARGIN_MAX_AGE no longer count."""
+    scheduler = _adaptive(10)
+    for _ in range(20):
+        scheduler.admission.prediction_error.record(0.1, 5.1, now=0.0)
+    scheduler.config.max_num_seqs = scheduler.knobs.max_num_seqs = 8  # free slots
+    assert _try(scheduler, "first") is None  # nothing ahead of it
+    assert _try(scheduler, "second").reason == "predicted_ttft_miss"  # behind "first"
+    scheduler.clock.now = MARGIN_MAX_AGE + 1.0
+    assert scheduler.admission.prediction_error.margin(scheduler.clock.now) == 0.0
+    assert _try(scheduler, "later") is None
+
+
+def test_prediction_errors_expire_by_age():
+    errors = PredictionError(max_age=30.0)
+    for t in range(10):
+        errors.record(0.1, 1.1, now=float(t))
+    assert errors.margin(20.0) == pytest.approx(1.0)
+    assert errors.margin(35.0) == 0.0  # five left: too few to trust

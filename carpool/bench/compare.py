@@ -46,6 +46,15 @@ SUMMARY_ROWS = (
     ("goodput req/s", ("goodput",), "rate"),
     ("SLO attainment %", ("slo_attainment",), "pct"),
 )
+# Per phase of a surge schedule (``stats.phase_summaries``).
+PHASE_ROWS = (
+    ("offered req/s", ("offered_rate",), "rate"),
+    ("rejected %", ("rejected_share",), "pct"),
+    ("TTFT p99 ms", ("ttft", "p99"), "ms"),
+    ("TPOT p99 ms", ("tpot", "p99"), "ms"),
+    ("completed req/s", ("completed_rate",), "rate"),
+    ("goodput req/s", ("goodput",), "rate"),
+)
 
 
 def add_compare_args(parser: argparse.ArgumentParser) -> None:
@@ -133,21 +142,46 @@ def summary_rows(results: Sequence[dict], baseline_index: int = 0
     """The comparison as (headers, rows): a column per result (tagged A, B,
     ...) and, after each non-baseline result, its ratio to the baseline."""
     summaries = [r.get("summary") or {} for r in results]
-    headers = ["metric"]
-    for i in range(len(results)):
+    return _headers(len(results), baseline_index), _rows(summaries, SUMMARY_ROWS,
+                                                         baseline_index)
+
+
+def _headers(count: int, baseline_index: int, first: str = "metric") -> list[str]:
+    headers = [first]
+    for i in range(count):
         headers.append(_tag(i))
         if i != baseline_index:
             headers.append(f"{_tag(i)}/{_tag(baseline_index)}")
+    return headers
+
+
+def _rows(summaries: Sequence[dict], specs, baseline_index: int,
+          prefix: str = "") -> list[list[str]]:
     rows = []
-    for name, path, kind in SUMMARY_ROWS:
+    for name, path, kind in specs:
         base = _value(summaries[baseline_index], path)
-        row = [name]
+        row = [prefix + name]
         for i, summary in enumerate(summaries):
             row.append(_format(_value(summary, path), kind))
             if i != baseline_index:
                 row.append(_ratio(_value(summary, path), base))
         rows.append(row)
-    return headers, rows
+    return rows
+
+
+def phase_rows(results: Sequence[dict], baseline_index: int = 0
+               ) -> tuple[list[str], list[list[str]]] | None:
+    """Per-phase rows (calm / surge / calm ...) when every result has the
+    same phases (``bench serve`` with ``--surge``), else None."""
+    phase_lists = [r.get("phases") or [] for r in results]
+    names = [[p["phase"] for p in phases] for phases in phase_lists]
+    if len(names[0]) < 2 or any(n != names[0] for n in names):
+        return None
+    rows = []
+    for index, name in enumerate(names[0]):
+        summaries = [phases[index] for phases in phase_lists]
+        rows += _rows(summaries, PHASE_ROWS, baseline_index, prefix=f"{name}: ")
+    return _headers(len(results), baseline_index, "phase: metric"), rows
 
 
 def _legend(results: Sequence[dict], sources: Sequence[str] | None) -> list[str]:
@@ -167,16 +201,23 @@ def format_summary_table(results: Sequence[dict], baseline_index: int = 0, *,
     scales (and ``sources``, one note per result, when given)."""
     headers, rows = summary_rows(results, baseline_index)
     legend = _legend(results, sources)
+    phases = phase_rows(results, baseline_index)
+    text = _table(headers, rows, markdown)
+    if phases is not None:
+        text += "\n\n" + _table(*phases, markdown)
+    return text + "\n\n" + "\n".join((f"- {line}" for line in legend) if markdown else legend)
+
+
+def _table(headers: list[str], rows: list[list[str]], markdown: bool) -> str:
     if markdown:
         lines = ["| " + " | ".join(headers) + " |",
                  "|" + "|".join([":--"] + ["--:"] * (len(headers) - 1)) + "|"]
         lines += ["| " + " | ".join(row) + " |" for row in rows]
-        return "\n".join(lines + [""] + [f"- {line}" for line in legend])
+        return "\n".join(lines)
     widths = [max(len(row[c]) for row in [headers, *rows]) for c in range(len(headers))]
-    lines = ["  ".join(cell.ljust(w) if c == 0 else cell.rjust(w)
-                       for c, (cell, w) in enumerate(zip(row, widths))).rstrip()
-             for row in [headers, *rows]]
-    return "\n".join(lines + [""] + legend)
+    return "\n".join("  ".join(cell.ljust(w) if c == 0 else cell.rjust(w)
+                               for c, (cell, w) in enumerate(zip(row, widths))).rstrip()
+                      for row in [headers, *rows])
 
 
 def scale_warning(results: Sequence[dict]) -> str | None:

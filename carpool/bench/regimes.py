@@ -179,6 +179,8 @@ def run_regimes(config: EngineConfig, args: argparse.Namespace) -> int:
     if rates and not args.slo:
         raise ValueError("--rates looks for the peak rate under an SLO: give --slo too")
     warm_up(base, workload[0])
+    if "adaptive" in regimes:
+        print(f"adaptive: {adaptive_targets(base, args.slo).describe()}", flush=True)
     summary = surge_summary(base, config, workload, offsets) if args.surge else {}
 
     def engine_for(regime: str):
@@ -204,6 +206,20 @@ def run_regimes(config: EngineConfig, args: argparse.Namespace) -> int:
              "controller": vars(config.controller), **summary, "results": rows},
             indent=2, default=str))
     return 0
+
+
+def adaptive_targets(engine, slo: dict[str, float]):
+    """The adaptive regime's targets, set on ``engine.config.controller``:
+    those the settings give, else ``--slo``'s TTFT / TPOT (the SLO the run is
+    judged by), else measured as ``carpool serve`` does (a ``ServingSLO``)."""
+    from carpool.engine.calibrate import resolve_targets
+
+    controller, sources = engine.config.controller, {}
+    for metric in controller.auto_targets:
+        if metric in slo:
+            setattr(controller, f"{metric}_target", slo[metric])
+            sources[metric] = "--slo"
+    return resolve_targets(engine, sources)
 
 
 def regime_config(config: EngineConfig, regime: str) -> EngineConfig:

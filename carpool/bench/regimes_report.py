@@ -36,7 +36,7 @@ def surge_summary(base, config: EngineConfig, workload: list[BenchRequest],
                        base.executor, base.max_model_len)
     offline = replay(engine, workload, [0.0] * len(workload))
     capacity = len(workload) / offline.seconds
-    target = config.controller.ttft_target or 0.0
+    target = config.controller.concrete().ttft_target or 0.0  # auto: the fallback
     excess = excess_share(offsets, capacity, target)
     print(f"capacity {capacity:.2f} requests/s (all {len(workload)} at once); offered "
           f"{len(offsets) / max(offsets[-1], 1e-9):.2f}/s on average; excess load over "

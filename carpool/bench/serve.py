@@ -21,7 +21,13 @@ import httpx
 
 from carpool.bench.client import Target
 from carpool.bench.loadgen import LoadLimits, LoadRun, run_load
-from carpool.bench.stats import LATENCY_METRICS, PERCENTILES, summarize, timeseries
+from carpool.bench.stats import (
+    LATENCY_METRICS,
+    PERCENTILES,
+    phase_summaries,
+    summarize,
+    timeseries,
+)
 from carpool.bench.tune import parse_slo
 from carpool.bench.workload import (
     add_workload_args,
@@ -126,6 +132,8 @@ def make_result(label: str, config: dict, run: LoadRun, slo: dict[str, float],
         "started_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "config": config, "duration_s": run.duration,
         "summary": summarize(run.records, run.duration, slo),
+        "phases": phase_summaries(run.records, (config.get("workload") or {}).get("surges")
+                                  or [], slo),
         "timeseries": timeseries(run.records, run.duration, run.server_samples),
         "requests": [r.to_dict() for r in run.records] if per_request else [],
     }
@@ -192,6 +200,7 @@ def format_result(result: dict) -> str:
     if s["token_count_mismatches"]:
         lines.append(f"note: {s['token_count_mismatches']} responses' usage differs from our "
                      f"tokenizer's count of their text")
+    lines += format_phases(result.get("phases") or [])
     header = f"{'ms':<6}" + "".join(f"{c:>9}" for c in ["mean", *[f"p{q}" for q in PERCENTILES]])
     lines.append(header)
     for metric in LATENCY_METRICS:
@@ -200,3 +209,21 @@ def format_result(result: dict) -> str:
         lines.append(f"{metric.upper():<6}" + "".join(
             f"{'-':>9}" if v is None else f"{v * 1000:>9.1f}" for v in cells))
     return "\n".join(lines)
+
+
+def format_phases(phases: list[dict]) -> list[str]:
+    """One line per phase of a surge schedule (nothing for a single phase)."""
+    if len(phases) < 2:
+        return []
+
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{value * 1000:.0f}"
+
+    lines = [f"{'phase':<14}{'offered/s':>10}{'sent':>6}{'rejected':>10}{'TTFT p99':>10}"
+             f"{'TPOT p99':>10}{'goodput/s':>11}"]
+    for p in phases:
+        goodput = "-" if p["goodput"] is None else f"{p['goodput']:.2f}"
+        lines.append(f"{p['phase']:<14}{p['offered_rate']:>10.2f}{p['requests']:>6}"
+                     f"{p['rejected_share']:>9.1%} {ms(p['ttft']['p99']):>9}"
+                     f"{ms(p['tpot']['p99']):>10}{goodput:>11}")
+    return lines

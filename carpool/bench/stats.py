@@ -213,3 +213,59 @@ def _resample(samples: list[tuple], column: int, edges: list[float]) -> list | N
             k += 1
         out.append(last)
     return out
+
+
+def phase_windows(surges: list[dict], end: float) -> list[tuple[str, float, float]]:
+    """(name, start, end) of the phases a schedule's surges cut it into, by
+    send time: ``calm 1``, ``surge 1 x3``, ``calm 2``, ... (overlapping
+    surges merge into one; without surges a single ``all`` phase)."""
+    spans = sorted((s["start"], s["start"] + s["duration"], s.get("factor", 1.0))
+                   for s in surges or [])
+    merged: list[list[float]] = []
+    for start, stop, factor in spans:
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], stop)
+            merged[-1][2] = max(merged[-1][2], factor)
+        else:
+            merged.append([start, stop, factor])
+    if not merged:
+        return [("all", 0.0, end)]
+    phases, cursor = [], 0.0
+    for index, (start, stop, factor) in enumerate(merged, 1):
+        if start > cursor:
+            phases.append((f"calm {index}", cursor, start))
+        phases.append((f"surge {index} x{factor:g}", start, stop))
+        cursor = stop
+    if end > cursor:
+        phases.append((f"calm {len(merged) + 1}", cursor, end))
+    return phases
+
+
+def phase_summaries(records: list[RequestRecord], surges: list[dict],
+                    slo: dict[str, float] | None = None) -> list[dict]:
+    """Per phase (``phase_windows``; a request belongs to the phase it was
+    scheduled in): offered rate, rejected share, TTFT and TPOT p99 of the
+    completed requests, and goodput (requests meeting every SLO limit per
+    second of the phase). Only requests sent count (a time limit may have
+    left some unsent); the last phase ends at the last scheduled send."""
+    records = [r for r in records if r.sent is not None]
+    end = max((r.scheduled for r in records), default=0.0) + 1e-9
+    out = []
+    for name, start, stop in phase_windows(surges, end):
+        sent = [r for r in records if start <= r.scheduled < stop]
+        seconds = max(min(stop, end) - start, 1e-9)
+        done = [r for r in sent if r.ok]
+        latencies = [r.latencies() for r in done]
+        rejected = sum(r.status == REJECTED for r in sent)
+        good = sum(_within(r, values, slo) for r, values in zip(done, latencies)) if slo else None
+        out.append({
+            "phase": name, "start": start, "end": min(stop, end), "requests": len(sent),
+            "offered_rate": len(sent) / seconds, "completed": len(done),
+            "rejected": rejected, "rejected_share": rejected / max(1, len(sent)),
+            "failed": sum(r.status == FAILED for r in sent),
+            "ttft": distribution([v[0] for v in latencies]),
+            "tpot": distribution([v[1] for v in latencies if v[1] is not None]),
+            "completed_rate": len(done) / seconds,
+            "goodput": good / seconds if slo else None,
+            "slo_attainment": good / max(1, len(sent)) if slo else None})
+    return out

@@ -20,9 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from carpool.config import EngineConfig, SchedulerConfig
-
-LATENCY_METRICS = ("ttft", "tpot", "e2e")
-_UNITS = {"ms": 1e-3, "s": 1.0}
+from carpool.slo import SLO_METRICS as LATENCY_METRICS
+from carpool.slo import parse_duration, parse_slo  # noqa: F401 - the commands import them here
 
 
 @dataclass(frozen=True)
@@ -86,39 +85,6 @@ class Recommendation:
 def format_duration(seconds: float) -> str:
     """``0.05`` -> ``50ms``, ``2.0`` -> ``2s``."""
     return f"{seconds * 1000:g}ms" if seconds < 1 else f"{seconds:g}s"
-
-
-def parse_duration(text: str, bare_seconds: bool = False) -> float:
-    """``200ms`` or ``2s`` (or ``0.2`` when ``bare_seconds``) as seconds."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(ms|s)?\s*", text)
-    if not match:
-        raise ValueError(f"cannot parse duration {text!r} (examples: 200ms, 2s)")
-    if match.group(2) is None and not bare_seconds:
-        raise ValueError(f"duration {text!r} needs a unit: {text.strip()}ms or {text.strip()}s")
-    return float(match.group(1)) * _UNITS[match.group(2) or "s"]
-
-
-def parse_slo(text: str) -> dict[str, float]:
-    """``ttft=2s,tpot=200ms`` -> ``{"ttft": 2.0, "tpot": 0.2}``: the p99 of each
-    named metric (ttft, tpot, e2e) must be at most the value. '' means no SLO."""
-    slo: dict[str, float] = {}
-    for part in (p.strip() for p in text.split(",") if p.strip()):
-        name, sep, value = part.partition("=")
-        name = name.strip().lower()
-        if not sep:
-            raise ValueError(f"SLO term {part!r} is not METRIC=DURATION (e.g. tpot=200ms)")
-        if name not in LATENCY_METRICS:
-            raise ValueError(f"unknown SLO metric {name!r}; use {', '.join(LATENCY_METRICS)}")
-        if name in slo:
-            raise ValueError(f"SLO metric {name!r} given twice")
-        try:
-            seconds = parse_duration(value)
-        except ValueError as exc:
-            raise ValueError(f"SLO {name}: {exc}") from None
-        if seconds <= 0:
-            raise ValueError(f"SLO {name} must be > 0, got {value.strip()!r}")
-        slo[name] = seconds
-    return slo
 
 
 def parse_batch_sizes(text: str) -> list[int]:

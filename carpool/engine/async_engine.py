@@ -10,7 +10,8 @@ import asyncio
 import threading
 import time
 import traceback
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from carpool.engine.llm_engine import LLMEngine
@@ -42,14 +43,63 @@ class _Add:
     session_id: str | None
     deadline: float | None
     max_wait: float | None = None
+    cache_salt: str | None = None
+
+
+class RequestStream:
+    """The outputs of one queued request, as an async iterator.
+
+    It ends after the output whose ``finished`` is true. Until then the
+    request is live in the engine, and every way of leaving early aborts
+    it: ``aclose()`` (idempotent, and also for a stream never iterated), or
+    a cancellation while waiting for the next output.
+    """
+
+    def __init__(self, engine: "AsyncEngine", request_id: str, stream: _Stream) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self._stream = stream
+        self._done = False
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            item = await self._stream.queue.get()
+        except BaseException:
+            await self.aclose()
+            raise
+        if isinstance(item, BaseException):
+            self._done = True  # the engine dropped the request (failure or shutdown)
+            raise item
+        if item.finished:
+            self._done = True
+        return item
+
+    async def aclose(self) -> None:
+        """Abort the request unless its final output was delivered."""
+        if not self._done:
+            self._done = True
+            self.engine.abort(self.request_id)
+
+    def __del__(self) -> None:
+        # Dropped unfinished (a caller broke out of its loop): abort, as an
+        # async generator's finalizer would. Lock-free, since the garbage
+        # collector may run this on any thread, the engine's included.
+        if not self._done:
+            self._done = True
+            self.engine.abort_without_lock(self.request_id)
 
 
 class AsyncEngine:
     """Thread-safe front of an ``LLMEngine``.
 
-    ``add_request(...)`` returns an async iterator of incremental
+    ``add_request(...)`` returns a ``RequestStream`` of incremental
     ``RequestOutput``s ending with one whose ``finished`` is true. Leaving
-    the iteration early (or cancelling the task) aborts the request, whose
+    it early (``aclose``, or cancelling the task) aborts the request, whose
     blocks are freed before the next step. ``abort(request_id)`` does the
     same from anywhere.
 
@@ -66,7 +116,8 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._adds: list[_Add] = []
-        self._aborts: list[str] = []
+        # Appended from any thread (see RequestStream.__del__); drained by the engine.
+        self._aborts: deque[str] = deque()
         self._streams: dict[str, _Stream] = {}
         self._stopping = False
         self.error: BaseException | None = None
@@ -87,9 +138,15 @@ class AsyncEngine:
     async def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                           request_id: str | None = None, priority: int = 0,
                           session_id: str | None = None, deadline: float | None = None,
-                          max_wait: float | None = None) -> AsyncIterator[RequestOutput]:
+                          max_wait: float | None = None, cache_salt: str | None = None,
+                          ) -> RequestStream:
         """Validate and queue; raises ``ValueError`` at once for bad input and
-        ``RejectedError`` when admission control turns the request away."""
+        ``RejectedError`` when admission control turns the request away.
+
+        Cancelled while waiting for the engine to accept it (the engine
+        thread may be in the middle of a long step), the request is aborted:
+        once queued, a request ends only by finishing or by an abort.
+        """
         if self.error is not None:
             raise EngineDeadError(f"engine loop failed: {self.error!r}")
         params = params or SamplingParams()
@@ -103,35 +160,26 @@ class AsyncEngine:
                 raise ValueError(f"duplicate request id {request_id!r}")
             self._streams[request_id] = stream
             self._adds.append(_Add(request_id, prompt, params, priority, session_id, deadline,
-                                   max_wait))
+                                   max_wait, cache_salt))
             self._wake.notify()
-        first = await stream.queue.get()
-        if isinstance(first, BaseException):
-            raise first  # bad input or rejected at admission
-        return self._iterate(request_id, stream, first)
-
-    async def _iterate(self, request_id: str, stream: _Stream,
-                       first: RequestOutput | None) -> AsyncIterator[RequestOutput]:
-        finished = False
         try:
-            item = first if first is not None else await stream.queue.get()
-            while True:
-                if isinstance(item, BaseException):
-                    raise item
-                if item is not None:
-                    yield item
-                    if item.finished:
-                        finished = True
-                        return
-                item = await stream.queue.get()
-        finally:
-            if not finished:
-                self.abort(request_id)
+            accepted = await stream.queue.get()  # None, or why it was refused
+        except BaseException:
+            self.abort(request_id)  # handled after the add: each round takes adds first
+            raise
+        if isinstance(accepted, BaseException):
+            raise accepted  # bad input or rejected at admission
+        return RequestStream(self, request_id, stream)
 
     def abort(self, request_id: str) -> None:
         with self._wake:
             self._aborts.append(request_id)
             self._wake.notify()
+
+    def abort_without_lock(self, request_id: str) -> None:
+        """``abort`` for finalizers: no lock taken, no wake-up (the engine
+        is stepping while the request is live, and drains aborts each step)."""
+        self._aborts.append(request_id)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         with self._wake:
@@ -156,7 +204,7 @@ class AsyncEngine:
                     if self._stopping:
                         break
                     adds, self._adds = self._adds, []
-                    aborts, self._aborts = self._aborts, []
+                    aborts = [self._aborts.popleft() for _ in range(len(self._aborts))]
                 self._admit(adds)
                 for request_id in aborts:
                     output = self.engine.abort_request(request_id)
@@ -185,7 +233,8 @@ class AsyncEngine:
             try:
                 self.engine.add_request(add.prompt, add.params, request_id=add.request_id,
                                         priority=add.priority, session_id=add.session_id,
-                                        deadline=add.deadline, max_wait=add.max_wait)
+                                        deadline=add.deadline, max_wait=add.max_wait,
+                                        cache_salt=add.cache_salt)
             except (ValueError, RejectedError) as exc:
                 self._send(add.request_id, exc, final=True)
             else:

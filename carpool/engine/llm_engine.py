@@ -41,6 +41,7 @@ def _knobs(scheduler: Scheduler) -> dict[str, float]:
                        ("preferred_batch_size", "max_batch_size", "max_wait")})
     if scheduler.controller is not None:
         values["controller_alpha"] = scheduler.controller.alpha
+        values["controller_latency_correction"] = scheduler.controller.correction.factor
     return {name: float(value) for name, value in values.items() if value is not None}
 
 
@@ -100,6 +101,15 @@ class LLMEngine:
         self._eos_ids = set(model_config.eos_token_ids) | set(tokenizer.eos_token_ids)
         self._next_id = 0
         self._schedule = None  # a profile's time-of-day windows, see follow_schedule
+        self.slo = None  # the ServingSLO being served (carpool serve), for stats
+
+    def renewed(self, config: EngineConfig | None = None) -> "LLMEngine":
+        """A fresh engine (scheduler, estimators, counters) on this one's
+        model and executor, with ``config`` (default: this one's). The
+        executor's KV tensors are reused as they are: a new scheduler owns
+        every block again, so nothing of this engine's requests survives."""
+        return LLMEngine(config or self.config, self.tokenizer, self.model_config,
+                         self.executor, self.max_model_len, self.clock)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "LLMEngine":
@@ -130,7 +140,8 @@ class LLMEngine:
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                     request_id: str | None = None, priority: int = 0,
                     arrival_time: float | None = None, session_id: str | None = None,
-                    deadline: float | None = None, max_wait: float | None = None) -> str:
+                    deadline: float | None = None, max_wait: float | None = None,
+                    cache_salt: str | None = None) -> str:
         """Queue a request; raise ``ValueError`` with a clear message on bad input.
 
         Raises ``carpool.scheduler.RejectedError`` (reason, retry_after) when
@@ -139,12 +150,14 @@ class LLMEngine:
         Requests sharing a ``session_id`` run in order and keep their prefix
         cached for the session TTL. ``max_wait`` caps, for this request, the
         seconds request-level (static / dynamic) batching may hold it.
+        Requests reuse each other's cached prefix only with an equal
+        ``cache_salt`` (the server salts by tenant).
         """
         params = params or SamplingParams()
         params.validate()
         token_ids = (self.tokenizer.encode(prompt) if isinstance(prompt, str)
                      else [int(t) for t in prompt])
-        self._check_prompt(token_ids, params)
+        self.check_prompt(token_ids, params)
         request_id = request_id or self.new_request_id()
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         state = RequestState(params, seed, IncrementalDetokenizer(self.tokenizer, token_ids, params),
@@ -152,23 +165,26 @@ class LLMEngine:
         request = Request(request_id, token_ids, params.max_tokens,
                           self.clock() if arrival_time is None else arrival_time, priority,
                           payload=state, session_id=session_id, deadline=deadline,
-                          max_wait=max_wait)
+                          max_wait=max_wait, cache_salt=cache_salt)
         self.scheduler.add_request(request)
         self.counters.requests_added += 1
         self.counters.long_requests_added += len(token_ids) > LONG_PROMPT_TOKENS
         return request_id
 
-    def _check_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
+    def check_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
+        """``ValueError`` (``ContextLengthError`` for the length) unless the
+        prompt can run; pure, so callers may check every prompt of a call
+        before queueing any of them."""
         if not token_ids:
             raise ValueError("the prompt is empty")
-        vocab = self.model_config.vocab_size
-        if any(t < 0 or t >= vocab for t in token_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
         total = len(token_ids) + params.max_tokens
-        if total > self.max_model_len:
+        if total > self.max_model_len:  # first: it is O(1), the id range check is not
             raise ContextLengthError(
                 f"this model's maximum context length is {self.max_model_len} tokens; the request "
                 f"asks for {total} ({len(token_ids)} in the prompt + {params.max_tokens} max_tokens)")
+        vocab = self.model_config.vocab_size
+        if min(token_ids) < 0 or max(token_ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Abort now (between steps): its blocks return to the pool at once."""
@@ -246,6 +262,8 @@ class LLMEngine:
             knobs=_knobs(scheduler), batching=config.batching, mode=_mode(scheduler),
             num_priority_preemptions=scheduler.num_priority_preemptions,
             batches=scheduler.gate.stats.batches if scheduler.gate else 0,
+            adaptive=scheduler.controller is not None,
+            slo=self.slo.as_dict() if self.slo is not None else None,
             **_decisions(scheduler))
 
     def _batch_item(self, span: ScheduledSpan) -> BatchItem:

@@ -56,6 +56,10 @@ class EngineStats:
     # Adaptive controller: decisions so far by (knob, reason), and the latest ones.
     decision_counts: dict[tuple[str, str], int] = field(default_factory=dict)
     recent_decisions: tuple[dict, ...] = ()
+    # Whether the adaptive controller runs, and the latency targets the
+    # engine serves (``carpool.slo.ServingSLO.as_dict``; None outside serve).
+    adaptive: bool = False
+    slo: dict | None = None
 
     @property
     def kv_usage(self) -> float:

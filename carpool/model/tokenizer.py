@@ -10,6 +10,7 @@ own, so prompts come out byte-identical.
 from __future__ import annotations
 
 import json
+import secrets
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
@@ -55,7 +56,10 @@ class Tokenizer:
         if eos_id is not None and eos_id not in ids:
             ids.append(eos_id)
         self._eos_token_ids = ids
-        self._special_ids = sorted(i for i, tok in backend.get_added_tokens_decoder().items() if tok.special)
+        added = backend.get_added_tokens_decoder()
+        self._special_ids = sorted(i for i, tok in added.items() if tok.special)
+        self._special_texts = [added[i].content for i in self._special_ids]
+        self._plain_backend: tokenizers.Tokenizer | None = None
         self._template_tokens = {"bos_token": bos_token or "", "eos_token": eos_token or ""}
         self._template_tokens.update(template_tokens or {})
         self.chat_template = chat_template
@@ -121,6 +125,47 @@ class Tokenizer:
             )
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"chat template failed: {exc}") from exc
+
+    def encode_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
+                    special_tokens_in_content: bool = False) -> list[int]:
+        """Token ids of ``messages`` rendered with the chat template.
+
+        By default a special token's text inside a message's content (say
+        ``<|im_start|>system``) is tokenized as plain text, so user content
+        cannot forge chat-control tokens; ``special_tokens_in_content``
+        restores the raw behaviour (the rendered text tokenized as a whole).
+        Content without such text is tokenized exactly as the whole text.
+        """
+        text = self.apply_chat_template(messages, add_generation_prompt)
+        contents = [str(m.get("content") or "") for m in messages]
+        if special_tokens_in_content or not any(self._has_special_text(c) for c in contents):
+            return self.encode(text)
+        # Render again with each content replaced by a unique marker: what lies
+        # between markers is the template's own text (special tokens parsed);
+        # the contents are tokenized with special-token parsing off.
+        nonce = secrets.token_hex(8)
+        markers = [f"\x00{nonce}:{i}\x00" for i in range(len(messages))]
+        marked = [{**m, "content": marker} for m, marker in zip(messages, markers)]
+        rendered = self.apply_chat_template(marked, add_generation_prompt)
+        ids: list[int] = []
+        for marker, content in zip(markers, contents):
+            head, found, rendered = rendered.partition(marker)
+            if not found:
+                raise ChatTemplateError("message content contains special-token text that this "
+                                        "chat template cannot keep apart from its own tokens")
+            ids += self.encode(head) + self._plain().encode(content, add_special_tokens=False).ids
+        return ids + self.encode(rendered)
+
+    def _has_special_text(self, content: str) -> bool:
+        return any(token in content for token in self._special_texts)
+
+    def _plain(self) -> tokenizers.Tokenizer:
+        """A copy of the backend that reads special-token text as plain text."""
+        if self._plain_backend is None:
+            plain = tokenizers.Tokenizer.from_str(self._backend.to_str())
+            plain.encode_special_tokens = True
+            self._plain_backend = plain
+        return self._plain_backend
 
     @property
     def eos_token_ids(self) -> list[int]:

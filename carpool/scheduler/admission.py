@@ -23,8 +23,11 @@ from carpool.scheduler.shedding import (
     PredictionError,
     predict_first_token_delay,
     predict_slot_delay,
+    ttft_allowance,
 )
 
+# Seconds a first token's prediction error counts in the margin.
+MARGIN_MAX_AGE = 30.0
 # Retry-after estimates are whole seconds in this range.
 MIN_RETRY_AFTER = 1.0
 MAX_RETRY_AFTER = 60.0
@@ -173,11 +176,16 @@ class ExpiryQueue:
 class AdmissionControl:
     """Decides at arrival whether a request may queue, and counts why not.
 
-    In order: a deadline already past; a deadline the step-cost model says
-    cannot be met (``predictive_shedding``); degrade mode (``emergency_switch``:
-    low priorities shed first); the queue bounds in requests and tokens.
-    Owns the estimators these need (departure rate, step-cost model, busy
-    window, overload guard); the scheduler feeds them.
+    In order: a deadline already past or predicted to be missed
+    (``predictive_shedding``); degrade mode (``emergency_switch``: low
+    priorities shed first, a better arrival displaces the worst waiting
+    request from a full queue); the queue bounds in requests and tokens;
+    then, under the adaptive controller, the TTFT target: an arrival whose
+    predicted first token is later than its class's share of the target is
+    rejected (``predicted_ttft_miss``). Nothing changes (no displacement)
+    unless every check passed. Owns the estimators these need (departure
+    rate, step-cost model, busy window, overload guard); the scheduler
+    feeds them.
     """
 
     def __init__(self, config: SchedulerConfig, knobs=None,
@@ -187,9 +195,9 @@ class AdmissionControl:
         # moves the step budget and batch limit; else the configured values.
         self.knobs = knobs or config
         # Adaptive controller: arrivals without a deadline are shed when
-        # their first token is predicted later than this many seconds.
+        # their first token is predicted later than their share of this.
         self.ttft_target = ttft_target
-        self.prediction_error = PredictionError()
+        self.prediction_error = PredictionError(max_age=MARGIN_MAX_AGE)
         self.departures = DepartureRate()
         self.cost_model = StepCostModel()
         self.busy = BusyWindow()
@@ -200,23 +208,29 @@ class AdmissionControl:
     def count(self, reason: str) -> None:
         self.rejections[reason] = self.rejections.get(reason, 0) + 1
 
+    def check_session_room(self, now: float, session_unfinished: int) -> None:
+        """Reject a session's arrival while it already holds
+        ``max_session_requests`` unfinished ones (they run one at a time, so
+        more would only sit in the queue others need)."""
+        limit = self.config.max_session_requests
+        if session_unfinished >= limit:
+            retry = self.departures.retry_after(now, 1)
+            self._reject("session_full", retry, (
+                f"the session already has {limit} unfinished requests (they run one at a "
+                f"time); retry in ~{retry:.0f} s"))
+
     def check(self, request: Request, now: float, waiting, running: Sequence[Request],
               drop_waiting: Callable[[Request, str], None]) -> None:
         """Raise ``RejectedError`` if ``request`` may not queue now. In degrade
         mode it may instead displace a worse waiting request (``drop_waiting``)."""
         if request.deadline is not None:
             self._check_deadline(request, now, waiting, running)
-        elif self.ttft_target is not None and self.config.predictive_shedding:
-            delay = self._predict(request, now, waiting, running)
-            if delay is not None and delay > self.ttft_target:
-                self._reject("predicted_ttft_miss", delay, (
-                    f"the request would get its first token in ~{delay:.2f} s, over the "
-                    f"TTFT target of {self.ttft_target:.2f} s; retry in ~{delay:.0f} s"))
+        victim = None
         if self.overload is not None and self.overload.degraded:
-            self._shed(request, now, waiting, drop_waiting)
+            victim = self._shed(request, now, waiting)
         queued = len(waiting)
         limit = self.config.max_queue_requests
-        if queued >= limit:
+        if queued >= limit and victim is None:
             retry = self.departures.retry_after(now, queued + 1 - limit)
             self._reject("queue_full", retry, f"the queue is full ({queued} requests waiting, "
                                               f"limit {limit}); retry in ~{retry:.0f} s")
@@ -232,6 +246,32 @@ class AdmissionControl:
                 f"the queue holds too many prompt tokens ({tokens} waiting + "
                 f"{request.num_prompt_tokens} in this request > limit {token_limit}); "
                 f"retry in ~{retry:.0f} s"))
+        if (request.deadline is None and self.ttft_target is not None
+                and self.config.predictive_shedding):
+            self._check_ttft_target(request, now, waiting, running)
+        if victim is not None:
+            drop_waiting(victim, "shed")
+
+    def _check_ttft_target(self, request: Request, now: float, waiting,
+                           running: Sequence[Request]) -> None:
+        delay = self._predict(request, now, waiting, running)
+        if delay is None or self._first_in_line(request, waiting, running):
+            return  # next in line for a free slot: as soon as any server could
+        if running:
+            # The step in flight when it arrived: an engine takes requests
+            # only between steps and stamps them then, so the wait is not seen
+            # (nor learned by the margin); count at least a typical step.
+            waited = max(0.0, now - request.arrival_time)
+            delay += max(0.0, self.busy.mean_step(now) - waited)
+        alone = predict_first_token_delay(self.cost_model, 0, request.num_prompt_tokens, 0,
+                                          self.knobs.max_num_batched_tokens)
+        allowed = ttft_allowance(self.ttft_target, request.priority, alone)
+        if delay > allowed:
+            # The minimum needed: the work ahead must drain by the excess.
+            self._reject("predicted_ttft_miss", delay - allowed, (
+                f"the request would get its first token in ~{delay:.2f} s, over the "
+                f"{allowed:.2f} s its priority class is allowed of the TTFT target "
+                f"{self.ttft_target:.2f} s; retry in ~{math.ceil(delay - allowed):.0f} s"))
 
     def _check_deadline(self, request: Request, now: float, waiting,
                         running: Sequence[Request]) -> None:
@@ -241,7 +281,7 @@ class AdmissionControl:
         if not self.config.predictive_shedding:
             return
         delay = self._predict(request, now, waiting, running)
-        if delay is not None and now + delay > request.deadline:
+        if delay is not None and request.arrival_time + delay > request.deadline:
             self._reject("predicted_deadline_miss", delay, (
                 f"the request would get its first token in ~{delay:.2f} s, after its "
                 f"deadline ({request.deadline - now:.2f} s from now)"))
@@ -249,15 +289,20 @@ class AdmissionControl:
     def observe_first_token(self, request: Request, now: float) -> None:
         """Learn the prediction error from a request's first token."""
         if request.predicted_ttft is not None:
-            self.prediction_error.record(request.predicted_ttft, now - request.arrival_time)
+            self.prediction_error.record(request.predicted_ttft, now - request.arrival_time,
+                                         now)
 
     def _predict(self, request: Request, now: float, waiting,
                  running: Sequence[Request]) -> float | None:
-        """The predicted TTFT plus the learned error margin; remembered on the
-        request (without the margin) so its first token can correct the margin."""
+        """The predicted TTFT, counted from the request's arrival, plus the
+        learned error margin; remembered on the request (without the margin)
+        so its first token can correct the margin."""
         delay = self.predicted_first_token(request, now, waiting, running)
-        request.predicted_ttft = delay
-        return None if delay is None else delay + self.prediction_error.margin()
+        if delay is None:
+            request.predicted_ttft = None
+            return None
+        request.predicted_ttft = max(0.0, now - request.arrival_time) + delay
+        return request.predicted_ttft + self.prediction_error.margin(now)
 
     def predicted_first_token(self, request: Request, now: float, waiting,
                               running: Sequence[Request]) -> float | None:
@@ -268,39 +313,62 @@ class AdmissionControl:
         its own, at the step budget left beside the decodes) and slots (when
         no sequence slot is free, the requests ahead wait for departures: the
         lower of the running requests' remaining tokens at the decode step
-        time and the measured departure rate, both upper bounds).
+        time and the measured departure rate, both upper bounds). Under
+        ``policy: priority`` only work of an equal or better priority is
+        ahead: worse waiting requests queue behind it and worse running ones
+        give up their slots (priority preemption).
         """
+        ahead_tokens, ahead, holding = self._ahead(request, waiting, running)
         prefilling = sum(r.num_pending_tokens for r in running if r.num_pending_tokens > 1)
         decoding = sum(1 for r in running if r.num_pending_tokens == 1)
         delay = predict_first_token_delay(
-            self.cost_model, waiting.num_prompt_tokens + prefilling, request.num_prompt_tokens,
+            self.cost_model, ahead_tokens + prefilling, request.num_prompt_tokens,
             decoding, self.knobs.max_num_batched_tokens)
         if delay is None:
             return None
-        short = len(waiting) + 1 - max(0, self.knobs.max_num_seqs - len(running))
+        short = ahead + 1 - max(0, self.knobs.max_num_seqs - len(holding))
         if short <= 0:
             return delay
         # Two upper bounds on the wait for a slot; the lower one is the better guess.
         bounds = [predict_slot_delay(self.cost_model, [r.max_tokens - r.num_output_tokens
-                                                       for r in running], short)]
+                                                       for r in holding], short,
+                                     self.busy.mean_step(now))]
         rate = self.departures.rate(now)
         if rate:
             bounds.append(short / rate)
         bounds = [b for b in bounds if b is not None]
         return max(delay, min(bounds)) if bounds else delay
 
-    def _shed(self, request: Request, now: float, waiting,
-              drop_waiting: Callable[[Request, str], None]) -> None:
-        """Lowest priorities first: a low arrival is turned away; a better one
-        takes the place of the worst waiting request when the queue is full."""
+    def _ahead(self, request: Request, waiting, running: Sequence[Request],
+               ) -> tuple[int, int, Sequence[Request]]:
+        """(prompt tokens waiting ahead, requests waiting ahead, running
+        requests holding slots it cannot take) for ``request``."""
+        if self.config.policy != "priority":
+            return waiting.num_prompt_tokens, len(waiting), running
+        better = [r for r in waiting if r.priority <= request.priority]
+        holding = [r for r in running if r.priority <= request.priority]
+        return sum(r.num_prompt_tokens for r in better), len(better), holding
+
+    def _first_in_line(self, request: Request, waiting, running: Sequence[Request]) -> bool:
+        """Nothing waits ahead, no running prompt is still prefilling and a
+        slot is free: the request starts in the next step. Turning it away
+        helps nobody, and admitting it keeps the margin learning (a margin
+        that rejected everything would otherwise never be corrected)."""
+        _, ahead, holding = self._ahead(request, waiting, running)
+        return (ahead == 0 and len(holding) < self.knobs.max_num_seqs
+                and not any(r.num_pending_tokens > 1 for r in running))
+
+    def _shed(self, request: Request, now: float, waiting) -> Request | None:
+        """Degrade mode, lowest priorities first: a low arrival is turned
+        away; a better one may take the place of the worst waiting request
+        when the queue is full (returned; dropped once every check passed)."""
         if request.priority > SHED_ABOVE_PRIORITY:
             retry = self.departures.retry_after(now, 1)
             self._reject("shed", retry, f"overloaded ({self.overload.reason}): low-priority "
                                         f"requests are shed; retry in ~{retry:.0f} s")
         if len(waiting) >= self.config.max_queue_requests:
-            victim = shed_victim(waiting, request)
-            if victim is not None:
-                drop_waiting(victim, "shed")
+            return shed_victim(waiting, request)
+        return None
 
     def _reject(self, reason: str, retry_after: float, message: str) -> None:
         self.count(reason)

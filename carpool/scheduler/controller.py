@@ -1,44 +1,63 @@
 """The adaptive controller: live batching knobs from live metrics.
 
-Every ``interval`` seconds (on the scheduler's clock) the controller reads
-a sliding window of metrics (``live_window.Signals``) and decides:
+At each tick (on the scheduler's clock) the controller reads sliding
+windows of metrics (``live_window.Signals``) and decides:
 
 - the mode, ``latency`` / ``balanced`` / ``throughput`` (``ModeSelector``:
   threshold bands plus a streak of ticks, so noisy metrics do not flap it);
 - the batching wait under request-level batching: fill < 40% -> +20%;
   TTFT p95 over target -> -30%; bounded by ``[MIN_WAIT, mode ceiling]``;
-- the batch limit ``optimal = min(by_memory, by_latency, max(preferred,
-  peak_demand * alpha))``: by_memory = sequences whose KV (mean prompt +
-  max_tokens of recent arrivals) fits the pool less ``memory_headroom``;
-  by_latency = the largest decode batch whose step the online cost model
-  (``StepCostModel``) predicts within the mode's share of the TPOT target;
-  peak_demand = the most requests waiting + running in the window; alpha
-  is the headroom over that peak for arrivals until the next tick (1..4,
-  starts at 2) and adapts online: TTFT over target with TPOT within it
-  means requests queue while steps have room, so alpha x1.25; TPOT over
-  target with TTFT within it means batches are too big, so alpha x0.8.
+- the latency correction (continuous batching, ``slo_policy.LimitCorrection``):
+  a factor on the feed-forward batch limit from the TPOT requests really
+  got (those finished in the fast window), down after ticks over the
+  mode's step target, up only after calm ticks while demand exceeds the
+  limit; alpha (request-level batching) moves after ticks in a row too;
+- the batch limit: continuous batching ``min(cap, by_memory, by_latency x
+  correction)``; request-level batching ``min(cap, by_memory, by_latency,
+  max(preferred, peak_demand * alpha))``. by_memory = sequences whose KV
+  (mean prompt + max_tokens of recent arrivals) fits the pool less
+  ``memory_headroom``; by_latency = the largest decode batch whose step,
+  with its steady-state share of prefill tokens, the online cost model
+  (``StepCostModel``) predicts within the mode's share of the TPOT target
+  (``slo_policy.latency_limit``). The batch never grows with demand beyond
+  that: a surge is met by shedding at arrival, not by slower tokens for
+  everyone. Under request-level batching peak_demand = the most requests
+  waiting + running in the window and alpha is the headroom over that
+  peak (1..4, starts at 2): TTFT over target with TPOT within it means
+  requests queue while batches have room, so alpha x1.25; TPOT over target
+  with TTFT within it means batches are too big, so alpha x0.8.
   Targets within ``DEADBAND`` (10%) of the current value are left alone;
-- the step token budget (continuous batching): outside throughput mode and
-  while TPOT p95 is over the mode's share of its target, the most tokens a
-  step with that many sequences takes within that share; else the
-  configured budget (throughput mode always: it prefills fastest).
+- the step token budget (continuous batching): in latency mode, while the
+  step time is over the mode's share of the TPOT target, the most tokens a
+  step with that many sequences takes within that share (back to the
+  configured budget after calm ticks); in the other modes the configured
+  budget, since with a queue a cut only delays first tokens.
 
-New knob values never land at once: ``KnobRamp`` moves them over
-``transition_steps`` (at most 3) scheduler steps. Every change is a
-``Decision`` with a short reason (a metric label) and a readable cause.
-Pure Python; the scheduler calls ``on_step`` once per step.
+Ticks come every ``controller_interval`` (1 s) and earlier, at most every
+``EARLY_TICK``, on events (``slo_policy.early_tick_cause``): the queue
+growing past the free slots, arrivals surging in the fast window, steps
+slower than the target. New knob values never land at once: ``KnobRamp``
+moves them over ``transition_steps`` (at most 3) scheduler steps. Every
+change is a ``Decision`` with a short reason (a metric label) and a
+readable cause. Pure Python; the scheduler calls ``on_step`` once per step.
 """
 from __future__ import annotations
 
 import logging
 import math
 from collections import Counter, deque
-from dataclasses import dataclass, fields
 
 from carpool.config import ControllerConfig, SchedulerConfig
 from carpool.scheduler.cost_model import StepCostModel
+from carpool.scheduler.knobs import Decision, KnobRamp, LiveKnobs
 from carpool.scheduler.live_window import LiveWindow, SampleWindow, Signals
 from carpool.scheduler.modes import PRESETS, ModePreset, ModeSelector
+from carpool.scheduler.slo_policy import (
+    CALM_SHARE,
+    LimitCorrection,
+    early_tick_cause,
+    latency_limit,
+)
 
 logger = logging.getLogger(__name__)
 MIN_WAIT = 0.005  # seconds: the timeout rules never take max_wait below this
@@ -47,82 +66,7 @@ ALPHA_START = 2.0
 # A knob target within this share of the current value is left alone, so
 # the noise of the fitted cost model does not move the knobs every tick.
 DEADBAND = 0.1
-EARLY_TICK = 0.1  # seconds: the soonest a surge brings the next tick forward
-
-
-@dataclass
-class LiveKnobs:
-    """The knobs the scheduler reads every step (the controller moves them)."""
-
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    preferred_batch_size: int
-    max_batch_size: int
-    max_wait: float | None
-
-    @classmethod
-    def from_config(cls, config: SchedulerConfig) -> "LiveKnobs":
-        return cls(config.max_num_seqs, config.max_num_batched_tokens,
-                   config.preferred_batch_size, config.max_batch_size, config.max_wait)
-
-    def as_dict(self) -> dict[str, float]:
-        values = {f.name: getattr(self, f.name) for f in fields(self)}
-        return {name: float(v) for name, v in values.items() if v is not None}
-
-
-@dataclass(frozen=True)
-class Decision:
-    """One controller decision. ``reason`` is a short label (for metrics)."""
-
-    time: float
-    knob: str  # "mode", "alpha" or a LiveKnobs field
-    old: float | str | None
-    new: float | str | None
-    reason: str
-    cause: str
-
-    def describe(self) -> str:
-        return f"{self.knob} {_fmt(self.new)} <- {_fmt(self.old)}: {self.cause}"
-
-
-def _fmt(value: float | str | None) -> str:
-    if isinstance(value, float):
-        return f"{value:.3g}"
-    return str(value)
-
-
-class KnobRamp:
-    """Moves knobs to their targets in equal increments over ``steps`` steps."""
-
-    def __init__(self, steps: int) -> None:
-        self.steps = steps
-        self._plan: dict[str, tuple[float, float]] = {}  # knob -> (start, target)
-        self._done = 0
-
-    @property
-    def active(self) -> bool:
-        return bool(self._plan)
-
-    def retarget(self, knobs: LiveKnobs, targets: dict[str, float]) -> None:
-        """Start a new ramp from the current values; knobs of an unfinished
-        ramp that ``targets`` leaves out keep heading for their old target."""
-        targets = {**{name: end for name, (_, end) in self._plan.items()}, **targets}
-        self._plan = {name: (getattr(knobs, name), value) for name, value in targets.items()
-                      if getattr(knobs, name) != value}
-        self._done = 0
-
-    def advance(self, knobs: LiveKnobs) -> None:
-        if not self._plan:
-            return
-        self._done += 1
-        share = self._done / self.steps
-        for name, (start, target) in self._plan.items():
-            value = start + (target - start) * share
-            if isinstance(target, int):
-                value = int(round(value))
-            setattr(knobs, name, target if self._done >= self.steps else value)
-        if self._done >= self.steps:
-            self._plan.clear()
+EARLY_TICK = 0.25  # seconds: the soonest an event brings the next tick forward
 
 
 class AdaptiveController:
@@ -135,22 +79,28 @@ class AdaptiveController:
     def __init__(self, config: ControllerConfig, base: SchedulerConfig, knobs: LiveKnobs,
                  num_blocks: int, block_size: int, cost_model: StepCostModel,
                  request_level: bool) -> None:
-        self.config = config
+        self.config = config.concrete()  # auto targets: their fallbacks unless measured
         self.base = base
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.cost_model = cost_model
         self.request_level = request_level  # static/dynamic: the batching wait applies
         self.knobs = knobs
-        self.selector = ModeSelector(config)
+        self.selector = ModeSelector(self.config)
         self.ramp = KnobRamp(config.transition_steps)
-        self.window = LiveWindow(config.controller_window)
+        self.window = LiveWindow(config.controller_window, config.controller_fast_window)
         self.demand = SampleWindow(config.controller_window)  # waiting + running per step
-        self.alpha = ALPHA_START
+        self.alpha = ALPHA_START  # request-level batching only
+        self._alpha_streak = (0, 0)  # (direction +1 / -1, ticks in a row asking for it)
+        self._budget_calm = 0  # ticks in a row with steps well within target (a cut budget)
+        self.correction = LimitCorrection(config.hysteresis_ticks)  # continuous only
         self.decisions: deque[Decision] = deque(maxlen=200)
         self.decision_counts: Counter[tuple[str, str]] = Counter()
         self.ticks = 0
+        self.early_ticks: Counter[str] = Counter()  # by the kind of event
         self._last_tick: float | None = None
+        self._last_step: float | None = None  # the previous step's start, while busy
+        self._waiting_at_tick = 0
         self.last_signals: Signals | None = None
 
     @property
@@ -159,8 +109,9 @@ class AdaptiveController:
 
     # -- events from the scheduler ------------------------------------------------
 
-    def observe_arrival(self, now: float, request_tokens: int) -> None:
-        self.window.observe_arrival(now, request_tokens)
+    def observe_arrival(self, now: float, request_tokens: int,
+                        prompt_tokens: int | None = None) -> None:
+        self.window.observe_arrival(now, request_tokens, prompt_tokens)
 
     def observe_ttft(self, now: float, seconds: float) -> None:
         self.window.ttft.add(now, seconds)
@@ -189,28 +140,47 @@ class AdaptiveController:
                     "busy": scheduler.admission.busy.fraction(now),
                     "batch_limit": self._batch_limit()}
 
-        self.on_step(now, len(waiting), read_state)
+        self.on_step(now, len(waiting), read_state, len(running))
         if scheduler.gate is not None:
             scheduler.gate.set_limits(knobs.preferred_batch_size, knobs.max_batch_size,
                                       knobs.max_wait)
 
-    def on_step(self, now: float, num_waiting: int, read_state) -> None:
+    def on_step(self, now: float, num_waiting: int, read_state, num_running: int = 0) -> None:
         """Once per scheduler step: tick when due, then move the knobs one increment.
 
         A tick is due every ``controller_interval``, and early (at most every
-        ``EARLY_TICK`` seconds) when the queue outgrows the batch limit: a
-        surge must not wait out a 10 s interval. ``read_state()`` returns the
-        keyword arguments of ``LiveWindow.signals`` (queue, running, KV
-        usage, busy); it is only called on a tick.
+        ``EARLY_TICK`` seconds) on an event: a surge must not wait out the
+        interval. ``read_state()`` returns the keyword arguments of
+        ``LiveWindow.signals`` (queue, running, KV usage, busy); it is only
+        called on a tick. The wall time since the previous step, while
+        requests run, is the step time they feel (the fast TPOT signal).
         """
+        if num_running and self._last_step is not None:
+            self.window.steps.add(now, now - self._last_step)
+        self._last_step = now if num_running else None
         if self._last_tick is None:
             self._last_tick = now
         elapsed = now - self._last_tick
-        surge = num_waiting > self._batch_limit() and elapsed >= EARLY_TICK
-        if elapsed >= self.config.controller_interval or surge:
+        due = elapsed >= self.config.controller_interval
+        if not due and elapsed >= EARLY_TICK:
+            cause = self._early_cause(now, num_waiting, num_running)
+            if cause is not None:
+                due = True
+                self.early_ticks[cause.split()[0]] += 1
+        if due:
             self._last_tick = now
+            self._waiting_at_tick = num_waiting
             self.tick(self.window.signals(now, **read_state()))
         self.ramp.advance(self.knobs)
+
+    def _early_cause(self, now: float, num_waiting: int, num_running: int) -> str | None:
+        window = self.window
+        fast = len(window.arrivals.recent(now, window.fast_s))
+        return early_tick_cause(
+            waiting=num_waiting, running=num_running, limit=self._batch_limit(),
+            waiting_at_tick=self._waiting_at_tick, fast_rate=window.rate(now, window.fast_s),
+            fast_arrivals=fast, slow_rate=window.rate(now, window.window_s),
+            step_time=window.step_time(now), step_target=self._step_seconds(PRESETS[self.mode]))
 
     def _batch_limit(self) -> int:
         return self.knobs.preferred_batch_size if self.request_level else self.knobs.max_num_seqs
@@ -218,21 +188,36 @@ class AdaptiveController:
     # -- one tick --------------------------------------------------------------------
 
     def tick(self, s: Signals) -> None:
-        """Decide mode, alpha and knob targets from ``s``; start the ramp."""
+        """Decide mode, alpha / correction and knob targets from ``s``; start the ramp."""
         self.ticks += 1
         self.last_signals = s
         changed = self.selector.update(s)
         if changed is not None:
             old, cause = changed
             self._log(s.now, "mode", old, self.mode, "mode_" + self.mode, cause)
-        self._adapt_alpha(s)
+        if self.request_level:
+            self._adapt_alpha(s)
+        else:
+            self._adapt_correction(s)
         targets = self._targets(s)
         if targets:
             self.ramp.retarget(self.knobs, targets)
 
+    def _adapt_correction(self, s: Signals) -> None:
+        limit = self.knobs.max_num_seqs
+        old = self.correction.factor
+        cause = self.correction.update(s.recent_tpot, self._step_seconds(PRESETS[self.mode]),
+                                       s.running, limit, s.waiting > 0 and s.running >= limit,
+                                       s.step_time)
+        if cause is not None:
+            reason = "step_over_target" if self.correction.factor < old else "step_within_target"
+            self._log(s.now, "latency_correction", old, self.correction.factor, reason, cause)
+
     def _adapt_alpha(self, s: Signals) -> None:
         ttft_over = _over(s.ttft_p95, self.config.ttft_target)
         tpot_over = _over(s.tpot_p95, self.config.tpot_target)
+        if ttft_over == tpot_over:
+            self._alpha_streak = (0, 0)  # no signal which way: a streak must be unbroken
         if ttft_over and not tpot_over:
             factor, reason, cause = 1.25, "ttft_over_target", (
                 f"ttft_p95 {s.ttft_p95:.2f} s > target {self.config.ttft_target:.2f} s, "
@@ -243,6 +228,15 @@ class AdaptiveController:
                 "ttft within target")
         else:
             return
+        # Hysteresis: a move needs hysteresis_ticks ticks in a row asking for
+        # the same direction, so alternating misses never flap the batch size.
+        direction = 1 if factor > 1 else -1
+        streak = self._alpha_streak[1] + 1 if self._alpha_streak[0] == direction else 1
+        self._alpha_streak = (direction, streak)
+        if streak < self.config.hysteresis_ticks:
+            return
+        self._alpha_streak = (0, 0)
+        cause += f" ({streak} ticks)"
         new = min(max(self.alpha * factor, ALPHA_RANGE[0]), ALPHA_RANGE[1])
         if new != self.alpha:
             self._log(s.now, "alpha", self.alpha, new, reason, cause)
@@ -273,8 +267,8 @@ class AdaptiveController:
         return out
 
     def batch_limit(self, s: Signals, preset: ModePreset) -> tuple[int, str, str]:
-        """``min(by_memory, by_latency, max(preferred, peak_demand * alpha))``
-        within the configured cap; returns (limit, cause, reason of the binding term)."""
+        """The smallest of the terms (see the module docstring) within the
+        configured cap; returns (limit, cause, reason of the binding term)."""
         cap = self.base.max_batch_size if self.request_level else self.base.max_num_seqs
         terms = {"cap": cap}
         if s.mean_request_tokens:
@@ -283,13 +277,20 @@ class AdaptiveController:
             terms["by_memory"] = max(1, int(usable // blocks_each))
         step_limit = self._step_seconds(preset)
         if step_limit is not None and self.cost_model.ready:
-            terms["by_latency"] = _largest_batch_within(self.cost_model, step_limit, cap)
-        peak = max(self.demand.values(s.now), default=0.0)
-        terms["by_demand"] = max(preset.preferred_batch_size, math.ceil(peak * self.alpha))
+            ratio = None if self.request_level else s.prefill_ratio
+            feed = latency_limit(self.cost_model, step_limit, cap, ratio,
+                                 self.base.max_num_batched_tokens)
+            factor = 1.0 if self.request_level else self.correction.factor
+            terms["by_latency"] = max(1, int(feed * factor))
+        if self.request_level:
+            peak = max(self.demand.values(s.now), default=0.0)
+            terms["by_demand"] = max(preset.preferred_batch_size, math.ceil(peak * self.alpha))
         reason = min(terms, key=lambda name: terms[name])
         limit = max(1, int(terms[reason]))
         detail = ", ".join(f"{name} {value}" for name, value in terms.items())
-        return limit, f"min({detail}) (alpha {self.alpha:.2f})", reason
+        knob = (f"alpha {self.alpha:.2f}" if self.request_level
+                else f"correction {self.correction.factor:.2f}")
+        return limit, f"min({detail}) ({knob})", reason
 
     def _step_seconds(self, preset: ModePreset) -> float | None:
         target = self.config.tpot_target
@@ -297,22 +298,44 @@ class AdaptiveController:
 
     def _token_budget(self, s: Signals, limit: int, preset: ModePreset,
                       ) -> tuple[int, str, str]:
-        """The full budget in throughput mode, or while TPOT p95 is within
-        the mode's share of its target; over it, the most tokens a step of
-        ``limit`` sequences takes within that share (long prefill chunks are
-        what stretch TPOT)."""
+        """Latency mode (light load, nobody waiting): the full budget while
+        the step time (else TPOT p95) is within the mode's share of the TPOT
+        target; over it, the most tokens a step of ``limit`` sequences takes
+        within that share (long prefill chunks are what stretch a step).
+        Other modes: the full budget. With requests queueing a cut only
+        delays their first tokens: the same prefill work still lands in
+        the decodes' lifetime, spread over more steps that each pay the
+        fixed step cost again, so their mean TPOT gains nothing."""
         full = self.base.max_num_batched_tokens
-        if self.mode == "throughput":  # the full budget prefills most per second
-            return full, "mode_throughput", "mode throughput prefills at the full budget"
+        if self.mode != "latency":
+            return full, "mode_" + self.mode, f"mode {self.mode} prefills at the full budget"
         step_limit = self._step_seconds(preset)
-        if step_limit is None or s.tpot_p95 is None or s.tpot_p95 <= step_limit:
-            return full, "cap", "tpot within the mode's share of its target"
+        observed = s.step_time if s.step_time is not None else s.tpot_p95
+        if step_limit is None or observed is None or observed <= step_limit:
+            return self._restored_budget(observed, step_limit)
+        self._budget_calm = 0
         within = self.cost_model.max_tokens_within(step_limit, limit)
         if within is None or within >= full:
             return full, "cap", f"the configured budget {full} fits the step target"
-        budget = min(full, max(within, limit + 16, 64))
+        # Never below a typical prompt beside the decodes: a prompt split over
+        # steps pays each step's fixed cost again and its first token waits.
+        prompt = int(s.mean_prompt_tokens or 0)
+        budget = min(full, max(within, limit + max(16, prompt), 64))
         return budget, "by_latency", (f"a step of {limit} sequences stays within "
                                       f"{step_limit * 1000:.0f} ms at {budget} tokens")
+
+    def _restored_budget(self, observed: float | None, step_limit: float | None,
+                         ) -> tuple[int, str, str]:
+        """Steps within target: a cut budget goes back to the configured one
+        only after hysteresis_ticks ticks in a row well within (CALM_SHARE),
+        so steps hovering at the target do not flap it."""
+        full, current = self.base.max_num_batched_tokens, self.knobs.max_num_batched_tokens
+        calm = step_limit is None or observed is None or observed < CALM_SHARE * step_limit
+        self._budget_calm = self._budget_calm + 1 if calm else 0
+        if current >= full or self._budget_calm >= self.config.hysteresis_ticks:
+            self._budget_calm = 0
+            return full, "cap", "tpot within the mode's share of its target"
+        return current, "hold", "steps near the target: the cut budget stays"
 
     def _tuned_wait(self, s: Signals, preset: ModePreset) -> tuple[float, str, str] | None:
         """The timeout rules (request-level batching only)."""
@@ -340,15 +363,3 @@ class AdaptiveController:
 
 def _over(value: float | None, target: float | None) -> bool:
     return value is not None and target is not None and value > target
-
-
-def _largest_batch_within(cost: StepCostModel, seconds: float, cap: int) -> int:
-    """The most decode sequences (one token each) whose step fits ``seconds``."""
-    low, high = 1, cap
-    while low < high:  # predict is monotone in the batch for a sane fit
-        mid = (low + high + 1) // 2
-        if (cost.predict(mid, mid) or 0.0) <= seconds:
-            low = mid
-        else:
-            high = mid - 1
-    return low

@@ -28,6 +28,14 @@ class KVCacheStats:
         return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
 
 
+def chain_root(cache_salt: str | None) -> int:
+    """The parent hash of a sequence's first block: a salt gives its requests
+    a chain of their own, so they never match another salt's blocks."""
+    if cache_salt is None:
+        return ROOT_HASH
+    return hash(b"cache-salt\x00" + cache_salt.encode("utf-8", "surrogatepass"))
+
+
 class KVCacheManager:
     """Owns every request's block table.
 
@@ -197,8 +205,9 @@ class KVCacheManager:
         hashes = request.block_hashes
         if len(hashes) >= num_blocks:
             return
-        keys, new_hashes = self._key_chain.keys(hashes[-1] if hashes else ROOT_HASH,
-                                                request.token_ids, len(hashes), num_blocks)
+        parent = hashes[-1] if hashes else chain_root(request.cache_salt)
+        keys, new_hashes = self._key_chain.keys(parent, request.token_ids, len(hashes),
+                                                num_blocks)
         request.block_keys += keys
         hashes += new_hashes
 

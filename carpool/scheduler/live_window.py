@@ -29,6 +29,17 @@ class SampleWindow:
         self.prune(now)
         return [value for _, value in self._samples]
 
+    def recent(self, now: float, seconds: float) -> list[float]:
+        """Values of the last ``seconds`` (at most the window), newest first;
+        costs O(their number), not O(the window)."""
+        cutoff = now - min(seconds, self.window_s)
+        out = []
+        for stamp, value in reversed(self._samples):
+            if stamp < cutoff:
+                break
+            out.append(value)
+        return out
+
     def __len__(self) -> int:
         return len(self._samples)
 
@@ -65,41 +76,82 @@ class Signals:
     fill: float | None
     mean_request_tokens: float | None  # prompt + max_tokens of recent arrivals
     batch_limit: int = 1  # the live sequence limit (continuous) or preferred batch size
+    # The fast window (``controller_fast_window``): arrivals per second, and
+    # the mean wall time between consecutive steps while requests decode
+    # (what a running request feels as its time per output token).
+    fast_arrival_rate: float | None = None
+    step_time: float | None = None
+    mean_prompt_tokens: float | None = None  # of recent arrivals
+    # Mean TPOT of the requests that finished in the fast window: each is
+    # the mean of a request's steps over its life, so a burst of prefills
+    # that lengthens a few steps moves it far less than ``step_time``.
+    recent_tpot: float | None = None
+    # Prompt tokens per output token of recent arrivals (mean prompt / mean
+    # max_tokens): the prefill work that comes with each decoded token.
+    prefill_ratio: float | None = None
 
     def describe(self) -> str:
         def fmt(value: float | None, unit: str = "s") -> str:
             return "n/a" if value is None else f"{value:.3f}{unit}"
         return (f"rate {self.arrival_rate:.2f}/s, waiting {self.waiting}, running {self.running}, "
                 f"busy {self.busy:.0%}, kv {self.kv_usage:.0%}, ttft_p95 {fmt(self.ttft_p95)}, "
-                f"tpot_p95 {fmt(self.tpot_p95)}, fill {fmt(self.fill, '')}")
+                f"tpot_p95 {fmt(self.tpot_p95)}, step {fmt(self.step_time)}, "
+                f"fill {fmt(self.fill, '')}")
 
 
 class LiveWindow:
-    """The controller's sliding-window metrics, fed by scheduler events."""
+    """The controller's sliding-window metrics, fed by scheduler events.
 
-    def __init__(self, window_s: float) -> None:
+    Two horizons: ``window_s`` for the slow signals (latency percentiles,
+    mean sizes, the arrival rate) and ``fast_s`` for what must show a surge
+    within a second or two (recent arrivals, step times).
+    """
+
+    def __init__(self, window_s: float, fast_s: float | None = None) -> None:
         self.window_s = window_s
+        self.fast_s = min(window_s, fast_s if fast_s is not None else window_s)
         self.arrivals = SampleWindow(window_s)  # value: prompt + max_tokens
+        self.prompts = SampleWindow(window_s)  # value: prompt tokens (one per arrival)
         self.ttft = SampleWindow(window_s)
         self.tpot = SampleWindow(window_s)  # per finished request: (E2E - TTFT) / (tokens - 1)
         self.fill = SampleWindow(window_s)
+        self.steps = SampleWindow(self.fast_s)  # wall seconds between consecutive busy steps
         self._started: float | None = None
 
-    def observe_arrival(self, now: float, request_tokens: int) -> None:
+    def observe_arrival(self, now: float, request_tokens: int,
+                        prompt_tokens: int | None = None) -> None:
         if self._started is None:
             self._started = now
         self.arrivals.add(now, float(request_tokens))
+        if prompt_tokens is not None:
+            self.prompts.add(now, float(prompt_tokens))
+
+    def rate(self, now: float, seconds: float) -> float:
+        """Arrivals per second over the last ``seconds`` (or the time seen so far)."""
+        span = seconds if self._started is None else min(seconds, max(now - self._started, 1e-9))
+        if seconds >= self.window_s:  # the whole window: O(1) after pruning
+            self.arrivals.prune(now)
+            return len(self.arrivals) / span
+        return len(self.arrivals.recent(now, seconds)) / span
+
+    def step_time(self, now: float) -> float | None:
+        """Mean wall seconds between consecutive busy steps over the fast window."""
+        return mean(self.steps.values(now))
 
     def signals(self, now: float, *, waiting: int, waiting_tokens: int, running: int,
                 kv_usage: float, busy: float, batch_limit: int) -> Signals:
         arrivals = self.arrivals.values(now)
-        # Before a full window has passed, the rate is over the time seen so far.
-        span = self.window_s if self._started is None else min(
-            self.window_s, max(now - self._started, 1e-9))
+        prompts = self.prompts.values(now)
+        request_mean, prompt_mean = mean(arrivals), mean(prompts)
+        ratio = None
+        if request_mean is not None and prompt_mean is not None and request_mean > prompt_mean:
+            ratio = prompt_mean / (request_mean - prompt_mean)
         return Signals(
-            now=now, arrival_rate=len(arrivals) / span, waiting=waiting,
+            now=now, arrival_rate=self.rate(now, self.window_s), waiting=waiting,
             waiting_tokens=waiting_tokens, running=running, kv_usage=kv_usage, busy=busy,
             ttft_p95=percentile(self.ttft.values(now), 95),
             tpot_p95=percentile(self.tpot.values(now), 95),
-            fill=mean(self.fill.values(now)), mean_request_tokens=mean(arrivals),
-            batch_limit=batch_limit)
+            fill=mean(self.fill.values(now)), mean_request_tokens=request_mean,
+            batch_limit=batch_limit, fast_arrival_rate=self.rate(now, self.fast_s),
+            step_time=self.step_time(now), mean_prompt_tokens=prompt_mean, prefill_ratio=ratio,
+            recent_tpot=mean(self.tpot.recent(now, self.fast_s)))

@@ -20,6 +20,9 @@ class ModePreset:
 
     ``step_share``: the fraction of the TPOT target one step may take when
     sizing the batch limit and token budget (smaller = more latency margin).
+    Below 1 in every mode: the target holds for the p99 of requests' TPOT,
+    and a request's TPOT is the mean of its steps, some of which carry
+    prefill chunks.
     """
 
     preferred_batch_size: int
@@ -30,7 +33,7 @@ class ModePreset:
 PRESETS = {
     "latency": ModePreset(preferred_batch_size=4, max_wait=0.05, step_share=0.6),
     "balanced": ModePreset(preferred_batch_size=8, max_wait=0.1, step_share=0.8),
-    "throughput": ModePreset(preferred_batch_size=16, max_wait=0.2, step_share=1.0),
+    "throughput": ModePreset(preferred_batch_size=16, max_wait=0.2, step_share=0.9),
 }
 
 
@@ -40,7 +43,7 @@ class ModeSelector:
     row wanting the same new mode."""
 
     def __init__(self, config: ControllerConfig) -> None:
-        self.config = config
+        self.config = config.concrete()  # auto targets: their fallbacks unless measured
         self.pinned = config.controller_mode != "auto"
         self.mode = config.controller_mode if self.pinned else "balanced"
         self._candidate: str | None = None

@@ -45,6 +45,11 @@ class BusyWindow:
         self._prune(now)
         return min(1.0, self._total / self.window_s)
 
+    def mean_step(self, now: float) -> float:
+        """Mean seconds of the steps in the window (0 without any)."""
+        self._prune(now)
+        return self._total / len(self._steps) if self._steps else 0.0
+
     def _prune(self, now: float) -> None:
         while self._steps and self._steps[0][0] < now - self.window_s:
             self._total -= self._steps.popleft()[1]

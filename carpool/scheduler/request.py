@@ -61,6 +61,9 @@ class Request:
     predicted_ttft: float | None = None  # admission's estimate, to learn its error
     # Per-request cap on the request-level batching wait (seconds); None = the knob's.
     max_wait: float | None = None
+    # Prefix-cache namespace: blocks are reused only between requests with an
+    # equal salt (it seeds the first block's chain hash). None = the common one.
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

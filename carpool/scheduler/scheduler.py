@@ -66,6 +66,8 @@ class Scheduler:
         self.num_priority_preemptions = 0  # of those, made room for a better-priority request
         # The knobs every step reads; an adaptive controller moves them.
         self.knobs = LiveKnobs.from_config(config)
+        # "auto" targets not measured by now and adaptive: null mean their fallbacks.
+        controller = controller.concrete() if controller is not None else None
         adaptive = controller is not None and controller.adaptive
         shed_target = (controller.ttft_target
                        if adaptive and controller.shed_on_ttft_target else None)
@@ -108,6 +110,8 @@ class Scheduler:
             raise ValueError(f"the prompt has {request.num_prompt_tokens} tokens, more than "
                              f"the queue admits (max_queue_tokens={limit})")
         now = self.clock()
+        if request.session_id is not None:
+            self.admission.check_session_room(now, self.sessions.num_unfinished(request.session_id))
         self.admission.check(request, now, self.waiting, self.running, self._drop_waiting)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
@@ -117,7 +121,8 @@ class Scheduler:
         self.expiries.compact(self._is_unscheduled)
         self.departures.set_busy(now, True)
         if self.controller is not None:
-            self.controller.observe_arrival(now, request.num_prompt_tokens + request.max_tokens)
+            self.controller.observe_arrival(now, request.num_prompt_tokens + request.max_tokens,
+                                            request.num_prompt_tokens)
 
     def record_step(self, num_tokens: int, num_seqs: int, seconds: float) -> None:
         """Feed the online cost model with an executed step's size and duration."""

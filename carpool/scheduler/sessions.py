@@ -57,6 +57,11 @@ class SessionTracker:
         self.session_requests += 1
         self._unfinished.setdefault(request.session_id, deque()).append(request)
 
+    def num_unfinished(self, session_id: str) -> int:
+        """Accepted, not yet finished requests of ``session_id``."""
+        queue = self._unfinished.get(session_id)
+        return len(queue) if queue else 0
+
     def is_blocked(self, request: Request) -> bool:
         """Whether an earlier request of the same session is still unfinished."""
         sid = request.session_id

@@ -12,26 +12,38 @@ from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 
 import carpool
+from carpool.server.auth import ANONYMOUS, KeyRing
 from carpool.server.errors import APIError
 from carpool.server.middleware import GuardMiddleware
-from carpool.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                     TokenizeRequest)
-from carpool.server.serving import OpenAIServing, ServerContext, chat_tokens, encode_text
+from carpool.server.openapi import install_openapi, json_body
+from carpool.server.prepare import check_chars, encode_text, invalid_body
+from carpool.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from carpool.server.serving import OpenAIServing, ServerContext
 
 log = logging.getLogger("carpool.server")
 
 
 def build_app(ctx: ServerContext) -> FastAPI:
     """The ASGI app for one engine; ``ctx`` carries all its state."""
-    app = FastAPI(title="carpool", version=carpool.__version__,
+    # No slash redirects: their Location would be built from the Host header.
+    app = FastAPI(title="carpool", version=carpool.__version__, redirect_slashes=False,
                   description="OpenAI-compatible LLM server")
     app.state.ctx = ctx
     serving = OpenAIServing(ctx)
     _add_error_handlers(app)
     _add_generation_routes(app, serving)
-    _add_info_routes(app, ctx)
+    _add_info_routes(app, serving)
+    install_openapi(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest,
+                          DetokenizeRequest])
+    keyring = KeyRing.from_config(ctx.config.api_key, ctx.config.api_keys)
     app.add_middleware(GuardMiddleware, max_body_bytes=ctx.config.max_body_bytes,
-                       max_header_bytes=ctx.config.max_header_bytes, api_key=ctx.config.api_key)
+                       max_header_bytes=ctx.config.max_header_bytes, keyring=keyring,
+                       allowed_hosts=ctx.config.host_allow_list(keyring.enabled))
     if ctx.config.cors_origins:  # outermost, so preflights are answered without a key
         from fastapi.middleware.cors import CORSMiddleware
 
@@ -46,19 +58,14 @@ def _add_error_handlers(app: FastAPI) -> None:
         return exc.response()
 
     @app.exception_handler(RequestValidationError)
-    async def invalid_body(_: Request, exc: RequestValidationError) -> Response:
-        errors = exc.errors()
-        first = errors[0] if errors else {}
-        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-        message = first.get("msg", "invalid request")
-        if loc:
-            message = f"{'.'.join(loc)}: {message}"
-        return APIError(400, message, code="invalid_value",
-                        param=".".join(loc) or None).response()
+    async def invalid_request(_: Request, exc: RequestValidationError) -> Response:
+        return invalid_body(list(exc.errors())).response()
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, exc: HTTPException) -> Response:
-        return APIError(exc.status_code, str(exc.detail), code=None).response()
+        error = APIError(exc.status_code, str(exc.detail), code=None,
+                         headers=dict(exc.headers or {}))  # 405 keeps its Allow
+        return error.response()
 
     @app.exception_handler(Exception)
     async def unexpected(_: Request, exc: Exception) -> Response:
@@ -86,23 +93,36 @@ async def _until_disconnect(request: Request, work) -> Response:
     return Response(status_code=499)
 
 
+def _principal(request: Request):
+    return getattr(request.state, "principal", ANONYMOUS)
+
+
 def _add_generation_routes(app: FastAPI, serving: OpenAIServing) -> None:
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await _until_disconnect(request, serving.completions(body, request.headers))
+    # Bodies are parsed in the worker pool, not by FastAPI on the event loop.
+    prep = serving.ctx.prep
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await _until_disconnect(request, serving.chat(body, request.headers))
+    @app.post("/v1/completions", openapi_extra=json_body(CompletionRequest))
+    async def completions(request: Request) -> Response:
+        body = await prep.parse(CompletionRequest, await request.body())
+        return await _until_disconnect(
+            request, serving.completions(body, request.headers, _principal(request)))
+
+    @app.post("/v1/chat/completions", openapi_extra=json_body(ChatCompletionRequest))
+    async def chat_completions(request: Request) -> Response:
+        body = await prep.parse(ChatCompletionRequest, await request.body())
+        return await _until_disconnect(
+            request, serving.chat(body, request.headers, _principal(request)))
 
 
-def _add_info_routes(app: FastAPI, ctx: ServerContext) -> None:
+def _add_info_routes(app: FastAPI, serving: OpenAIServing) -> None:
+    ctx = serving.ctx
+
     @app.get("/health")
     async def health() -> Response:
         reason = health_problem(ctx)
         if reason:
             return APIError(503, reason, code="unhealthy").response()
-        return Response(status_code=200)
+        return JSONResponse({"status": "ok"})
 
     @app.get("/version")
     async def version() -> dict:
@@ -114,22 +134,33 @@ def _add_info_routes(app: FastAPI, ctx: ServerContext) -> None:
             "id": ctx.model_name, "object": "model", "created": int(ctx.started_at),
             "owned_by": "carpool", "root": ctx.model_name, "max_model_len": ctx.max_model_len}]}
 
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> dict:
-        # Counted exactly as the generation endpoints count them.
+    def count_tokens(body: TokenizeRequest) -> list[int]:
+        # Counted exactly as the generation endpoints count them, within their limits.
         if body.prompt is not None:
-            tokens = encode_text(ctx.tokenizer, body.prompt, raw_prompt=True)
-        else:
-            tokens = chat_tokens(ctx.tokenizer, body.messages or [], body.add_generation_prompt)
-        return {"tokens": tokens, "count": len(tokens), "max_model_len": ctx.max_model_len}
+            check_chars(len(body.prompt), ctx.max_prompt_chars, "prompt")
+            return encode_text(ctx.tokenizer, body.prompt, raw_prompt=True)
+        return serving.chat_prompt(body.messages or [], body.add_generation_prompt)
 
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> dict:
+    def decode(body: DetokenizeRequest) -> str:
         vocab = ctx.tokenizer.vocab_size
+        if len(body.tokens) > ctx.max_model_len:
+            raise APIError(400, f"at most {ctx.max_model_len} tokens", code="invalid_value",
+                           param="tokens")
         if any(not 0 <= t < vocab for t in body.tokens):
             raise APIError(400, f"token ids must be in [0, {vocab})", code="invalid_value",
                            param="tokens")
-        return {"prompt": ctx.tokenizer.decode(body.tokens)}
+        return ctx.tokenizer.decode(body.tokens)
+
+    @app.post("/tokenize", openapi_extra=json_body(TokenizeRequest))
+    async def tokenize(request: Request) -> dict:
+        body = await ctx.prep.parse(TokenizeRequest, await request.body())
+        tokens = await ctx.prep.run(count_tokens, body)
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": ctx.max_model_len}
+
+    @app.post("/detokenize", openapi_extra=json_body(DetokenizeRequest))
+    async def detokenize(request: Request) -> dict:
+        body = await ctx.prep.parse(DetokenizeRequest, await request.body())
+        return {"prompt": await ctx.prep.run(decode, body)}
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -143,7 +174,9 @@ def _add_info_routes(app: FastAPI, ctx: ServerContext) -> None:
                              "running": stats.num_running, "waiting": stats.num_waiting,
                              "kv_usage": stats.kv_usage, "sessions": stats.sessions,
                              "rejections": stats.rejections,
-                             "decisions": list(stats.recent_decisions)})
+                             "decisions": list(stats.recent_decisions),
+                             # the latency targets, their sources and the calibration rule
+                             "adaptive": stats.adaptive, "slo": stats.slo})
 
 
 def health_problem(ctx: ServerContext) -> str | None:

@@ -1,6 +1,7 @@
 """Server settings: listening address, auth, client-controlled size limits."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 
@@ -15,9 +16,18 @@ class ServerConfig:
     host: str = "127.0.0.1"  # loopback by default; 0.0.0.0 to serve the network
     port: int = 8000
     served_model_name: str | None = None  # defaults to the model's name
-    api_key: str | None = None  # also read from $CARPOOL_API_KEY
+    # One key for every caller (also from $CARPOOL_API_KEY or --api-key-file,
+    # which keep it out of `ps`); --api-keys FILE maps keys to tenants and privileges.
+    api_key: str | None = None
+    api_key_file: str | None = None  # a file whose first line is the key
+    api_keys: str | None = None  # keys file (see carpool.server.auth)
+    # Host names (no port) accepted in the Host header; empty = automatic:
+    # on a keyless server bound to loopback only loopback names (against
+    # DNS rebinding), otherwise any.
+    allowed_hosts: list[str] = field(default_factory=list)
     cors_origins: list[str] = field(default_factory=list)  # CORS is off when empty
-    max_body_bytes: int = 4 * 2**20
+    # The largest valid request: 32 prompts of 8192 token ids (~1.8 MB of JSON).
+    max_body_bytes: int = 2 * 2**20
     max_header_bytes: int = 16 * 2**10
     max_n: int = 16
     max_prompts: int = 32  # prompts in one /v1/completions batch
@@ -26,8 +36,16 @@ class ServerConfig:
     max_stop: int = 16
     max_tokens_cap: int | None = None  # None: the context length is the only cap
     # Characters of prompt text in one request (all text prompts, or all chat
-    # messages' content); None = no cap. Token-id prompts are not counted.
+    # messages' content); None = CHARS_PER_CONTEXT_TOKEN per token of the
+    # context length (a longer text could not fit the context anyway).
+    # Token-id prompts are capped at the context length each.
     max_prompt_chars: int | None = None
+    # Chat: special-token text inside message content is tokenized as plain
+    # text (content cannot forge <|im_start|> and the like) unless true.
+    special_tokens_in_content: bool = False
+    prep_workers: int = 1  # threads that parse, template and tokenize requests
+    header_timeout: float = 10.0  # seconds a connection may take to send its request head
+    keep_alive_timeout: float = 5.0  # seconds an idle keep-alive connection stays open
     shutdown_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
     status_interval: float = 5.0  # seconds between status lines while busy
     stall_timeout: float = 120.0  # /health turns 503 if busy with no step for this long
@@ -47,4 +65,48 @@ class ServerConfig:
         if self.shutdown_timeout < 0 or self.status_interval <= 0 or self.stall_timeout <= 0:
             raise ValueError("shutdown_timeout must be >= 0, status_interval and "
                              "stall_timeout > 0")
+        if not self.header_timeout > 0 or not self.keep_alive_timeout > 0:
+            raise ValueError("header_timeout and keep_alive_timeout must be > 0 seconds")
+        if self.prep_workers < 1:
+            raise ValueError(f"prep_workers must be >= 1, got {self.prep_workers}")
         return self
+
+    def prompt_chars_cap(self, max_model_len: int) -> int:
+        """The character cap in force for a model of this context length."""
+        if self.max_prompt_chars is not None:
+            return self.max_prompt_chars
+        return CHARS_PER_CONTEXT_TOKEN * max_model_len
+
+    def resolve_api_key(self) -> None:
+        """Fill ``api_key`` from ``api_key_file`` or $CARPOOL_API_KEY when not given."""
+        if self.api_key is None and self.api_key_file:
+            with open(self.api_key_file, encoding="utf-8") as f:
+                self.api_key = f.readline().strip() or None
+            if self.api_key is None:
+                raise ValueError(f"{self.api_key_file}: the first line holds no key")
+        if self.api_key is None:
+            self.api_key = os.environ.get("CARPOOL_API_KEY") or None
+
+    def host_allow_list(self, keyed: bool) -> frozenset[str] | None:
+        """Host names the Host header may carry, or None for any."""
+        if self.allowed_hosts:
+            return frozenset(h.lower() for h in self.allowed_hosts)
+        if not keyed and is_loopback(self.host):
+            return LOOPBACK_NAMES
+        return None
+
+
+# Generous: real text runs ~3-5 characters per token, code up to ~10.
+CHARS_PER_CONTEXT_TOKEN = 16
+LOOPBACK_NAMES = frozenset({"127.0.0.1", "localhost", "[::1]", "::1"})
+
+
+def is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

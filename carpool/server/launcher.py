@@ -19,9 +19,11 @@ import uvicorn
 
 from carpool.config import EngineConfig
 from carpool.engine.async_engine import AsyncEngine
+from carpool.engine.calibrate import prepare_serving, print_log
 from carpool.engine.llm_engine import LLMEngine
 from carpool.server.app import build_app
 from carpool.server.config import ServerConfig
+from carpool.server.http import with_head_timeout
 from carpool.server.metrics import Metrics
 from carpool.server.serving import ServerContext
 
@@ -31,6 +33,10 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 # After an engine failure the server stays up this long, so in-flight
 # responses flush their error events and health checks see 503.
 FAILURE_GRACE_S = 2.0
+# The event loop competes for the GIL with the engine thread and the request
+# preparation threads; at Python's default 5 ms switch interval a flood of
+# maximal bodies kept /health waiting ~0.2-0.4 s, at 1 ms under 0.1 s.
+GIL_SWITCH_INTERVAL_S = 0.001
 # Test hook: make the engine loop raise on this step (exercises the failure path).
 FAULT_ENV = "CARPOOL_FAULT_AT_STEP"
 
@@ -69,6 +75,8 @@ class _Runner:
         uv_config = uvicorn.Config(
             build_app(ctx), host=config.host, port=config.port, log_level="warning",
             access_log=False, lifespan="off", timeout_graceful_shutdown=5,
+            http=with_head_timeout(config.header_timeout),
+            timeout_keep_alive=config.keep_alive_timeout,
             h11_max_incomplete_event_size=config.max_header_bytes + 4096)
         self.server = _Server(uv_config, self)
         ctx.engine.on_failure = lambda exc: self.loop.call_soon_threadsafe(self.fail, exc)
@@ -96,6 +104,7 @@ class _Runner:
         self.loop.call_later(FAILURE_GRACE_S, setattr, self.server, "should_exit", True)
 
     async def run(self) -> int:
+        await self.ctx.prep.start()
         serve = asyncio.ensure_future(self.server.serve())
         while not self.server.started and not serve.done():
             await asyncio.sleep(0.02)
@@ -116,6 +125,14 @@ class _Runner:
         print(f"carpool: serving {ctx.model_name!r} on http://{host}:{port} "
               f"(context {ctx.max_model_len} tokens, KV cache {stats.kv_num_blocks} blocks)",
               flush=True)
+        slo = ctx.engine.engine.slo
+        if slo is not None:
+            print(f"carpool: {slo.describe()}; the adaptive controller keeps them and "
+                  f"admission answers 429 + Retry-After for what would miss them "
+                  f"(--slo to set, --adaptive false for plain batching)", flush=True)
+        else:
+            print("carpool: adaptive controller off: plain batching at the configured knobs, "
+                  "no latency targets", flush=True)
 
     async def _status_lines(self) -> None:
         while True:
@@ -150,17 +167,24 @@ def _inject_fault(engine: LLMEngine, at_step: int) -> None:
 
 
 def run_server(engine_config: EngineConfig, server_config: ServerConfig,
-               schedule=None) -> int:
+               schedule=None, slo_sources: dict[str, str] | None = None) -> int:
     """Load the model and serve until a signal drains the server or the engine fails.
 
-    ``schedule`` (a ``ProfileSchedule``): time-of-day windows applied live."""
+    ``schedule`` (a ``ProfileSchedule``): time-of-day windows applied live.
+    The adaptive controller is on unless ``adaptive: false``; its latency
+    targets are resolved (measured at start-up when ``auto``) before the
+    server listens; ``slo_sources`` says which the command line set."""
     logging.basicConfig(level=logging.INFO, format="carpool: %(message)s")
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     prometheus_client.disable_created_metrics()  # as vLLM: no *_created series
     server_config.validate()
-    if server_config.api_key is None:
-        server_config.api_key = os.environ.get("CARPOOL_API_KEY") or None
+    server_config.resolve_api_key()
+    if server_config.api_keys:  # a bad keys file fails now, before the model loads
+        from carpool.server.auth import read_keys_file
+
+        read_keys_file(server_config.api_keys)
     print("carpool: loading the model...", file=sys.stderr, flush=True)
-    engine = LLMEngine.from_config(engine_config)
+    engine = prepare_serving(LLMEngine.from_config(engine_config), slo_sources, print_log)
     if os.environ.get(FAULT_ENV):
         _inject_fault(engine, int(os.environ[FAULT_ENV]))
     if schedule is not None:

@@ -155,6 +155,12 @@ class _EngineCollector:
         yield counter("engine_steps", "Scheduler steps run.", c.steps)
         yield counter("engine_busy_seconds", "Seconds the engine spent running steps.",
                       c.busy_seconds)
+        finished = CounterMetricFamily(
+            "carpool:request_success", "Requests the engine finished, by reason (stop, "
+            "length, abort, rejected).", labels=["model_name", "finished_reason"])
+        for reason, count in sorted(c.finished.items()):
+            finished.add_metric(model + [reason], count)
+        yield finished
         rejected = CounterMetricFamily("carpool:requests_rejected",
                                        "Requests rejected by admission control, by reason.",
                                        labels=["model_name", "reason"])

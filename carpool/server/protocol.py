@@ -1,19 +1,29 @@
 """Request bodies of the OpenAI-compatible API (pydantic, validated on entry).
 
-Fields OpenAI defines but carpool does not implement are accepted only at
-their neutral value; anything else is a 400 naming the field, never a
-silently ignored knob. Unknown fields are ignored, as OpenAI clients send
-extras (``user``, ``metadata``...).
+Fields OpenAI defines but carpool does not implement (``tools``,
+``tool_choice``, ``functions``, ``logit_bias``, ``echo``, a message's
+``tool_calls``...) are accepted only at their neutral value; anything else
+is a 400 naming the field, never a silently ignored knob. Unknown fields
+are ignored, as OpenAI clients send extras (``user``, ``metadata``...).
 """
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainValidator,
+    StrictBool,
+    StrictInt,
+    WithJsonSchema,
+    model_validator,
+)
 
+# Any integer (clamped to the classes and to the key's privilege) or a class name.
 Priority = (Annotated[int, Field(strict=True, gt=-10**9, lt=10**9)]
             | Literal["high", "normal", "low"])
-PRIORITY_CLASSES = {"high": -1, "normal": 0, "low": 1}
 
 
 class StreamOptions(BaseModel):
@@ -50,6 +60,8 @@ class _SamplingFields(BaseModel):
     deadline_ms: float | None = Field(None, gt=0, le=86_400_000)
     # Request-level (static / dynamic) batching holds this request at most this long.
     max_wait_ms: float | None = Field(None, ge=0, le=60_000)
+    # Prefix-cache namespace within the caller's tenant (vLLM's cache_salt).
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
 
     @model_validator(mode="after")
     def _neutral_unsupported(self) -> "_SamplingFields":
@@ -65,7 +77,38 @@ class _SamplingFields(BaseModel):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
-Prompt = str | list[str] | list[StrictInt] | list[list[StrictInt]]
+_PROMPT_SHAPES = "a string, a list of strings, a list of token ids or a list of lists of token ids"
+
+
+def _is_token_ids(value: Any) -> bool:
+    # One C-level pass (set of types), not a Python loop: a maximal body holds
+    # about a million ids, and a Python loop would hog the GIL for ~0.1 s.
+    return isinstance(value, list) and set(map(type, value)) <= {int}
+
+
+def _validate_prompt(value: Any) -> Any:
+    """The prompt's shape in one pass with no per-element errors: a union
+    validator would build an error object per element of every union member
+    that fails (a 4 MiB body of ids cost ~0.9 GB that way)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value:
+        first = value[0]
+        if isinstance(first, str) and set(map(type, value)) == {str}:
+            return value
+        if type(first) is int and _is_token_ids(value):
+            return value
+        if isinstance(first, list) and all(_is_token_ids(p) for p in value):
+            return value
+    if isinstance(value, list) and not value:
+        raise ValueError("prompt must not be empty")
+    raise ValueError(f"prompt must be {_PROMPT_SHAPES}")
+
+
+Prompt = Annotated[Any, PlainValidator(_validate_prompt), WithJsonSchema({"anyOf": [
+    {"type": "string"}, {"type": "array", "items": {"type": "string"}},
+    {"type": "array", "items": {"type": "integer"}},
+    {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}}]})]
 
 
 class CompletionRequest(_SamplingFields):
@@ -97,6 +140,19 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    # Tool calling is not supported: a past call in the history is refused
+    # (a 400 naming it), never silently dropped from what the model sees.
+    tool_calls: list[Any] | None = None
+    function_call: Any = None
+
+    @model_validator(mode="after")
+    def _no_tool_calls(self) -> "ChatMessage":
+        if self.tool_calls:
+            raise ValueError("tool_calls in messages are not supported (tool calling is not "
+                             "implemented)")
+        if self.function_call is not None:
+            raise ValueError("function_call in messages is not supported")
+        return self
 
     def text(self) -> str:
         if self.content is None:
@@ -122,12 +178,22 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: StrictInt | None = Field(None, ge=0)
     add_generation_prompt: StrictBool = True
     tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
     response_format: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _chat_unsupported(self) -> "ChatCompletionRequest":
         if self.tools:
             raise ValueError("tools are not supported")
+        if self.tool_choice not in (None, "none"):
+            raise ValueError("tool_choice is not supported (tool calling is not implemented); "
+                             "leave it unset or 'none'")
+        if self.functions:
+            raise ValueError("functions are not supported")
+        if self.function_call not in (None, "none"):
+            raise ValueError("function_call is not supported; leave it unset or 'none'")
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise ValueError("response_format other than text is not supported")
         if self.top_logprobs and not self.logprobs:

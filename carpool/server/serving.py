@@ -4,12 +4,16 @@ One API call becomes ``len(prompts) * n`` engine requests ("choices"),
 choice ``p * n + i`` being sample ``i`` of prompt ``p``. A streaming call
 waits for its first output before sending headers, so a request rejected
 while queued still gets a proper 429 instead of a broken stream.
+
+Invariant: every engine request a call creates ends when the call does —
+finished, or aborted at once when the call fails part-way (one choice
+refused), is cancelled (the client left) or its response is abandoned.
+Every prompt of a call is checked before any choice is queued.
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
@@ -19,16 +23,24 @@ from typing import Any
 import anyio
 from starlette.responses import JSONResponse, StreamingResponse
 
-from carpool.engine.async_engine import AsyncEngine, EngineDeadError
+from carpool.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from carpool.engine.llm_engine import ContextLengthError
 from carpool.engine.outputs import RequestOutput
 from carpool.sampling_params import SamplingParams
 from carpool.scheduler import RejectedError
+from carpool.server.auth import ANONYMOUS, Principal
 from carpool.server.config import ServerConfig
 from carpool.server.errors import APIError, bad_request
 from carpool.server.metrics import Metrics, RequestTracker
-from carpool.server.protocol import (PRIORITY_CLASSES, ChatCompletionRequest, ChatMessage,
-                                     CompletionRequest, _SamplingFields, template_messages)
+from carpool.server.prepare import (
+    Extensions,
+    PrepPool,
+    chat_tokens,
+    check_chars,
+    encode_text,
+    extensions,
+)
+from carpool.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 from carpool.server.responses import SSE_DONE, ResponseBuilder, sse, usage_of
 
 _SEED_STRIDE = 0x9E3779B97F4A7C15  # odd: distinct seeds for the n samples of one seed
@@ -46,61 +58,24 @@ class ServerContext:
     metrics: Metrics
     draining: bool = False
     started_at: float = dataclasses.field(default_factory=time.time)
+    prep: PrepPool | None = None  # defaults to config.prep_workers threads
+
+    def __post_init__(self) -> None:
+        if self.prep is None:
+            self.prep = PrepPool(self.config.prep_workers)
+
+    @property
+    def max_prompt_chars(self) -> int:
+        return self.config.prompt_chars_cap(self.max_model_len)
 
 
 @dataclass
-class _Extensions:
-    priority: int = 0
-    session_id: str | None = None
-    deadline: float | None = None  # engine clock (monotonic)
-    max_wait: float | None = None  # seconds request-level batching may hold it
+class _Call:
+    """One generation call, prepared (in a worker thread) and ready to queue."""
 
-
-def _extensions(body: _SamplingFields, headers: Mapping[str, str]) -> _Extensions:
-    """carpool's extension fields; the body wins over ``x-*`` headers."""
-    priority: Any = body.priority if body.priority is not None else headers.get("x-priority")
-    if isinstance(priority, str):
-        if re.fullmatch(r"-?[0-9]{1,9}", priority):
-            priority = int(priority)
-        elif priority in PRIORITY_CLASSES:
-            priority = PRIORITY_CLASSES[priority]
-        else:
-            raise bad_request(f"priority must be an integer or one of "
-                              f"{sorted(PRIORITY_CLASSES)}, got {priority[:40]!r}", "priority")
-    session_id = body.session_id or headers.get("x-session-id") or None
-    if session_id is not None and len(session_id) > 256:
-        raise bad_request("session_id is longer than 256 characters", "session_id")
-    deadline_ms: Any = body.deadline_ms
-    if deadline_ms is None and "x-deadline-ms" in headers:
-        try:
-            deadline_ms = float(headers["x-deadline-ms"])
-        except ValueError:
-            raise bad_request("x-deadline-ms must be a number of milliseconds", "deadline_ms")
-        if not 0 < deadline_ms <= 86_400_000:
-            raise bad_request("deadline_ms must be in (0, 86400000]", "deadline_ms")
-    deadline = time.monotonic() + deadline_ms / 1000 if deadline_ms is not None else None
-    max_wait = body.max_wait_ms / 1000 if body.max_wait_ms is not None else None
-    return _Extensions(int(priority or 0), session_id, deadline, max_wait)
-
-
-def encode_text(tokenizer, text: str, raw_prompt: bool) -> list[int]:
-    """Token ids of client text. As vLLM, a raw prompt gets the model's BOS
-    framing; a rendered chat template already carries its own."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:  # a lone surrogate, e.g. from a "\ud800" JSON escape
-        raise bad_request("the text is not valid Unicode (lone surrogate)") from None
-    return tokenizer.encode(text, add_special_tokens=raw_prompt)
-
-
-def chat_tokens(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
-    """Render messages with the model's chat template, then tokenize."""
-    try:
-        text = tokenizer.apply_chat_template(template_messages(messages),
-                                             add_generation_prompt=add_generation_prompt)
-    except ValueError as exc:  # ChatTemplateError: the template refused these messages
-        raise bad_request(str(exc), "messages") from None
-    return encode_text(tokenizer, text, raw_prompt=False)
+    prompts: list[list[int]]
+    params: list[SamplingParams]
+    builder: ResponseBuilder
 
 
 class OpenAIServing:
@@ -109,7 +84,7 @@ class OpenAIServing:
     def __init__(self, ctx: ServerContext) -> None:
         self.ctx = ctx
 
-    # -- request -> engine inputs ---------------------------------------------------
+    # -- request -> engine inputs (worker threads) -----------------------------------
 
     def _check_common(self, body: _SamplingFields) -> None:
         cfg = self.ctx.config
@@ -122,17 +97,18 @@ class OpenAIServing:
             raise bad_request(f"at most {cfg.max_stop} stop strings", "stop")
 
     def _sampling(self, body: _SamplingFields, max_tokens: int | None, logprobs: int | None,
-                  prompt_len: int) -> SamplingParams:
+                  prompt: list[int]) -> SamplingParams:
+        """The sampling parameters of one prompt, which must fit the context."""
         cfg = self.ctx.config
         if logprobs is not None and logprobs > cfg.max_logprobs:
             raise bad_request(f"logprobs must be <= {cfg.max_logprobs}", "logprobs")
         if max_tokens is None:  # as vLLM: whatever room the context leaves (within the cap)
-            max_tokens = max(1, min(self.ctx.max_model_len - prompt_len,
+            max_tokens = max(1, min(self.ctx.max_model_len - len(prompt),
                                     cfg.max_tokens_cap or self.ctx.max_model_len))
         elif cfg.max_tokens_cap is not None and max_tokens > cfg.max_tokens_cap:
             raise bad_request(f"max_tokens must be <= {cfg.max_tokens_cap}", "max_tokens")
         try:
-            return SamplingParams(
+            params = SamplingParams(
                 max_tokens=max_tokens, temperature=body.temperature, top_k=body.top_k,
                 top_p=body.top_p, min_p=body.min_p, repetition_penalty=body.repetition_penalty,
                 presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
@@ -140,72 +116,81 @@ class OpenAIServing:
                 ignore_eos=body.ignore_eos, logprobs=logprobs,
                 include_stop_str_in_output=body.include_stop_str_in_output,
                 skip_special_tokens=body.skip_special_tokens)
+            params.validate()
+            self.ctx.engine.engine.check_prompt(prompt, params)
+        except ContextLengthError as exc:
+            raise APIError(400, str(exc), code="context_length_exceeded") from None
         except ValueError as exc:
             raise bad_request(str(exc)) from None
+        return params
 
     def _completion_prompts(self, body: CompletionRequest) -> list[list[int]]:
         prompt = body.prompt
         if isinstance(prompt, str):
             prompts: list[Any] = [prompt]
-        elif prompt and isinstance(prompt[0], list):
-            prompts = list(prompt)
-        elif prompt and isinstance(prompt[0], int):
+        elif isinstance(prompt[0], int):
             prompts = [prompt]
         else:
             prompts = list(prompt)
-        if not prompts:
-            raise bad_request("prompt must not be empty", "prompt")
         if len(prompts) > self.ctx.config.max_prompts:
             raise bad_request(f"at most {self.ctx.config.max_prompts} prompts per request",
                               "prompt")
-        self._check_chars(sum(len(p) for p in prompts if isinstance(p, str)), "prompt")
+        check_chars(sum(len(p) for p in prompts if isinstance(p, str)),
+                    self.ctx.max_prompt_chars, "prompt")
         return [encode_text(self.ctx.tokenizer, p, raw_prompt=True) if isinstance(p, str)
-                else list(p) for p in prompts]
+                else p for p in prompts]
 
-    def _check_chars(self, count: int, param: str) -> None:
-        cap = self.ctx.config.max_prompt_chars
-        if cap is not None and count > cap:
-            raise bad_request(f"the {param} text is {count} characters; this server accepts at "
-                              f"most {cap} per request", param, code="prompt_too_long")
+    def prepare_completion(self, body: CompletionRequest) -> _Call:
+        self._check_common(body)
+        prompts = self._completion_prompts(body)
+        params = [self._sampling(body, body.max_tokens, body.logprobs, p) for p in prompts]
+        builder = ResponseBuilder("completion", f"cmpl-{uuid.uuid4().hex}", self.ctx.model_name,
+                                  self.ctx.tokenizer, body.logprobs)
+        return _Call(prompts, params, builder)
 
-    def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
-        if len(body.messages) > self.ctx.config.max_messages:
+    def chat_prompt(self, messages, add_generation_prompt: bool) -> list[int]:
+        """Token ids of chat messages, within the server's limits."""
+        if len(messages) > self.ctx.config.max_messages:
             raise bad_request(f"at most {self.ctx.config.max_messages} messages", "messages")
-        self._check_chars(sum(len(m.text()) for m in body.messages), "messages")
-        return chat_tokens(self.ctx.tokenizer, body.messages, body.add_generation_prompt)
+        check_chars(sum(len(m.text()) for m in messages), self.ctx.max_prompt_chars,
+                    "messages")
+        return chat_tokens(self.ctx.tokenizer, messages, add_generation_prompt,
+                           self.ctx.config.special_tokens_in_content)
+
+    def prepare_chat(self, body: ChatCompletionRequest) -> _Call:
+        self._check_common(body)
+        prompt = self.chat_prompt(body.messages, body.add_generation_prompt)
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        params = self._sampling(body, max_tokens, logprobs, prompt)
+        builder = ResponseBuilder("chat", f"chatcmpl-{uuid.uuid4().hex}", self.ctx.model_name,
+                                  self.ctx.tokenizer, logprobs)
+        return _Call([prompt], [params], builder)
 
     # -- endpoints -------------------------------------------------------------------
 
-    async def completions(self, body: CompletionRequest, headers: Mapping[str, str]):
-        self._check_common(body)
-        prompts = self._completion_prompts(body)
-        params = [self._sampling(body, body.max_tokens, body.logprobs, len(p)) for p in prompts]
-        builder = ResponseBuilder("completion", f"cmpl-{uuid.uuid4().hex}", self.ctx.model_name,
-                                  self.ctx.tokenizer, body.logprobs)
-        return await self._generate(body, headers, prompts, params, builder)
+    async def completions(self, body: CompletionRequest, headers: Mapping[str, str],
+                          principal: Principal = ANONYMOUS):
+        call = await self.ctx.prep.run(self.prepare_completion, body)
+        return await self._generate(body, headers, principal, call)
 
-    async def chat(self, body: ChatCompletionRequest, headers: Mapping[str, str]):
-        self._check_common(body)
-        prompt = self._chat_prompt(body)
-        logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        max_tokens = body.max_completion_tokens or body.max_tokens
-        params = self._sampling(body, max_tokens, logprobs, len(prompt))
-        builder = ResponseBuilder("chat", f"chatcmpl-{uuid.uuid4().hex}", self.ctx.model_name,
-                                  self.ctx.tokenizer, logprobs)
-        return await self._generate(body, headers, [prompt], [params], builder)
+    async def chat(self, body: ChatCompletionRequest, headers: Mapping[str, str],
+                   principal: Principal = ANONYMOUS):
+        call = await self.ctx.prep.run(self.prepare_chat, body)
+        return await self._generate(body, headers, principal, call)
 
     # -- shared pipeline -----------------------------------------------------------------
 
     async def _generate(self, body: _SamplingFields, headers: Mapping[str, str],
-                        prompts: list[list[int]], params: list[SamplingParams],
-                        builder: ResponseBuilder):
+                        principal: Principal, call: _Call):
         if self.ctx.draining:
             raise APIError(503, "the server is shutting down", code="draining")
         received_at = time.monotonic()
-        ext = _extensions(body, headers)
-        streams = await self._start(prompts, params, body.n, ext, builder.id)
+        ext = extensions(body, headers, principal)
+        streams = await self._start(call.prompts, call.params, body.n, ext, call.builder.id)
         trackers = [RequestTracker(self.ctx.metrics, received_at) for _ in streams]
         merged = _merge(streams, trackers)
+        builder = call.builder
         try:
             first = await anext(merged)
             _raise_if_rejected(first[1])
@@ -221,8 +206,9 @@ class OpenAIServing:
         return JSONResponse(await _collect(first, merged, builder, len(streams), body.n))
 
     async def _start(self, prompts: list[list[int]], params: list[SamplingParams], n: int,
-                     ext: _Extensions, base_id: str) -> list[AsyncIterator[RequestOutput]]:
-        """Queue every choice; if one is refused, abort those already queued."""
+                     ext: Extensions, base_id: str) -> list[RequestStream]:
+        """Queue every choice; if one is refused (or this is cancelled), abort
+        those already queued before raising."""
         jobs = []
         for p, (prompt, sampling) in enumerate(zip(prompts, params)):
             for i in range(n):
@@ -235,13 +221,15 @@ class OpenAIServing:
                 session_id = ext.session_id if p == i == 0 else None
                 jobs.append(self.ctx.engine.add_request(
                     prompt, choice, request_id=f"{base_id}-{p * n + i}", priority=ext.priority,
-                    session_id=session_id, deadline=ext.deadline, max_wait=ext.max_wait))
+                    session_id=session_id, deadline=ext.deadline, max_wait=ext.max_wait,
+                    cache_salt=ext.cache_salt))
+        # Each add aborts its own request if cancelled while being accepted.
         results = await asyncio.gather(*jobs, return_exceptions=True)
         failure = next((r for r in results if isinstance(r, BaseException)), None)
         if failure is None:
             return list(results)
         for result in results:
-            if not isinstance(result, BaseException):
+            if isinstance(result, RequestStream):
                 await result.aclose()
         for result in results:
             if isinstance(result, BaseException) and not isinstance(result, Exception):
@@ -274,7 +262,7 @@ def _raise_if_rejected(output: RequestOutput) -> None:
                        headers={"Retry-After": "1"})
 
 
-async def _merge(streams: list[AsyncIterator[RequestOutput]],
+async def _merge(streams: list[RequestStream],
                  trackers: list[RequestTracker]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Interleave the choices' outputs as they come; closing this aborts the rest."""
     queue: asyncio.Queue = asyncio.Queue()
@@ -310,6 +298,8 @@ async def _merge(streams: list[AsyncIterator[RequestOutput]],
             tracker.close("abort")
         with anyio.CancelScope(shield=True):
             await asyncio.gather(*tasks, return_exceptions=True)
+            for stream in streams:  # a pump cancelled before it started never read its stream
+                await stream.aclose()
 
 
 async def _collect(first: tuple[int, RequestOutput], merged, builder: ResponseBuilder,

@@ -1,0 +1,174 @@
+"""Serve-time latency targets: from the command line and config, or measured.
+
+``prepare_serving`` runs once in ``carpool serve``, after the model loaded
+and before the server listens. It turns ``adaptive: null`` on, and for each
+target still ``auto`` it measures this model on this machine
+(``measure_unloaded``) and applies the rule of ``carpool.slo``: the targets
+are stated multiples of the unloaded TTFT and TPOT, with floors.
+
+The measurement runs on a throw-away engine that shares the model and the
+executor (``LLMEngine.renewed``) with prefix caching off and the controller
+off, so the serving engine starts with fresh counters, an empty prefix
+cache and estimators that never saw the probe; the probe itself is a
+warm-up request of the measured shape (first calls pay one-off costs:
+kernel selection, allocations), then ``CALIBRATION_RUNS`` requests one at
+a time, each with its own prompt; the medians are the unloaded values.
+"""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+from carpool.config import EngineConfig
+from carpool.engine.llm_engine import LLMEngine
+from carpool.sampling_params import SamplingParams
+from carpool.slo import (
+    AUTO,
+    CALIBRATION_DECODE_TOKENS,
+    CALIBRATION_PROMPT_TOKENS,
+    CALIBRATION_RUNS,
+    FALLBACK_TPOT,
+    FALLBACK_TTFT,
+    TARGET_METRICS,
+    ServingSLO,
+    calibrated_targets,
+)
+
+# Measured runs stop once this many seconds went into the measurement (at
+# least one run is measured): a large model on a CPU still starts quickly.
+CALIBRATION_BUDGET_S = 10.0
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Median unloaded TTFT and TPOT (seconds) over ``runs`` requests."""
+
+    ttft: float
+    tpot: float
+    runs: int
+    seconds: float  # wall time of the whole measurement, warm-up included
+    prompt_tokens: int
+    decode_tokens: int
+
+
+def measure_unloaded(engine: LLMEngine, prompt_tokens: int = CALIBRATION_PROMPT_TOKENS,
+                     decode_tokens: int = CALIBRATION_DECODE_TOKENS,
+                     runs: int = CALIBRATION_RUNS,
+                     budget_s: float = CALIBRATION_BUDGET_S) -> Calibration:
+    """TTFT and TPOT of requests run one at a time on an idle engine
+    (``engine`` itself is left untouched; see the module docstring)."""
+    started = time.perf_counter()
+    probe = engine.renewed(_probe_config(engine.config))
+    decode_tokens = max(2, min(decode_tokens, engine.max_model_len // 2))
+    prompt_tokens = max(1, min(prompt_tokens, engine.max_model_len - decode_tokens))
+    while prompt_tokens > 1 and not probe.scheduler.kv.can_ever_fit(prompt_tokens + decode_tokens):
+        prompt_tokens //= 2  # a tiny KV pool: a shorter probe rather than no server
+    _run_one(probe, _prompt(engine, prompt_tokens, 0), decode_tokens)  # warm-up
+    ttfts, tpots = [], []
+    for run in range(1, runs + 1):
+        ttft, tpot = _run_one(probe, _prompt(engine, prompt_tokens, run), decode_tokens)
+        ttfts.append(ttft)
+        tpots.append(tpot)
+        if time.perf_counter() - started > budget_s:
+            break
+    return Calibration(statistics.median(ttfts), statistics.median(tpots), len(ttfts),
+                       time.perf_counter() - started, prompt_tokens, decode_tokens)
+
+
+def _probe_config(config: EngineConfig) -> EngineConfig:
+    """The serving settings, run plainly: continuous batching, no controller,
+    no prefix cache (every run must compute its whole prompt)."""
+    return dataclasses.replace(
+        config, cache=dataclasses.replace(config.cache, enable_prefix_caching=False),
+        scheduler=dataclasses.replace(config.scheduler, batching="continuous", padding=None),
+        controller=dataclasses.replace(config.controller, adaptive=False))
+
+
+def _prompt(engine: LLMEngine, length: int, run: int) -> list[int]:
+    """``length`` ordinary token ids, different for every ``run``."""
+    vocab = engine.model_config.vocab_size
+    special = set(engine.tokenizer.all_special_ids) | set(engine.model_config.eos_token_ids)
+    ids, step, token = [], 7919 + 2 * run, 101 + 37 * run
+    while len(ids) < length:
+        token = (token + step) % vocab
+        if token not in special:
+            ids.append(token)
+    return ids
+
+
+def _run_one(engine: LLMEngine, prompt: list[int], decode_tokens: int) -> tuple[float, float]:
+    engine.add_request(prompt, SamplingParams(max_tokens=decode_tokens, temperature=0.0,
+                                              ignore_eos=True))
+    final = None
+    while engine.has_unfinished:
+        for output in engine.step():
+            if output.finished:
+                final = output
+    if final is None or final.first_token_time is None or final.finish_reason != "length":
+        raise RuntimeError(f"the calibration request did not complete ({final!r})")
+    ttft = final.first_token_time - final.arrival_time
+    tpot = (final.finish_time - final.first_token_time) / (decode_tokens - 1)
+    return ttft, tpot
+
+
+def prepare_serving(engine: LLMEngine, sources: dict[str, str] | None = None,
+                    log=None) -> LLMEngine:
+    """The engine ``carpool serve`` runs: the controller on unless the
+    settings say ``adaptive: false``, with every target resolved
+    (``resolve_targets``) and recorded as ``engine.slo``. Returns ``engine``
+    itself when the controller stays off."""
+    config = engine.config
+    config.controller.resolve_adaptive(serving=True)
+    if not config.controller.adaptive:
+        return engine
+    slo = resolve_targets(engine, sources, log)
+    serving = engine.renewed(config)  # the controller built with the resolved targets
+    serving.slo = slo
+    return serving
+
+
+def resolve_targets(engine: LLMEngine, sources: dict[str, str] | None = None,
+                    log=None) -> ServingSLO:
+    """Replace every ``auto`` target of ``engine.config.controller``: measured
+    on ``engine`` and calibrated (unless ``calibrate: false``: the
+    fallbacks); explicit ones stay. ``sources`` names where explicit targets
+    came from (``{"ttft": "flag"}``; others say ``config``); ``log`` gets a
+    line before a measurement."""
+    controller = engine.config.controller
+    auto = controller.auto_targets
+    measured = None
+    if auto and controller.calibrate:
+        if log is not None:
+            log(f"carpool: measuring the unloaded TTFT / TPOT for the latency targets "
+                f"({' and '.join(auto)}; --slo or --calibrate false skips this)...")
+        measured = measure_unloaded(engine)
+    return _resolve(controller, measured, sources or {})
+
+
+def _resolve(controller, measured: Calibration | None, sources: dict[str, str]) -> ServingSLO:
+    """Set each target of ``controller`` and say where it came from."""
+    calibrated = (calibrated_targets(measured.ttft, measured.tpot)
+                  if measured is not None else None)
+    fallback = {"ttft": FALLBACK_TTFT, "tpot": FALLBACK_TPOT}
+    origin = {}
+    for index, metric in enumerate(TARGET_METRICS):
+        name = f"{metric}_target"
+        if getattr(controller, name) != AUTO:
+            origin[metric] = sources.get(metric, "config")
+        elif calibrated is not None:
+            setattr(controller, name, calibrated[index])
+            origin[metric] = "calibrated"
+        else:
+            setattr(controller, name, fallback[metric])
+            origin[metric] = "fallback"
+    return ServingSLO(controller.ttft_target, controller.tpot_target, origin,
+                      measured.ttft if measured else None, measured.tpot if measured else None,
+                      measured.seconds if measured else None)
+
+
+def print_log(message: str) -> None:
+    """Progress lines of ``prepare_serving`` go to stderr, as the loader's do."""
+    print(message, file=sys.stderr, flush=True)

@@ -1,0 +1,117 @@
+#!/usr/bin/env bash
+# Issue 14, item 4: default `carpool serve` (adaptive controller, targets
+# measured at start-up) against `carpool serve --adaptive false`, over HTTP
+# on 127.0.0.1, under Poisson load with a 3x surge; per phase (calm / surge /
+# calm): TTFT p99 and TPOT p99 of admitted requests, rejected share, goodput.
+#
+#   scripts/surge_compare.sh                  # surges of 20 s and 60 s, ~12 min
+#   SURGES=30 RATE=2 scripts/surge_compare.sh
+#
+# Needs the machine alone (2 CPU cores: any other load moves the numbers).
+# Settings (environment):
+#   RATE    calm-phase Poisson rate, req/s, or auto (the default): first 96
+#           requests at 32 in flight against the plain server measure its
+#           throughput, and RATE = 0.6 x its output tok/s / 48 (1.5-2 req/s
+#           expected here). The earlier figure of ~300-420 output tok/s under
+#           load would give 0.6 x 360 / 48 = 4.5 req/s (RATE=4.5), but on this
+#           machine, quiet, a request of 100 prompt + 48 output tokens takes
+#           ~0.26 s of engine time (prefill ~1.5 ms a token, 32-way decode
+#           steps ~0.1 s), so <= ~3.8 req/s at most: 4.5 would overload even
+#           the calm phase (perhaps the figure counted prompt tokens too).
+#   SURGES  surge lengths in seconds, space separated (default "20 60"); each
+#           is a run: CALM s calm, 3x the rate for the surge, CALM s calm.
+#   CALM    seconds of each calm phase (default 30)
+#   PORT    (default 8011), OUT results folder (default surge-runs), MODEL
+#           (default: carpool's default model), SERVE_FLAGS extra serve flags.
+# Every load is bounded: --num-requests, --max-duration, --request-timeout;
+# each server is stopped (SIGTERM, then SIGKILL) when its run ends or fails.
+set -euo pipefail
+
+RATE=${RATE:-auto}
+SURGES=${SURGES:-"20 60"}
+CALM=${CALM:-30}
+PORT=${PORT:-8011}
+OUT=${OUT:-surge-runs}
+MODEL=${MODEL:-}
+SERVE_FLAGS=${SERVE_FLAGS:-}
+PROMPT_TOKENS=100
+OUTPUT_TOKENS=48
+BASE="http://127.0.0.1:${PORT}"
+mkdir -p "$OUT"
+SERVER_PID=""
+
+stop_server() {
+  if [[ -n "$SERVER_PID" ]] && kill -0 "$SERVER_PID" 2>/dev/null; then
+    kill -TERM "$SERVER_PID" 2>/dev/null || true
+    for _ in $(seq 1 100); do kill -0 "$SERVER_PID" 2>/dev/null || break; sleep 0.2; done
+    kill -KILL "$SERVER_PID" 2>/dev/null || true
+    wait "$SERVER_PID" 2>/dev/null || true
+  fi
+  SERVER_PID=""
+}
+trap stop_server EXIT INT TERM
+
+start_server() {  # $1: log file, rest: extra flags
+  local log=$1; shift
+  # shellcheck disable=SC2086
+  carpool serve $MODEL --host 127.0.0.1 --port "$PORT" --shutdown-timeout 5 $SERVE_FLAGS "$@" \
+    >"$log" 2>&1 &
+  SERVER_PID=$!
+  for _ in $(seq 1 600); do  # up to 5 min: the first run may fetch and compile
+    if curl -sf "$BASE/health" >/dev/null 2>&1; then
+      grep -E "carpool: (serving|SLO|adaptive)" "$log" || true
+      return 0
+    fi
+    kill -0 "$SERVER_PID" 2>/dev/null || { cat "$log"; echo "carpool serve exited" >&2; exit 1; }
+    sleep 0.5
+  done
+  echo "carpool serve did not come up; see $log" >&2
+  exit 1
+}
+
+bench() {  # $1: json out, $2: label, $3: slo, rest: workload flags
+  local json=$1 label=$2 slo=$3; shift 3
+  carpool bench serve --base-url "$BASE/v1" --workload synthetic \
+    --input-len "$PROMPT_TOKENS" --output-len "$OUTPUT_TOKENS" --arrival poisson --seed 14 \
+    --request-timeout 120 --slo "$slo" --label "$label" --json "$json" --no-progress "$@"
+}
+
+if [[ "$RATE" == "auto" ]]; then
+  echo "== measuring throughput: 96 requests, 32 in flight, plain server"
+  start_server "$OUT/serve-probe.log" --adaptive false
+  bench "$OUT/probe.json" "throughput probe" "" --rate 1000 --num-requests 96 \
+    --max-concurrency 32 --max-duration 300 >/dev/null
+  stop_server
+  RATE=$(python -c "import json; s = json.load(open('$OUT/probe.json'))['summary']; \
+print(f\"{0.6 * s['output_throughput'] / $OUTPUT_TOKENS:.2f}\")")
+  echo "   0.6 x capacity: RATE=$RATE req/s"
+fi
+
+status=0
+for SURGE in $SURGES; do
+  TOTAL=$((2 * CALM + SURGE))
+  NUM=$(python -c "import math; print(math.ceil($RATE * (2 * $CALM + 3 * $SURGE) * 1.2))")
+  WORKLOAD=(--rate "$RATE" --surge "3x@${CALM}+${SURGE}" --num-requests "$NUM"
+            --max-duration "$TOTAL")
+  echo "== surge ${SURGE} s: ${RATE} req/s, 3x from ${CALM} s to $((CALM + SURGE)) s, ${TOTAL} s"
+
+  start_server "$OUT/serve-adaptive-$SURGE.log"
+  SLO=$(curl -sf "$BASE/carpool/policy" | python -c "import json, sys; \
+s = json.load(sys.stdin)['slo']; \
+print(f\"ttft={s['ttft_target'] * 1000:.0f}ms,tpot={s['tpot_target'] * 1000:.0f}ms\")")
+  echo "   the default server's targets: --slo $SLO"
+  bench "$OUT/adaptive-$SURGE.json" "carpool serve (default: adaptive, SLO $SLO)" "$SLO" \
+    "${WORKLOAD[@]}"
+  stop_server
+
+  start_server "$OUT/serve-plain-$SURGE.log" --adaptive false
+  bench "$OUT/plain-$SURGE.json" "carpool serve --adaptive false" "$SLO" "${WORKLOAD[@]}"
+  stop_server
+
+  echo "== surge ${SURGE} s: side by side (ratios: adaptive / plain)"
+  carpool bench compare "$OUT/plain-$SURGE.json" "$OUT/adaptive-$SURGE.json" --markdown \
+    | tee "$OUT/compare-$SURGE.md"
+  python "$(dirname "$0")/surge_verdict.py" "$OUT/plain-$SURGE.json" "$OUT/adaptive-$SURGE.json" \
+    | tee "$OUT/verdict-$SURGE.txt" || status=1
+done
+exit $status

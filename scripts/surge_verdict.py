@@ -1,0 +1,83 @@
+"""Issue 14's goals, checked on two ``carpool bench serve`` results of one
+surge schedule: ``plain.json`` (``carpool serve --adaptive false``) and
+``adaptive.json`` (default ``carpool serve``), judged by the same ``--slo``.
+
+    python scripts/surge_verdict.py plain.json adaptive.json
+
+Per phase (calm / surge / calm, by send time) it prints TTFT p99 and TPOT
+p99 of the admitted requests, the rejected share and goodput of both, and
+checks: adaptive TTFT and TPOT p99 within the SLO in every phase; in the
+surge, rejected share <= excess + 1% and goodput >= 1.3x plain; in the calm
+phases no rejection and goodput >= 0.98x plain.
+
+The excess is 1 - served / offered in the surge with "served" the plain
+server's completions per second while the surge lasts (by finish time):
+that server turns nobody away and is saturated then, so it is its maximum
+throughput, an upper bound of the capacity under the SLO; the excess it
+gives is a lower bound of the real one, which makes the check strict.
+Exits 0 when every check passes, 1 otherwise.
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+
+def _p99(phase: dict, metric: str) -> float | None:
+    return (phase.get(metric) or {}).get("p99")
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.0f} ms"
+
+
+def saturated_rate(result: dict, start: float, end: float) -> float:
+    """Completions per second with their finish inside [start, end)."""
+    done = [r for r in result["requests"]
+            if r["status"] == "ok" and r["finished"] is not None and start <= r["finished"] < end]
+    return len(done) / max(end - start, 1e-9)
+
+
+def verdict(plain: dict, adaptive: dict) -> list[tuple[str, bool]]:
+    slo = adaptive["summary"]["slo"]
+    checks = []
+    phases = zip(plain["phases"], adaptive["phases"])
+    for base, ours in phases:
+        name = ours["phase"]
+        print(f"{name:<12} offered {ours['offered_rate']:.2f}/s | "
+              f"plain: TTFT p99 {_ms(_p99(base, 'ttft'))}, TPOT p99 {_ms(_p99(base, 'tpot'))}, "
+              f"rejected {base['rejected_share']:.1%}, goodput {base['goodput']:.2f}/s | "
+              f"adaptive: TTFT p99 {_ms(_p99(ours, 'ttft'))}, TPOT p99 "
+              f"{_ms(_p99(ours, 'tpot'))}, rejected {ours['rejected_share']:.1%}, goodput "
+              f"{ours['goodput']:.2f}/s")
+        for metric in ("ttft", "tpot"):
+            value = _p99(ours, metric)
+            checks.append((f"{name}: {metric} p99 {_ms(value)} <= {_ms(slo[metric])}",
+                           value is not None and value <= slo[metric]))
+        ratio = ours["goodput"] / base["goodput"] if base["goodput"] else float("inf")
+        if name.startswith("surge"):
+            served = saturated_rate(plain, ours["start"], ours["end"])
+            excess = max(0.0, 1 - served / ours["offered_rate"])
+            checks.append((f"{name}: rejected {ours['rejected_share']:.1%} <= excess "
+                           f"{excess:.1%} + 1% (plain served {served:.2f}/s)",
+                           ours["rejected_share"] <= excess + 0.01))
+            checks.append((f"{name}: goodput {ratio:.2f}x plain >= 1.3x", ratio >= 1.3))
+        else:
+            checks.append((f"{name}: no rejections ({ours['rejected']})", ours["rejected"] == 0))
+            checks.append((f"{name}: goodput {ratio:.2f}x plain >= 0.98x", ratio >= 0.98))
+    return checks
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2:
+        print(__doc__.strip().splitlines()[3].strip(), file=sys.stderr)
+        return 2
+    plain, adaptive = (json.loads(open(path, encoding="utf-8").read()) for path in argv)
+    checks = verdict(plain, adaptive)
+    for text, ok in checks:
+        print(f"  {'PASS' if ok else 'FAIL'}  {text}")
+    return 0 if all(ok for _, ok in checks) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

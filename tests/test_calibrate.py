@@ -1,0 +1,107 @@
+"""Serve-time latency targets on the tiny model: the start-up measurement,
+the rule with its floors, where each target came from, and that offline
+engines stay without the controller (they never shed)."""
+from __future__ import annotations
+
+import pytest
+
+from carpool.config import EngineConfig
+from carpool.engine.calibrate import measure_unloaded, prepare_serving
+from carpool.engine.llm_engine import LLMEngine
+from carpool.sampling_params import SamplingParams
+from carpool.slo import (
+    CALIBRATION_RUNS,
+    FALLBACK_TPOT,
+    FALLBACK_TTFT,
+    MIN_TPOT_TARGET,
+    MIN_TTFT_TARGET,
+    TPOT_MULTIPLE,
+    TTFT_MULTIPLE,
+)
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_model_dir):
+    """One loaded tiny model; each test takes a fresh engine on it."""
+    config = EngineConfig.from_dict({"model": str(tiny_model_dir), "attention_backend": "torch",
+                                     "kv_cache_memory": "16MiB"})
+    return LLMEngine.from_config(config)
+
+
+def fresh(loaded, **settings) -> LLMEngine:
+    config = EngineConfig.from_dict({"model": vars(loaded.config.model),
+                                     "cache": vars(loaded.config.cache), **settings})
+    return loaded.renewed(config.validate())
+
+
+def test_measurement_leaves_the_engine_untouched(loaded):
+    engine = fresh(loaded)
+    free = engine.scheduler.kv.pool.num_free_blocks
+    result = measure_unloaded(engine)
+    assert 0 < result.ttft < 1.0 and 0 < result.tpot < 1.0
+    assert 1 <= result.runs <= CALIBRATION_RUNS and result.prompt_tokens == 128
+    assert engine.counters.steps == 0 and not engine.has_unfinished
+    assert engine.scheduler.kv.pool.num_free_blocks == free
+    assert not engine.scheduler.cost_model.ready  # the probe's steps were its own
+    assert engine.stats().prefix_queries == 0
+
+
+def test_serve_turns_the_controller_on_with_floored_calibrated_targets(loaded):
+    engine = fresh(loaded)
+    assert engine.scheduler.controller is None  # adaptive: null is off until serve decides
+    serving = prepare_serving(engine)
+    slo = serving.slo
+    assert serving.config.controller.adaptive is True and serving.scheduler.controller
+    assert slo.sources == {"ttft": "calibrated", "tpot": "calibrated"}
+    # The rule; a 2-layer model answers in milliseconds, so (unless this machine
+    # is very busy) its multiples are below the floors.
+    assert slo.ttft == max(MIN_TTFT_TARGET, TTFT_MULTIPLE * slo.ttft_unloaded)
+    assert slo.tpot == max(MIN_TPOT_TARGET, TPOT_MULTIPLE * slo.tpot_unloaded)
+    assert serving.scheduler.admission.ttft_target == slo.ttft
+    assert serving.scheduler.controller.config.tpot_target == slo.tpot
+    assert "measured at start-up" in slo.describe()
+    stats = serving.stats()
+    assert stats.adaptive and stats.slo["ttft_target"] == slo.ttft
+    assert stats.slo["sources"]["tpot"] == "calibrated" and "median of 3" in stats.slo["rule"]
+    assert serving.counters.steps == 0 and serving.counters.requests_added == 0
+
+
+def test_explicit_targets_are_kept_and_only_the_rest_is_measured(loaded):
+    serving = prepare_serving(fresh(loaded, slo="ttft=700ms"), {"ttft": "flag"})
+    assert serving.slo.ttft == pytest.approx(0.7) and serving.slo.sources["ttft"] == "flag"
+    assert serving.slo.sources["tpot"] == "calibrated" and serving.slo.tpot_unloaded > 0
+    both = prepare_serving(fresh(loaded, controller={"ttft_target": 1.5, "tpot_target": 0.3}))
+    assert (both.slo.ttft, both.slo.tpot) == (1.5, 0.3)
+    assert both.slo.sources == {"ttft": "config", "tpot": "config"}
+    assert both.slo.calibration_seconds is None  # nothing to measure
+
+
+def test_without_calibration_auto_targets_are_the_fallbacks(loaded):
+    serving = prepare_serving(fresh(loaded, calibrate=False))
+    assert (serving.slo.ttft, serving.slo.tpot) == (FALLBACK_TTFT, FALLBACK_TPOT)
+    assert serving.slo.sources == {"ttft": "fallback", "tpot": "fallback"}
+
+
+def test_adaptive_false_serves_plainly(loaded):
+    engine = fresh(loaded, adaptive=False)
+    assert prepare_serving(engine) is engine
+    assert engine.slo is None and engine.scheduler.controller is None
+    assert not engine.stats().adaptive and engine.stats().slo is None
+
+
+def test_offline_engines_never_shed_at_the_defaults(loaded):
+    engine = fresh(loaded)
+    assert engine.scheduler.controller is None and engine.scheduler.admission.ttft_target is None
+    for i in range(40):  # far more than the batch: all queue, none is turned away
+        engine.add_request([5 + i % 7] * 30, SamplingParams(max_tokens=8, ignore_eos=True))
+    done = 0
+    while engine.has_unfinished:
+        done += sum(o.finished and o.finish_reason == "length" for o in engine.step())
+    assert done == 40
+
+
+def test_a_pool_too_small_for_the_probe_measures_a_shorter_prompt(tiny_model_dir):
+    small = LLMEngine.from_config(EngineConfig.from_dict({
+        "model": str(tiny_model_dir), "attention_backend": "torch", "num_blocks": 4}))
+    result = measure_unloaded(small)  # 4 blocks of 16 tokens: 64 tokens in all
+    assert result.prompt_tokens + result.decode_tokens <= 64 and result.ttft > 0
