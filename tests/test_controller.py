@@ -262,8 +262,8 @@ def test_slow_tokens_cut_the_limit_once_per_cut_that_took_effect() -> None:
     ctl = controller(cost=cost, controller_mode="balanced", tpot_target=0.1, transition_steps=1)
     tick(ctl, signals(tokens=148.0))
     assert ctl.knobs.max_num_seqs == 64 and ctl.correction.factor == 1.0
-    # Requests finish at 90 ms a token (> 0.8 x 100 ms): the model is optimistic.
-    slow = replace(signals(tokens=148.0, running=64, waiting=10), recent_tpot=0.09)
+    # Requests finish at 110 ms a token (> the 100 ms target): the model is optimistic.
+    slow = replace(signals(tokens=148.0, running=64, waiting=10), recent_tpot=0.11)
     tick(ctl, slow)
     assert ctl.correction.factor == 1.0  # one tick is no trend
     tick(ctl, slow)
@@ -277,7 +277,7 @@ def test_slow_tokens_cut_the_limit_once_per_cut_that_took_effect() -> None:
     assert ctl.correction.factor == pytest.approx(0.64)
     reasons = [d.reason for d in ctl.decisions if d.knob == "latency_correction"]
     assert reasons == ["step_over_target"] * 2
-    # Well within (< 70% of 80 ms) with demand over the limit, two ticks in a row: grow;
+    # Well within (< 70% of 100 ms) with demand over the limit, two ticks in a row: grow;
     # but not while the steps of right now are over the target.
     calm = replace(slow, running=ctl.knobs.max_num_seqs, recent_tpot=0.04)
     for _ in range(3):
@@ -286,6 +286,19 @@ def test_slow_tokens_cut_the_limit_once_per_cut_that_took_effect() -> None:
     tick(ctl, calm)
     tick(ctl, calm)
     assert ctl.correction.factor == pytest.approx(0.704)
+
+
+def test_tokens_within_the_target_never_cut_the_limit() -> None:
+    """TPOT over the mode's step share (80 ms of 100) but within the target:
+    the batch stays; cutting it (as before) starved a calm server of slots
+    while its TPOT was fine, and the queue then cost first tokens."""
+    cost = linear_cost(per_token=0.001, fixed=0.01)
+    ctl = controller(cost=cost, controller_mode="balanced", tpot_target=0.1, transition_steps=1)
+    tick(ctl, signals(tokens=148.0))
+    busy = replace(signals(tokens=148.0, running=64, waiting=10), recent_tpot=0.09)
+    for _ in range(6):
+        tick(ctl, busy)
+    assert ctl.correction.factor == 1.0 and ctl.knobs.max_num_seqs == 64
 
 
 def test_alternating_signals_do_not_make_the_knobs_oscillate() -> None:

@@ -12,7 +12,7 @@ from carpool.profiles.schedule import ProfileSchedule
 from carpool.sampling_params import SamplingParams
 from carpool.scheduler import Scheduler
 from carpool.scheduler.live_settings import apply_live_settings
-from carpool.scheduler.shedding import PredictionError
+from carpool.scheduler.shedding import RATIO_SLACK, PredictionError
 from tests.test_scheduler_properties import FakeClock
 
 
@@ -84,20 +84,34 @@ def test_engine_follows_the_profile_schedule_at_its_boundaries(tiny_model_dir) -
     assert engine._schedule_due == datetime(2026, 12, 2, 9, 0)  # tomorrow's peak
 
 
-def test_prediction_margin_is_the_late_quantile_of_errors() -> None:
+def test_prediction_margin_is_the_late_quantile_of_relative_errors() -> None:
+    slack = RATIO_SLACK
     errors = PredictionError(window=100)
     for _ in range(7):
         errors.record(1.0, 3.0)
-    assert errors.margin() == 0.0  # too few samples to trust
+    assert errors.margin(predicted=1.0) == 0.0  # too few samples to trust
     errors = PredictionError(window=100, quantile=0.9)
-    for i in range(100):
-        errors.record(1.0, 1.0 + i / 100)  # late by 0.00 .. 0.99 s
-    assert errors.margin() == pytest.approx(0.9)
+    for i in range(100):  # late by 0 .. 99% of (prediction + slack)
+        errors.record(1.0, 1.0 + (1.0 + slack) * i / 100)
+    assert errors.factor() == pytest.approx(1.9)
+    assert errors.margin(predicted=1.0) == pytest.approx(0.9 * (1.0 + slack))
+    # Relative: the same history adds less to a smaller prediction.
+    assert errors.margin(predicted=0.0) == pytest.approx(0.9 * slack)
     assert PredictionError().quantile == 0.99  # the default aims at the p99 TTFT
     early = PredictionError()
     for _ in range(20):
         early.record(2.0, 1.0)
-    assert early.margin() == 0.0  # early first tokens never lower the prediction
+    assert early.margin(predicted=2.0) == 0.0  # early first tokens never lower a prediction
+
+
+def test_a_surge_margin_does_not_swamp_the_calm_after_it() -> None:
+    """Seconds late when seconds were predicted (a surge's queue) add little
+    to the sub-second predictions that follow it; an absolute margin added
+    the full seconds (and rejected the calm)."""
+    errors = PredictionError()
+    for _ in range(50):
+        errors.record(3.0, 6.0)  # a surge: twice as late as predicted
+    assert errors.margin(predicted=0.3) < 0.6 < 3.0
 
 
 def test_adaptive_admission_sheds_a_predicted_ttft_miss_including_the_margin() -> None:
@@ -111,7 +125,7 @@ def test_adaptive_admission_sheds_a_predicted_ttft_miss_including_the_margin() -
     sched.add_request(Request("a", [1] * 40, 4, 0.0))  # predicted ~0.05 s: admitted
     assert sched.requests["a"].predicted_ttft == pytest.approx(0.05, abs=0.01)
     for _ in range(10):
-        sched.admission.prediction_error.record(0.05, 1.05)  # first tokens came 1 s late
+        sched.admission.prediction_error.record(0.05, 1.05)  # first tokens came 3.3x as late
     with pytest.raises(RejectedError) as info:
         sched.add_request(Request("b", [2] * 40, 4, 0.0))
     assert info.value.reason == "predicted_ttft_miss"

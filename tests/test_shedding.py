@@ -167,13 +167,13 @@ def test_a_large_learned_margin_never_turns_away_the_next_in_line():
     assert _try(scheduler, "first") is None  # nothing ahead of it
     assert _try(scheduler, "second").reason == "predicted_ttft_miss"  # behind "first"
     scheduler.clock.now = MARGIN_MAX_AGE + 1.0
-    assert scheduler.admission.prediction_error.margin(scheduler.clock.now) == 0.0
+    assert scheduler.admission.prediction_error.margin(scheduler.clock.now, 1.0) == 0.0
     assert _try(scheduler, "later") is None
 
 
 def test_prediction_errors_expire_by_age():
     errors = PredictionError(max_age=30.0)
     for t in range(10):
-        errors.record(0.1, 1.1, now=float(t))
-    assert errors.margin(20.0) == pytest.approx(1.0)
-    assert errors.margin(35.0) == 0.0  # five left: too few to trust
+        errors.record(0.1, 1.1, now=float(t))  # (1.1 + slack) / (0.1 + slack) late
+    assert errors.margin(20.0, 0.1) == pytest.approx(1.0)
+    assert errors.margin(35.0, 0.1) == 0.0  # five left: too few to trust

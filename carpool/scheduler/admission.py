@@ -302,7 +302,7 @@ class AdmissionControl:
             request.predicted_ttft = None
             return None
         request.predicted_ttft = max(0.0, now - request.arrival_time) + delay
-        return request.predicted_ttft + self.prediction_error.margin(now)
+        return request.predicted_ttft + self.prediction_error.margin(now, request.predicted_ttft)
 
     def predicted_first_token(self, request: Request, now: float, waiting,
                               running: Sequence[Request]) -> float | None:

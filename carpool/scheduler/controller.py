@@ -204,9 +204,13 @@ class AdaptiveController:
             self.ramp.retarget(self.knobs, targets)
 
     def _adapt_correction(self, s: Signals) -> None:
+        """The feedback on the batch limit aims at the TPOT target itself: the
+        mode's step share is the feed-forward term's headroom, and cutting
+        whenever TPOT passed that share starved a calm server of slots (its
+        TPOT was within the target while arrivals queued for first tokens)."""
         limit = self.knobs.max_num_seqs
         old = self.correction.factor
-        cause = self.correction.update(s.recent_tpot, self._step_seconds(PRESETS[self.mode]),
+        cause = self.correction.update(s.recent_tpot, self.config.tpot_target,
                                        s.running, limit, s.waiting > 0 and s.running >= limit,
                                        s.step_time)
         if cause is not None:

@@ -70,34 +70,46 @@ def predict_slot_delay(cost: StepCostModel, remaining_tokens: list[int],
     return steps * max(cost.predict(running, running), mean_step)
 
 
+# Seconds added to both sides of the error ratio, so tiny predictions (an
+# idle server: one step) do not turn small absolute misses into huge ratios.
+RATIO_SLACK = 0.25
+
+
 class PredictionError:
     """How late first tokens came against their prediction, learned online.
 
-    ``margin`` is the 99th percentile (``quantile``) of (actual - predicted)
-    TTFT over the last ``window`` admitted requests that had a prediction
-    (never below 0): shedding adds it to every prediction, so a cost model
-    that is optimistic under the current load sheds earlier instead of
-    letting the admitted requests' p99 TTFT miss the target. With
-    ``max_age`` (and times given) errors older than that many seconds no
-    longer count: what a surge taught must not outlive it, above all when
-    it made the server shed everything (then no new error comes to
-    displace the old ones).
+    The error is relative: r = (actual + RATIO_SLACK) / (predicted +
+    RATIO_SLACK) over the last ``window`` admitted requests that had a
+    prediction, and ``margin(now, predicted)`` is what the ``quantile`` (p99
+    by default) of r adds to a prediction (never below 0). Shedding adds it,
+    so a cost model that is optimistic under the current load sheds earlier
+    instead of letting the admitted requests' p99 TTFT miss the target.
+    Relative, because misses scale with the work ahead: seconds late when a
+    surge's queue predicted seconds must not add those seconds to the
+    near-empty queue of the calm after it (an absolute margin rejected half
+    of that calm). With ``max_age`` (and times given) errors older than that
+    many seconds no longer count: what a surge taught must not outlive it.
     """
 
     def __init__(self, window: int = 256, quantile: float = 0.99,
                  max_age: float | None = None) -> None:
         self.quantile = quantile
         self.max_age = max_age
-        self._errors: deque[tuple[float, float]] = deque(maxlen=window)  # (time, error)
+        self._ratios: deque[tuple[float, float]] = deque(maxlen=window)  # (time, ratio)
 
     def record(self, predicted: float, actual: float, now: float = 0.0) -> None:
-        self._errors.append((now, actual - predicted))
+        self._ratios.append((now, (actual + RATIO_SLACK) / (max(0.0, predicted) + RATIO_SLACK)))
 
-    def margin(self, now: float | None = None) -> float:
+    def factor(self, now: float | None = None) -> float:
+        """The late quantile of the error ratio (1 while fewer than 8 samples)."""
         if now is not None and self.max_age is not None:
-            while self._errors and self._errors[0][0] < now - self.max_age:
-                self._errors.popleft()
-        if len(self._errors) < 8:
-            return 0.0
-        ordered = sorted(error for _, error in self._errors)
-        return max(0.0, ordered[min(len(ordered) - 1, int(self.quantile * len(ordered)))])
+            while self._ratios and self._ratios[0][0] < now - self.max_age:
+                self._ratios.popleft()
+        if len(self._ratios) < 8:
+            return 1.0
+        ordered = sorted(ratio for _, ratio in self._ratios)
+        return max(1.0, ordered[min(len(ordered) - 1, int(self.quantile * len(ordered)))])
+
+    def margin(self, now: float | None = None, predicted: float = 0.0) -> float:
+        """Seconds to add to ``predicted`` for the learned error."""
+        return (max(0.0, predicted) + RATIO_SLACK) * (self.factor(now) - 1.0)
