@@ -3,8 +3,6 @@ rules, the batch-limit formula, alpha, decision logging, and that no
 accepted request is lost while it moves the knobs."""
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -20,7 +18,6 @@ from carpool.scheduler.controller import (
 from carpool.scheduler.cost_model import StepCostModel
 from carpool.scheduler.live_window import Signals, percentile
 from carpool.scheduler.modes import PRESETS, ModeSelector
-from carpool.scheduler.slo_policy import latency_limit
 from tests.test_scheduler_properties import FakeClock, Ledger
 
 
@@ -196,188 +193,6 @@ def test_request_level_batch_limit_follows_peak_demand_times_alpha() -> None:
     ctl.observe_step(9.9, None, demand=3)
     limit, _, reason = ctl.batch_limit(signals(tokens=256.0), PRESETS["throughput"])
     assert (limit, reason) == (16, "by_demand")  # never below the mode's preferred size
-
-
-def test_batch_limit_counts_the_prefill_that_comes_with_each_decode() -> None:
-    """The step of a full batch also carries the prefill of the requests that
-    replace finished ones; a limit sized on decode steps alone (as before)
-    lets a surge of arrivals push TPOT over its target."""
-    cost = linear_cost(per_token=0.001, fixed=0.01)
-    ctl = controller(cost=cost, controller_mode="balanced", tpot_target=0.1)
-    base = signals(tokens=148.0)  # no prompt sizes known: decode steps only
-    decode_only, _, _ = ctl.batch_limit(base, PRESETS["balanced"])
-    assert decode_only == pytest.approx(64, abs=1)  # 0.01 + 0.001 n <= 0.08 -> 70, cap 64
-    with_prefill = replace(base, prefill_ratio=100 / 48)  # 100-token prompts, 48 out
-    limit, cause, reason = ctl.batch_limit(with_prefill, PRESETS["balanced"])
-    # 0.01 + 0.001 * n * (1 + 100 / 48) <= 0.08 -> n = 22
-    assert reason == "by_latency" and limit in (21, 22)
-    step = cost.predict(round(limit * (1 + 100 / 48)), limit)
-    assert step <= 0.08 * 1.01
-
-
-def test_latency_limit_caps_the_prefill_at_the_step_budget() -> None:
-    cost = linear_cost(per_token=0.001, fixed=0.01)
-    assert latency_limit(cost, 0.08, 64, None, 512) == 64  # 70 fit, the cap binds
-    # Prompts 50x the output: without the budget the limit would be 1; the
-    # budget (100 tokens a step) bounds a step at 0.11 s whatever the batch.
-    assert latency_limit(cost, 0.115, 64, 50.0, 100) == 64
-    assert latency_limit(cost, 0.001, 64, 0.0, 512) == 1  # never below one sequence
-
-
-def test_token_budget_keeps_a_step_within_the_mode_share_of_the_tpot_target() -> None:
-    ctl = controller(cost=linear_cost(per_token=0.0005, fixed=0.01), tpot_target=0.1,
-                     controller_mode="latency", transition_steps=1)
-    ctl.observe_step(9.0, None, demand=4)
-    tick(ctl, signals(tpot=0.05))  # within 60 ms: the full budget stays
-    assert ctl.knobs.max_num_batched_tokens == 512
-    tick(ctl, signals(tpot=0.07))
-    # Over 0.6 * 0.1 s = 60 ms: (0.06 - 0.01) / 0.0005 = 100 tokens.
-    assert 95 <= ctl.knobs.max_num_batched_tokens <= 100  # the fit's ridge bias
-    assert ctl.knobs.max_num_seqs == 50  # by_memory: demand no longer sizes the batch
-    cut = ctl.knobs.max_num_batched_tokens
-    tick(ctl, signals(tpot=0.055))  # within 60 ms but not well within (70%): held
-    assert ctl.knobs.max_num_batched_tokens == cut
-    tick(ctl, signals(tpot=0.03))
-    tick(ctl, signals(tpot=0.03))  # two calm ticks in a row: back to the full budget
-    assert ctl.knobs.max_num_batched_tokens == 512
-
-
-def test_a_queue_beyond_the_batch_limit_brings_the_tick_forward() -> None:
-    ctl = controller(controller_interval=10.0)
-    state = {"waiting": 200, "waiting_tokens": 0, "running": 64, "kv_usage": 0.0, "busy": 0.9,
-             "batch_limit": 64}
-    ctl.on_step(0.0, 0, lambda: state)
-    ctl.on_step(0.05, 200, lambda: state)
-    assert ctl.ticks == 0  # at most every EARLY_TICK
-    ctl.on_step(0.2, 10, lambda: state)
-    assert ctl.ticks == 0  # the queue is within the limit: wait for the interval
-    ctl.on_step(0.3, 200, lambda: state)
-    assert ctl.ticks == 1
-    ctl.on_step(10.3, 0, lambda: state)
-    assert ctl.ticks == 2
-
-
-def test_slow_tokens_cut_the_limit_once_per_cut_that_took_effect() -> None:
-    cost = linear_cost(per_token=0.001, fixed=0.01)
-    ctl = controller(cost=cost, controller_mode="balanced", tpot_target=0.1, transition_steps=1)
-    tick(ctl, signals(tokens=148.0))
-    assert ctl.knobs.max_num_seqs == 64 and ctl.correction.factor == 1.0
-    # Requests finish at 110 ms a token (> the 100 ms target): the model is optimistic.
-    slow = replace(signals(tokens=148.0, running=64, waiting=10), recent_tpot=0.11)
-    tick(ctl, slow)
-    assert ctl.correction.factor == 1.0  # one tick is no trend
-    tick(ctl, slow)
-    assert ctl.correction.factor == pytest.approx(0.8) and ctl.knobs.max_num_seqs == 51
-    # More requests still run than the new limit allows: no second cut yet.
-    for _ in range(3):
-        tick(ctl, slow)
-    assert ctl.correction.factor == pytest.approx(0.8)
-    for _ in range(2):
-        tick(ctl, replace(slow, running=51))  # in effect and still slow
-    assert ctl.correction.factor == pytest.approx(0.64)
-    reasons = [d.reason for d in ctl.decisions if d.knob == "latency_correction"]
-    assert reasons == ["step_over_target"] * 2
-    # Well within (< 70% of 100 ms) with demand over the limit, two ticks in a row: grow;
-    # but not while the steps of right now are over the target.
-    calm = replace(slow, running=ctl.knobs.max_num_seqs, recent_tpot=0.04)
-    for _ in range(3):
-        tick(ctl, replace(calm, step_time=0.12))
-    assert ctl.correction.factor == pytest.approx(0.64)
-    tick(ctl, calm)
-    tick(ctl, calm)
-    assert ctl.correction.factor == pytest.approx(0.704)
-
-
-def test_tokens_within_the_target_never_cut_the_limit() -> None:
-    """TPOT over the mode's step share (80 ms of 100) but within the target:
-    the batch stays; cutting it (as before) starved a calm server of slots
-    while its TPOT was fine, and the queue then cost first tokens."""
-    cost = linear_cost(per_token=0.001, fixed=0.01)
-    ctl = controller(cost=cost, controller_mode="balanced", tpot_target=0.1, transition_steps=1)
-    tick(ctl, signals(tokens=148.0))
-    busy = replace(signals(tokens=148.0, running=64, waiting=10), recent_tpot=0.09)
-    for _ in range(6):
-        tick(ctl, busy)
-    assert ctl.correction.factor == 1.0 and ctl.knobs.max_num_seqs == 64
-
-
-def test_alternating_signals_do_not_make_the_knobs_oscillate() -> None:
-    """Signals flipping every tick (step time over / under target, TTFT and
-    TPOT misses taking turns) leave every knob moving one way at most."""
-    cost = linear_cost(per_token=0.001, fixed=0.01)
-    ctl = controller(cost=cost, controller_mode="balanced", tpot_target=0.1,
-                     ttft_target=0.5, transition_steps=1)
-    seen = {"max_num_seqs": [], "max_num_batched_tokens": []}
-    for i in range(40):
-        running = ctl.knobs.max_num_seqs
-        over = i % 2 == 0
-        tick(ctl, replace(signals(tokens=148.0, running=running, waiting=5,
-                                  ttft=0.9 if over else 0.2, tpot=0.05 if over else 0.2),
-                          step_time=0.09 if over else 0.05, prefill_ratio=1.0,
-                          recent_tpot=0.09 if over else 0.05))
-        for knob, values in seen.items():
-            values.append(getattr(ctl.knobs, knob))
-    for knob, values in seen.items():
-        moves = [b - a for a, b in zip(values, values[1:]) if b != a]
-        assert all(m < 0 for m in moves) or all(m > 0 for m in moves), (knob, values)
-    # Request-level batching: alternating TTFT / TPOT misses never move alpha.
-    level = controller(request_level=True, ttft_target=0.5, tpot_target=0.1)
-    for i in range(20):
-        tick(level, signals(ttft=0.9, tpot=0.05) if i % 2 else signals(ttft=0.2, tpot=0.2))
-    assert level.alpha == 2.0 and not [d for d in level.decisions if d.knob == "alpha"]
-
-
-def _state(waiting: int = 0, running: int = 0) -> dict:
-    return {"waiting": waiting, "waiting_tokens": 0, "running": running, "kv_usage": 0.0,
-            "busy": 0.5, "batch_limit": 64}
-
-
-def test_an_arrival_surge_is_acted_on_within_a_second() -> None:
-    ctl = controller(controller_interval=10.0, controller_fast_window=2.0)
-    now = 0.0
-    ctl.on_step(now, 0, _state)
-    for _ in range(60):  # 2 arrivals per second for 30 s: steady, no early tick
-        now += 0.5
-        ctl.observe_arrival(now, 148, 100)
-        ctl.on_step(now, 0, _state)
-    assert ctl.ticks == 3 and not ctl.early_ticks  # the interval's ticks only
-    surge_start = now
-    while ctl.ticks == 3:  # then 6 per second
-        now += 1 / 6
-        ctl.observe_arrival(now, 148, 100)
-        ctl.on_step(now, 0, _state)
-    assert now - surge_start <= 1.0 and ctl.early_ticks == {"arrivals": 1}
-
-
-def test_queue_growth_and_slow_steps_bring_the_tick_forward() -> None:
-    ctl = controller(controller_interval=10.0, tpot_target=0.1)
-    now = 0.0
-    for _ in range(15):  # 64 running at the limit, steps of 20 ms
-        ctl.on_step(now, 0, _state, 64)
-        now += 0.02
-    assert ctl.ticks == 0
-    ctl.on_step(now, 3, _state, 64)  # 3 waiting behind a full batch, and growing
-    assert ctl.early_ticks == {"queue": 1}
-    for _ in range(15):
-        now += 0.02
-        ctl.on_step(now, 3, _state, 64)  # the queue holds still: no event
-    assert ctl.ticks == 1
-    slow_since = now
-    while ctl.ticks == 1:  # steps of 150 ms while requests run: over 0.8 x 100 ms
-        now += 0.15
-        ctl.on_step(now, 3, _state, 64)
-    # once the fast window's (2 s) mean step is over the step target
-    assert now - slow_since <= 2.0 and ctl.early_ticks["steps"] == 1
-
-
-def test_step_time_counts_only_gaps_between_busy_steps() -> None:
-    ctl = controller(controller_fast_window=10.0)
-    for now, running in [(0.0, 2), (0.05, 2), (0.1, 0), (5.0, 1), (5.07, 1)]:
-        ctl.on_step(now, 0, _state, running)
-    # 0.05 and 0.07; the idle stretch from 0.1 to 5.0 is no step.
-    assert ctl.window.steps.values(5.07) == pytest.approx([0.05, 0.07])
-    assert ctl.window.step_time(5.07) == pytest.approx(0.06)
-    assert ctl.window.step_time(20.0) is None  # out of the fast window
 
 
 def test_alpha_adapts_to_which_target_is_missed() -> None:
