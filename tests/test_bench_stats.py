@@ -157,6 +157,7 @@ def test_client_counts_refusals_apart_from_failures(status, outcome, reason):
     record = _send(lambda request: httpx.Response(status, json={"error": {"message": "no"}}))
     assert (record.status, record.reason) == (outcome, reason)
     assert record.ttft is None and record.finished is not None
+    assert '"message": "no"' in record.error.replace('":"', '": "')  # why, kept for reports
 
 
 def test_client_fails_cut_streams_errors_and_dead_servers():

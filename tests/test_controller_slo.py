@@ -6,9 +6,11 @@ from dataclasses import replace
 
 import pytest
 
+from carpool.scheduler import RejectedError, Request
+from carpool.scheduler.live_window import LiveWindow
 from carpool.scheduler.modes import PRESETS
 from carpool.scheduler.slo_policy import latency_limit
-from tests.test_controller import controller, linear_cost, signals, tick
+from tests.test_controller import adaptive_scheduler, controller, linear_cost, signals, tick
 
 
 def test_batch_limit_counts_the_prefill_that_comes_with_each_decode() -> None:
@@ -90,7 +92,8 @@ def test_slow_tokens_cut_the_limit_once_per_cut_that_took_effect() -> None:
     assert ctl.correction.factor == pytest.approx(0.64)
     reasons = [d.reason for d in ctl.decisions if d.knob == "latency_correction"]
     assert reasons == ["step_over_target"] * 2
-    # Well within (< 70% of 100 ms) with demand over the limit, two ticks in a row: grow;
+    # Well within (< TPOT_LOW, 75% of 100 ms) with demand over the limit, two ticks in a
+    # row: grow by CORRECTION_UP (1.2);
     # but not while the steps of right now are over the target.
     calm = replace(slow, running=ctl.knobs.max_num_seqs, recent_tpot=0.04)
     for _ in range(3):
@@ -98,17 +101,18 @@ def test_slow_tokens_cut_the_limit_once_per_cut_that_took_effect() -> None:
     assert ctl.correction.factor == pytest.approx(0.64)
     tick(ctl, calm)
     tick(ctl, calm)
-    assert ctl.correction.factor == pytest.approx(0.704)
+    assert ctl.correction.factor == pytest.approx(0.768)
 
 
 def test_tokens_within_the_target_never_cut_the_limit() -> None:
-    """TPOT over the mode's step share (80 ms of 100) but within the target:
-    the batch stays; cutting it (as before) starved a calm server of slots
-    while its TPOT was fine, and the queue then cost first tokens."""
+    """TPOT over the feed-forward's step share (80 ms of 100) but within
+    TPOT_HIGH (90 ms): the batch stays; cutting it (as before) starved a calm
+    server of slots while its TPOT was fine, and the queue then cost first
+    tokens."""
     cost = linear_cost(per_token=0.001, fixed=0.01)
     ctl = controller(cost=cost, controller_mode="balanced", tpot_target=0.1, transition_steps=1)
     tick(ctl, signals(tokens=148.0))
-    busy = replace(signals(tokens=148.0, running=64, waiting=10), recent_tpot=0.09)
+    busy = replace(signals(tokens=148.0, running=64, waiting=10), recent_tpot=0.085)
     for _ in range(6):
         tick(ctl, busy)
     assert ctl.correction.factor == 1.0 and ctl.knobs.max_num_seqs == 64
@@ -193,3 +197,51 @@ def test_step_time_counts_only_gaps_between_busy_steps() -> None:
     assert ctl.window.step_time(20.0) is None  # out of the fast window
 
 
+
+
+def test_the_limit_grows_while_tokens_are_cheap_and_the_batch_leaves_little_room() -> None:
+    """Before, the limit grew only with requests queued for a slot; but
+    admission sheds what would queue too long, so on a live server nothing
+    queued and the limit of a calm server stayed where it shed every burst.
+    Now thin headroom (under an eighth of the limit free) is demand enough."""
+    cost = linear_cost(per_token=0.001, fixed=0.01)
+    ctl = controller(cost=cost, controller_mode="balanced", tpot_target=0.1, transition_steps=1)
+    tick(ctl, signals(tokens=148.0))
+    limit = ctl.knobs.max_num_seqs
+    roomy = replace(signals(tokens=148.0, running=limit // 2, waiting=0), recent_tpot=0.04)
+    for _ in range(4):
+        tick(ctl, roomy)
+    assert ctl.correction.factor == 1.0  # plenty of free slots: nothing to grow for
+    full = replace(roomy, running=limit - 1)  # 1 of 64 free, nothing waiting
+    tick(ctl, full)
+    tick(ctl, full)
+    assert ctl.correction.factor == pytest.approx(1.2)
+
+
+def test_recent_tpot_is_the_worst_of_the_last_few_even_when_none_finished_lately() -> None:
+    """While every slot is held nothing finishes; the signal then falls back
+    to the last RECENT_TPOTS requests of the slow window instead of going
+    blank (a blank signal had reset the correction's streaks)."""
+    window = LiveWindow(window_s=30.0, fast_s=2.0)
+    for i, tpot in enumerate([0.05, 0.30, 0.10, 0.12, 0.11, 0.09]):
+        window.observe_arrival(float(i), 100, 50)
+        window.tpot.add(float(i), tpot)
+    state = {"waiting": 0, "waiting_tokens": 0, "running": 4, "kv_usage": 0.0, "busy": 0.5,
+             "batch_limit": 4}
+    assert window.signals(5.5, **state).recent_tpot == pytest.approx(0.12)  # last four
+    assert window.signals(20.0, **state).recent_tpot == pytest.approx(0.12)  # none lately
+    for t in (20.1, 20.2, 20.3, 20.4):
+        window.tpot.add(t, 0.06)
+    assert window.signals(20.5, **state).recent_tpot == pytest.approx(0.06)  # the fast window
+
+
+def test_arrivals_turned_away_still_count_as_offered_load() -> None:
+    """A surge that admission sheds must still show in the arrival rate."""
+    scheduler = adaptive_scheduler(window=10.0, ttft_target=0.5, tpot_target=1.0)
+    scheduler.config.max_queue_requests = 1
+    scheduler.add_request(Request("a", [1] * 4, 4, scheduler.clock()))
+    for i in range(5):
+        with pytest.raises(RejectedError):
+            scheduler.add_request(Request(f"r{i}", [1] * 4, 4, scheduler.clock()))
+    window = scheduler.controller.window
+    assert len(window.arrivals.values(scheduler.clock())) == 6

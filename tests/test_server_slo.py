@@ -34,6 +34,16 @@ def test_default_serve_measures_its_targets_and_says_so(server):
     assert slo["ttft_target"] >= 0.25 and slo["tpot_target"] >= 0.025  # the floors
     assert slo["ttft_unloaded"] > 0 and "median of 3" in slo["rule"]
     assert "controller_latency_correction" in policy["knobs"]
+    # What admission predicts with: the step-cost fit, once steps ran, and its error.
+    assert policy["predictions"]["step_cost"] is None  # a fresh engine serves
+    with server.client() as c:
+        done = c.post("/v1/completions", json={"prompt": "Count: 1 2 3", "max_tokens": 12,
+                                                "ignore_eos": True})
+        assert done.status_code == 200, done.text
+        predictions = c.get("/carpool/policy").json()["predictions"]
+    cost = predictions["step_cost"]
+    assert cost is not None and cost["fixed_s"] + cost["per_token_s"] * 128 > 0
+    assert predictions["ttft_error_factor"] >= 1.0
 
 
 def test_a_predicted_ttft_miss_is_rejected_at_once_with_retry_after(tiny_model_dir):

@@ -114,6 +114,24 @@ def test_lower_classes_are_shed_first_as_the_predicted_wait_grows(remaining, adm
     assert seen == admitted
 
 
+def test_a_request_waiting_for_a_slot_still_needs_its_prefill_after_it():
+    """The first slot frees after 50 decode steps of 14 ms (0.70 s); a
+    60-token prompt then takes a step of 0.01 + 0.001 x (60 + 3 decodes) s
+    (73 ms) to its first token: 0.70 + 0.014 in flight + 0.073 = 0.787 s.
+    Before, the prediction was the larger of the two, 0.714 s, a prefill step
+    early whenever a request waited for a slot."""
+    scheduler = _adaptive(50)
+    waiting = scheduler.waiting
+    late = Request("late", [7] * 60, 4, scheduler.clock())
+    predicted = scheduler.admission.predicted_first_token(late, scheduler.clock(), waiting,
+                                                          scheduler.running)
+    assert predicted == pytest.approx(0.70 + 0.073, abs=0.002)
+    scheduler.admission.ttft_target = 0.77 / 0.85  # the normal class may use 0.77 s
+    error = _try(scheduler, "late", prompt=60)
+    assert error is not None and error.reason == "predicted_ttft_miss"
+    assert _try(scheduler, "short", prompt=4) is None  # 0.70 + 0.014 + 0.017 = 0.73 s
+
+
 def test_retry_after_is_the_time_over_the_allowance_not_the_whole_wait():
     scheduler = _adaptive(250)  # the first slot frees in 250 x 14 ms = 3.5 s
     error = _try(scheduler, "late")

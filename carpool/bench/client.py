@@ -135,6 +135,7 @@ def _content(event: dict, endpoint: str) -> str:
 def _refuse(record: RequestRecord, status: int, body: str, now: float) -> None:
     if status in REJECT_STATUSES:
         record.status, record.reason, record.finished = REJECTED, REJECT_STATUSES[status], now
+        record.error = body[:_ERROR_BODY_CHARS]  # why (the server's code and message)
     else:
         _fail(record, f"http_{status}", now, body[:_ERROR_BODY_CHARS])
 

@@ -47,7 +47,7 @@ class RequestRecord:
     counted_tokens: int | None = None  # our tokenizer on the returned text
     server_input_tokens: int | None = None
     text: str = ""  # the answer's text (not stored in reports)
-    error: str = ""  # the start of an error body or message, for failed requests
+    error: str = ""  # the start of an error body or message (failed or rejected)
 
     @property
     def ok(self) -> bool:

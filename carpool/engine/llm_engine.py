@@ -27,6 +27,15 @@ from carpool.scheduler.live_settings import apply_live_settings
 logger = logging.getLogger(__name__)
 
 
+def _predictions(scheduler) -> dict:
+    """The step-cost fit and TTFT error factor admission predicts with."""
+    admission = scheduler.admission
+    coef = admission.cost_model.coefficients
+    cost = None if coef is None else dict(zip(("fixed_s", "per_token_s", "per_seq_s"), coef))
+    return {"step_cost": cost,
+            "ttft_error_factor": admission.prediction_error.factor(scheduler.clock())}
+
+
 def _knobs(scheduler: Scheduler) -> dict[str, float]:
     """The scheduler knobs exported as metrics (numbers only; None is left out):
     the live values where the adaptive controller moves them."""
@@ -264,7 +273,7 @@ class LLMEngine:
             batches=scheduler.gate.stats.batches if scheduler.gate else 0,
             adaptive=scheduler.controller is not None,
             slo=self.slo.as_dict() if self.slo is not None else None,
-            **_decisions(scheduler))
+            predictions=_predictions(scheduler), **_decisions(scheduler))
 
     def _batch_item(self, span: ScheduledSpan) -> BatchItem:
         request = span.request

@@ -60,6 +60,10 @@ class EngineStats:
     # engine serves (``carpool.slo.ServingSLO.as_dict``; None outside serve).
     adaptive: bool = False
     slo: dict | None = None
+    # What admission predicts with: the online step-cost fit (seconds per
+    # step, per token, per sequence; None until fitted) and the factor its
+    # learned TTFT error adds to predictions (1 = none).
+    predictions: dict | None = None
 
     @property
     def kv_usage(self) -> float:

@@ -26,8 +26,11 @@ from carpool.scheduler.shedding import (
     ttft_allowance,
 )
 
-# Seconds a first token's prediction error counts in the margin.
-MARGIN_MAX_AGE = 30.0
+# Seconds a first token's prediction error counts in the margin. The large
+# misses come where the load changes (a surge's first seconds, while the
+# batch limit moves); kept for 30 s they outlived a 30 s surge and shed the
+# first arrivals of the calm after it.
+MARGIN_MAX_AGE = 10.0
 # Retry-after estimates are whole seconds in this range.
 MIN_RETRY_AFTER = 1.0
 MAX_RETRY_AFTER = 60.0
@@ -337,7 +340,14 @@ class AdmissionControl:
         if rate:
             bounds.append(short / rate)
         bounds = [b for b in bounds if b is not None]
-        return max(delay, min(bounds)) if bounds else delay
+        if not bounds:
+            return delay
+        # Once its slot is free the prompt still has to be prefilled: the first
+        # token comes a prefill step after the slot (the max of the two alone
+        # came a step early every time a request waited for a slot).
+        own = predict_first_token_delay(self.cost_model, 0, request.num_prompt_tokens,
+                                        decoding, self.knobs.max_num_batched_tokens) or 0.0
+        return max(delay, min(bounds) + own)
 
     def _ahead(self, request: Request, waiting, running: Sequence[Request],
                ) -> tuple[int, int, Sequence[Request]]:

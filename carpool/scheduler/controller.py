@@ -10,7 +10,7 @@ windows of metrics (``live_window.Signals``) and decides:
 - the latency correction (continuous batching, ``slo_policy.LimitCorrection``):
   a factor on the feed-forward batch limit from the TPOT requests really
   got (those finished in the fast window), down after ticks over the
-  mode's step target, up only after calm ticks while demand exceeds the
+  TPOT target, up only after calm ticks while demand exceeds the
   limit; alpha (request-level batching) moves after ticks in a row too;
 - the batch limit: continuous batching ``min(cap, by_memory, by_latency x
   correction)``; request-level batching ``min(cap, by_memory, by_latency,
@@ -18,8 +18,8 @@ windows of metrics (``live_window.Signals``) and decides:
   (mean prompt + max_tokens of recent arrivals) fits the pool less
   ``memory_headroom``; by_latency = the largest decode batch whose step,
   with its steady-state share of prefill tokens, the online cost model
-  (``StepCostModel``) predicts within the mode's share of the TPOT target
-  (``slo_policy.latency_limit``). The batch never grows with demand beyond
+  (``StepCostModel``) predicts within ``LIMIT_STEP_SHARE`` of the TPOT
+  target in every mode (``slo_policy.latency_limit``). The batch never grows with demand beyond
   that: a surge is met by shedding at arrival, not by slower tokens for
   everyone. Under request-level batching peak_demand = the most requests
   waiting + running in the window and alpha is the headroom over that
@@ -54,6 +54,7 @@ from carpool.scheduler.live_window import LiveWindow, SampleWindow, Signals
 from carpool.scheduler.modes import PRESETS, ModePreset, ModeSelector
 from carpool.scheduler.slo_policy import (
     CALM_SHARE,
+    LIMIT_STEP_SHARE,
     LimitCorrection,
     early_tick_cause,
     latency_limit,
@@ -111,6 +112,13 @@ class AdaptiveController:
 
     def observe_arrival(self, now: float, request_tokens: int,
                         prompt_tokens: int | None = None) -> None:
+        self.window.observe_arrival(now, request_tokens, prompt_tokens)
+
+    def observe_rejected(self, now: float, request_tokens: int,
+                         prompt_tokens: int | None = None) -> None:
+        """An arrival admission turned away: offered demand all the same, so
+        the arrival rate and surge detection count it (counting only the
+        admitted ones would hide a surge behind its own shedding)."""
         self.window.observe_arrival(now, request_tokens, prompt_tokens)
 
     def observe_ttft(self, now: float, seconds: float) -> None:
@@ -210,9 +218,14 @@ class AdaptiveController:
         TPOT was within the target while arrivals queued for first tokens)."""
         limit = self.knobs.max_num_seqs
         old = self.correction.factor
+        # Demand presses on the limit when the running requests leave less
+        # than an eighth of it free, not only once requests queue for a slot
+        # or arrivals are shed for want of one: Poisson arrivals come in
+        # bursts, and growing only after a burst was shed sheds one every
+        # time (while tokens were cheap).
+        short = s.running + max(1, limit // 8) >= limit
         cause = self.correction.update(s.recent_tpot, self.config.tpot_target,
-                                       s.running, limit, s.waiting > 0 and s.running >= limit,
-                                       s.step_time)
+                                       s.running, limit, short, s.step_time)
         if cause is not None:
             reason = "step_over_target" if self.correction.factor < old else "step_within_target"
             self._log(s.now, "latency_correction", old, self.correction.factor, reason, cause)
@@ -279,7 +292,8 @@ class AdaptiveController:
             blocks_each = max(1, math.ceil(s.mean_request_tokens / self.block_size))
             usable = self.num_blocks * (1.0 - self.config.memory_headroom)
             terms["by_memory"] = max(1, int(usable // blocks_each))
-        step_limit = self._step_seconds(preset)
+        target = self.config.tpot_target
+        step_limit = None if target is None else target * LIMIT_STEP_SHARE
         if step_limit is not None and self.cost_model.ready:
             ratio = None if self.request_level else s.prefill_ratio
             feed = latency_limit(self.cost_model, step_limit, cap, ratio,

@@ -10,6 +10,10 @@ from collections import deque
 from dataclasses import dataclass
 
 
+# The fewest finished requests whose TPOT makes the recent TPOT signal.
+RECENT_TPOTS = 4
+
+
 class SampleWindow:
     """Values observed in the last ``window_s`` seconds (time-stamped)."""
 
@@ -82,7 +86,8 @@ class Signals:
     fast_arrival_rate: float | None = None
     step_time: float | None = None
     mean_prompt_tokens: float | None = None  # of recent arrivals
-    # Mean TPOT of the requests that finished in the fast window: each is
+    # Mean TPOT of the requests that finished in the fast window (at least
+    # the last ``RECENT_TPOTS`` of the slow one): each is
     # the mean of a request's steps over its life, so a burst of prefills
     # that lengthens a few steps moves it far less than ``step_time``.
     recent_tpot: float | None = None
@@ -134,6 +139,14 @@ class LiveWindow:
             return len(self.arrivals) / span
         return len(self.arrivals.recent(now, seconds)) / span
 
+    def recent_tpots(self, now: float) -> list[float]:
+        """TPOTs of the requests that finished in the fast window, or of the
+        last ``RECENT_TPOTS`` to finish in the slow one when fewer did: while
+        every slot is held nothing finishes, and that is just when the limit
+        correction needs to know what tokens cost."""
+        fast = self.tpot.recent(now, self.fast_s)
+        return fast if len(fast) >= RECENT_TPOTS else self.tpot.values(now)[-RECENT_TPOTS:]
+
     def step_time(self, now: float) -> float | None:
         """Mean wall seconds between consecutive busy steps over the fast window."""
         return mean(self.steps.values(now))
@@ -154,4 +167,4 @@ class LiveWindow:
             fill=mean(self.fill.values(now)), mean_request_tokens=request_mean,
             batch_limit=batch_limit, fast_arrival_rate=self.rate(now, self.fast_s),
             step_time=self.step_time(now), mean_prompt_tokens=prompt_mean, prefill_ratio=ratio,
-            recent_tpot=mean(self.tpot.recent(now, self.fast_s)))
+            recent_tpot=max(self.recent_tpots(now), default=None))

@@ -29,7 +29,7 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 
 from carpool.config import CacheConfig, ControllerConfig, SchedulerConfig
-from carpool.scheduler.admission import AdmissionControl, ExpiryQueue
+from carpool.scheduler.admission import AdmissionControl, ExpiryQueue, RejectedError
 from carpool.scheduler.controller import AdaptiveController, LiveKnobs
 from carpool.scheduler.invariants import check_invariants
 from carpool.scheduler.kv_manager import KVCacheManager
@@ -112,7 +112,13 @@ class Scheduler:
         now = self.clock()
         if request.session_id is not None:
             self.admission.check_session_room(now, self.sessions.num_unfinished(request.session_id))
-        self.admission.check(request, now, self.waiting, self.running, self._drop_waiting)
+        try:
+            self.admission.check(request, now, self.waiting, self.running, self._drop_waiting)
+        except RejectedError:
+            if self.controller is not None:
+                self.controller.observe_rejected(
+                    now, request.num_prompt_tokens + request.max_tokens, request.num_prompt_tokens)
+            raise
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.add(request)

@@ -34,10 +34,24 @@ from __future__ import annotations
 
 from carpool.scheduler.cost_model import StepCostModel
 
+# The share of the TPOT target the feed-forward batch limit sizes a step to,
+# in every mode: a request's TPOT is the mean of its steps, and the ones
+# carrying prefill chunks run longer than the steady-state estimate. The same
+# in every mode because the limit binds only when demand exceeds it: a
+# smaller one in latency mode (light load) bit just as a surge arrived,
+# shedding arrivals while the mode was still switching.
+LIMIT_STEP_SHARE = 0.8
 CORRECTION_RANGE = (0.25, 2.0)
 CORRECTION_DOWN = 0.8  # on a tick with steps over the target
-CORRECTION_UP = 1.1  # after ``hold`` calm ticks with demand over the limit
+CORRECTION_UP = 1.2  # after ``hold`` calm ticks with demand over the limit
 CALM_SHARE = 0.7  # steps under this share of the step target are "well within"
+# The band the correction keeps the mean TPOT of finished requests in, as
+# shares of the TPOT target: cut above TPOT_HIGH, grow below TPOT_LOW while
+# demand exceeds the limit. The target holds for the p99, and a request's
+# TPOT spreads ~1.2x its mean here (p99 295 ms over a 249 ms mean at 0.6x
+# load, default model, 2-core CPU), so the mean must stay below ~0.85.
+TPOT_HIGH = 0.95
+TPOT_LOW = 0.8
 # A surge: arrivals in the fast window at this multiple of the slow rate,
 # counting at least this many arrivals (a single pair is no surge).
 SURGE_RATIO = 1.5
@@ -85,10 +99,12 @@ class LimitCorrection:
         while it is over the target (those TPOTs are of requests that ran
         before the steps got slow)."""
         if step_time is None or step_target is None:
-            self._calm = 0
+            # No request finished lately (light load): no evidence either way,
+            # so the streaks stand (resetting them here kept a calm server
+            # from ever growing a limit that shed its arrivals).
             return None
         low, high = CORRECTION_RANGE
-        if step_time > step_target:
+        if step_time > TPOT_HIGH * step_target:
             self._calm = 0
             if running > limit:  # the last cut has not taken effect yet
                 self._slow = 0
@@ -97,16 +113,16 @@ class LimitCorrection:
             if self._slow < self.hold:  # a transient (a burst of prefills) is no trend
                 return None
             new = max(low, self.factor * CORRECTION_DOWN)
-            cause = (f"steps {step_time * 1000:.0f} ms > target {step_target * 1000:.0f} ms "
-                     f"with {running} running ({self.hold} ticks)")
-        elif (step_time < CALM_SHARE * step_target and demand_over_limit
+            cause = (f"steps {step_time * 1000:.0f} ms > {TPOT_HIGH:.0%} of target "
+                     f"{step_target * 1000:.0f} ms with {running} running ({self.hold} ticks)")
+        elif (step_time < TPOT_LOW * step_target and demand_over_limit
               and (steps_now is None or steps_now <= step_target)):
             self._slow = 0
             self._calm += 1
             if self._calm < self.hold:
                 return None
             new = min(high, self.factor * CORRECTION_UP)
-            cause = (f"steps {step_time * 1000:.0f} ms < {CALM_SHARE:.0%} of "
+            cause = (f"steps {step_time * 1000:.0f} ms < {TPOT_LOW:.0%} of "
                      f"{step_target * 1000:.0f} ms while demand exceeds the limit "
                      f"({self.hold} ticks)")
         else:

@@ -176,7 +176,8 @@ def _add_info_routes(app: FastAPI, serving: OpenAIServing) -> None:
                              "rejections": stats.rejections,
                              "decisions": list(stats.recent_decisions),
                              # the latency targets, their sources and the calibration rule
-                             "adaptive": stats.adaptive, "slo": stats.slo})
+                             "adaptive": stats.adaptive, "slo": stats.slo,
+                             "predictions": stats.predictions})
 
 
 def health_problem(ctx: ServerContext) -> str | None:
