@@ -9,15 +9,19 @@
 #
 # Needs the machine alone (2 CPU cores: any other load moves the numbers).
 # Settings (environment):
-#   RATE    calm-phase Poisson rate, req/s, or auto (the default): first 96
-#           requests at 32 in flight against the plain server measure its
-#           throughput, and RATE = 0.6 x its output tok/s / 48 (1.5-2 req/s
-#           expected here). The earlier figure of ~300-420 output tok/s under
-#           load would give 0.6 x 360 / 48 = 4.5 req/s (RATE=4.5), but on this
-#           machine, quiet, a request of 100 prompt + 48 output tokens takes
-#           ~0.26 s of engine time (prefill ~1.5 ms a token, 32-way decode
-#           steps ~0.1 s), so <= ~3.8 req/s at most: 4.5 would overload even
-#           the calm phase (perhaps the figure counted prompt tokens too).
+#   RATE    calm-phase Poisson rate, req/s, or auto (the default): 0.6x the
+#           capacity under the SLO, measured first: the plain server's
+#           throughput at 32, 16, then 8 requests in flight (3 x that many
+#           requests each), the first whose TPOT p99 is within the target.
+#           Throughput at 32 in flight alone overstates it where tokens at
+#           that batch are slower than the target (this AVX2 2-core CPU:
+#           TPOT p99 650 ms at 32 against a ~340 ms target), and "0.6x" would
+#           then be a calm phase already over what any server keeps in time.
+#   SLO     the targets of every run, e.g. ttft=3s,tpot=350ms; default: the
+#           default server's start-up calibration, read once from its
+#           /carpool/policy, then passed with --slo to each adaptive server so
+#           all runs share one set of targets (calibration varies by ~15%
+#           from start to start).
 #   SURGES  surge lengths in seconds, space separated (default "20 60"); each
 #           is a run: CALM s calm, 3x the rate for the surge, CALM s calm.
 #   CALM    seconds of each calm phase (default 30)
@@ -28,6 +32,7 @@
 set -euo pipefail
 
 RATE=${RATE:-auto}
+SLO=${SLO:-}
 SURGES=${SURGES:-"20 60"}
 CALM=${CALM:-30}
 PORT=${PORT:-8011}
@@ -76,15 +81,30 @@ bench() {  # $1: json out, $2: label, $3: slo, rest: workload flags
     --request-timeout 120 --slo "$slo" --label "$label" --json "$json" --no-progress "$@"
 }
 
-if [[ "$RATE" == "auto" ]]; then
-  echo "== measuring throughput: 96 requests, 32 in flight, plain server"
-  start_server "$OUT/serve-probe.log" --adaptive false
-  bench "$OUT/probe.json" "throughput probe" "" --rate 1000 --num-requests 96 \
-    --max-concurrency 32 --max-duration 300 >/dev/null
+if [[ -z "$SLO" ]]; then
+  echo "== the default server's calibrated targets"
+  start_server "$OUT/serve-calibrate.log"
+  SLO=$(curl -sf "$BASE/carpool/policy" | python -c "import json, sys; \
+s = json.load(sys.stdin)['slo']; \
+print(f\"ttft={s['ttft_target'] * 1000:.0f}ms,tpot={s['tpot_target'] * 1000:.0f}ms\")")
   stop_server
-  RATE=$(python -c "import json; s = json.load(open('$OUT/probe.json'))['summary']; \
-print(f\"{0.6 * s['output_throughput'] / $OUTPUT_TOKENS:.2f}\")")
-  echo "   0.6 x capacity: RATE=$RATE req/s"
+fi
+echo "   SLO of every run: --slo $SLO"
+TPOT_TARGET=$(python -c "from carpool.slo import parse_slo; print(parse_slo('$SLO')['tpot'])")
+
+if [[ "$RATE" == "auto" ]]; then
+  start_server "$OUT/serve-probe.log" --adaptive false
+  for INFLIGHT in 32 16 8; do
+    echo "== capacity probe: $((3 * INFLIGHT)) requests, $INFLIGHT in flight, plain server"
+    bench "$OUT/probe-$INFLIGHT.json" "probe $INFLIGHT" "$SLO" --rate 1000 \
+      --num-requests $((3 * INFLIGHT)) --max-concurrency "$INFLIGHT" --max-duration 300 >/dev/null
+    read -r RATE FITS < <(python -c "import json; s = json.load(open('$OUT/probe-$INFLIGHT.json'))['summary']; \
+print(f\"{0.6 * s['output_throughput'] / $OUTPUT_TOKENS:.2f}\", int(s['tpot']['p99'] <= $TPOT_TARGET))")
+    echo "   $INFLIGHT in flight: TPOT p99 within target: $FITS; 0.6x its throughput: $RATE req/s"
+    [[ "$FITS" == 1 ]] && break
+  done
+  stop_server
+  echo "   RATE=$RATE req/s"
 fi
 
 status=0
@@ -95,11 +115,7 @@ for SURGE in $SURGES; do
             --max-duration "$TOTAL")
   echo "== surge ${SURGE} s: ${RATE} req/s, 3x from ${CALM} s to $((CALM + SURGE)) s, ${TOTAL} s"
 
-  start_server "$OUT/serve-adaptive-$SURGE.log"
-  SLO=$(curl -sf "$BASE/carpool/policy" | python -c "import json, sys; \
-s = json.load(sys.stdin)['slo']; \
-print(f\"ttft={s['ttft_target'] * 1000:.0f}ms,tpot={s['tpot_target'] * 1000:.0f}ms\")")
-  echo "   the default server's targets: --slo $SLO"
+  start_server "$OUT/serve-adaptive-$SURGE.log" --slo "$SLO"
   bench "$OUT/adaptive-$SURGE.json" "carpool serve (default: adaptive, SLO $SLO)" "$SLO" \
     "${WORKLOAD[@]}"
   stop_server

@@ -225,14 +225,19 @@ def test_recent_tpot_is_the_worst_of_the_last_few_even_when_none_finished_lately
     window = LiveWindow(window_s=30.0, fast_s=2.0)
     for i, tpot in enumerate([0.05, 0.30, 0.10, 0.12, 0.11, 0.09]):
         window.observe_arrival(float(i), 100, 50)
-        window.tpot.add(float(i), tpot)
+        window.observe_tpot(float(i), tpot, float(i) - 1.0)
     state = {"waiting": 0, "waiting_tokens": 0, "running": 4, "kv_usage": 0.0, "busy": 0.5,
              "batch_limit": 4}
     assert window.signals(5.5, **state).recent_tpot == pytest.approx(0.12)  # last four
     assert window.signals(20.0, **state).recent_tpot == pytest.approx(0.12)  # none lately
     for t in (20.1, 20.2, 20.3, 20.4):
-        window.tpot.add(t, 0.06)
+        window.observe_tpot(t, 0.06, 19.0)
     assert window.signals(20.5, **state).recent_tpot == pytest.approx(0.06)  # the fast window
+    # Only requests that started after the correction's last move are its evidence.
+    window.observe_tpot(20.45, 0.2, 10.0)  # ran mostly under the old limit
+    assert window.signals(20.5, **state).recent_tpot == pytest.approx(0.2)
+    assert window.signals(20.5, tpot_since=15.0, **state).recent_tpot == pytest.approx(0.06)
+    assert window.signals(20.5, tpot_since=19.5, **state).recent_tpot is None  # none yet
 
 
 def test_arrivals_turned_away_still_count_as_offered_load() -> None:
@@ -245,3 +250,19 @@ def test_arrivals_turned_away_still_count_as_offered_load() -> None:
             scheduler.add_request(Request(f"r{i}", [1] * 4, 4, scheduler.clock()))
     window = scheduler.controller.window
     assert len(window.arrivals.values(scheduler.clock())) == 6
+
+
+def test_a_limit_cut_keeps_the_slots_promised_to_requests_already_admitted() -> None:
+    """Admission promised a first token at the live limit of its time; a cut
+    while the request waits (TPOT feedback, a refit of the cost model) must
+    not hold it back: before, such requests waited past the TTFT target (4.2
+    s against 2.9 s over HTTP). Later arrivals see the new limit."""
+    scheduler = adaptive_scheduler(window=10.0)
+    scheduler.knobs.max_num_seqs = 3
+    for name in ("a", "b"):
+        scheduler.add_request(Request(name, [1] * 4, 4, scheduler.clock()))
+    scheduler.knobs.max_num_seqs = 1  # cut after both were admitted
+    scheduler.add_request(Request("late", [1] * 4, 4, scheduler.clock()))
+    assert [r.slot_limit for r in scheduler.waiting] == [3, 3, 1]
+    scheduler.schedule()
+    assert sorted(r.request_id for r in scheduler.running) == ["a", "b"]

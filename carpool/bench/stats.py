@@ -247,10 +247,17 @@ def phase_summaries(records: list[RequestRecord], surges: list[dict],
     scheduled in): offered rate, rejected share, TTFT and TPOT p99 of the
     completed requests, and goodput (requests meeting every SLO limit per
     second of the phase). Only requests sent count (a time limit may have
-    left some unsent); the last phase ends at the last scheduled send."""
+    left some unsent); the last phase ends at the last scheduled send.
+
+    ``backlog_until``: when the last request of the phase before that was
+    served had its first token; until then arrivals of this phase queue
+    behind the work the phase before left (after a surge: the queue its
+    admission filled up to the TTFT allowance), and
+    ``rejected_after_backlog`` counts only the rejections of arrivals after it."""
     records = [r for r in records if r.sent is not None]
     end = max((r.scheduled for r in records), default=0.0) + 1e-9
     out = []
+    backlog_until = 0.0
     for name, start, stop in phase_windows(surges, end):
         sent = [r for r in records if start <= r.scheduled < stop]
         seconds = max(min(stop, end) - start, 1e-9)
@@ -267,5 +274,9 @@ def phase_summaries(records: list[RequestRecord], surges: list[dict],
             "tpot": distribution([v[1] for v in latencies if v[1] is not None]),
             "completed_rate": len(done) / seconds,
             "goodput": good / seconds if slo else None,
-            "slo_attainment": good / max(1, len(sent)) if slo else None})
+            "slo_attainment": good / max(1, len(sent)) if slo else None,
+            "backlog_until": max(start, backlog_until),
+            "rejected_after_backlog": sum(r.status == REJECTED and r.scheduled >= backlog_until
+                                          for r in sent)})
+        backlog_until = max((r.chunk_times[0] for r in done), default=start)
     return out

@@ -102,6 +102,11 @@ class AdaptiveController:
         self._last_tick: float | None = None
         self._last_step: float | None = None  # the previous step's start, while busy
         self._waiting_at_tick = 0
+        # When the limit correction last moved: its evidence is the TPOT of
+        # requests that started after it, so one move is judged before the
+        # next (requests live many ticks; judging by those that ran under the
+        # old limit stacked moves and swung the limit 6 -> 10 -> 6).
+        self._correction_moved = -math.inf
         self.last_signals: Signals | None = None
 
     @property
@@ -124,9 +129,10 @@ class AdaptiveController:
     def observe_ttft(self, now: float, seconds: float) -> None:
         self.window.ttft.add(now, seconds)
 
-    def observe_tpot(self, now: float, seconds: float) -> None:
-        """A finished request's mean time per output token after the first."""
-        self.window.tpot.add(now, seconds)
+    def observe_tpot(self, now: float, seconds: float, started: float | None = None) -> None:
+        """A finished request's mean time per output token after the first;
+        ``started``: its first token's time (default: ``now``)."""
+        self.window.observe_tpot(now, seconds, now if started is None else started)
 
     def observe_step(self, now: float, fill: float | None, demand: int) -> None:
         if fill is not None:
@@ -178,7 +184,8 @@ class AdaptiveController:
         if due:
             self._last_tick = now
             self._waiting_at_tick = num_waiting
-            self.tick(self.window.signals(now, **read_state()))
+            self.tick(self.window.signals(now, tpot_since=self._correction_moved,
+                                          **read_state()))
         self.ramp.advance(self.knobs)
 
     def _early_cause(self, now: float, num_waiting: int, num_running: int) -> str | None:
@@ -227,6 +234,7 @@ class AdaptiveController:
         cause = self.correction.update(s.recent_tpot, self.config.tpot_target,
                                        s.running, limit, short, s.step_time)
         if cause is not None:
+            self._correction_moved = s.now
             reason = "step_over_target" if self.correction.factor < old else "step_within_target"
             self._log(s.now, "latency_correction", old, self.correction.factor, reason, cause)
 

@@ -86,8 +86,9 @@ class Signals:
     fast_arrival_rate: float | None = None
     step_time: float | None = None
     mean_prompt_tokens: float | None = None  # of recent arrivals
-    # Mean TPOT of the requests that finished in the fast window (at least
-    # the last ``RECENT_TPOTS`` of the slow one): each is
+    # The worst TPOT of the requests that finished in the fast window (at
+    # least the last ``RECENT_TPOTS`` of the slow one) among those that
+    # started after ``tpot_since`` (the limit correction's last move): each is
     # the mean of a request's steps over its life, so a burst of prefills
     # that lengthens a few steps moves it far less than ``step_time``.
     recent_tpot: float | None = None
@@ -119,6 +120,8 @@ class LiveWindow:
         self.prompts = SampleWindow(window_s)  # value: prompt tokens (one per arrival)
         self.ttft = SampleWindow(window_s)
         self.tpot = SampleWindow(window_s)  # per finished request: (E2E - TTFT) / (tokens - 1)
+        # The same requests as (finished, first token, TPOT), oldest first.
+        self._runs: deque[tuple[float, float, float]] = deque()
         self.fill = SampleWindow(window_s)
         self.steps = SampleWindow(self.fast_s)  # wall seconds between consecutive busy steps
         self._started: float | None = None
@@ -139,20 +142,31 @@ class LiveWindow:
             return len(self.arrivals) / span
         return len(self.arrivals.recent(now, seconds)) / span
 
-    def recent_tpots(self, now: float) -> list[float]:
+    def observe_tpot(self, now: float, seconds: float, started: float) -> None:
+        """A request finished at ``now``: its TPOT, its first token at ``started``."""
+        self.tpot.add(now, seconds)
+        self._runs.append((now, started, seconds))
+
+    def recent_tpots(self, now: float, since: float = -math.inf) -> list[float]:
         """TPOTs of the requests that finished in the fast window, or of the
-        last ``RECENT_TPOTS`` to finish in the slow one when fewer did: while
+        last ``RECENT_TPOTS`` to finish in the slow one when fewer did (while
         every slot is held nothing finishes, and that is just when the limit
-        correction needs to know what tokens cost."""
-        fast = self.tpot.recent(now, self.fast_s)
-        return fast if len(fast) >= RECENT_TPOTS else self.tpot.values(now)[-RECENT_TPOTS:]
+        correction needs to know what tokens cost); only of requests whose
+        first token came at ``since`` or later: those that ran under the
+        batch limit of then."""
+        while self._runs and self._runs[0][0] < now - self.window_s:
+            self._runs.popleft()
+        runs = [(finished, tpot) for finished, started, tpot in self._runs if started >= since]
+        fast = [tpot for finished, tpot in runs if finished >= now - self.fast_s]
+        return fast if len(fast) >= RECENT_TPOTS else [tpot for _, tpot in runs[-RECENT_TPOTS:]]
 
     def step_time(self, now: float) -> float | None:
         """Mean wall seconds between consecutive busy steps over the fast window."""
         return mean(self.steps.values(now))
 
     def signals(self, now: float, *, waiting: int, waiting_tokens: int, running: int,
-                kv_usage: float, busy: float, batch_limit: int) -> Signals:
+                kv_usage: float, busy: float, batch_limit: int,
+                tpot_since: float = -math.inf) -> Signals:
         arrivals = self.arrivals.values(now)
         prompts = self.prompts.values(now)
         request_mean, prompt_mean = mean(arrivals), mean(prompts)
@@ -167,4 +181,4 @@ class LiveWindow:
             fill=mean(self.fill.values(now)), mean_request_tokens=request_mean,
             batch_limit=batch_limit, fast_arrival_rate=self.rate(now, self.fast_s),
             step_time=self.step_time(now), mean_prompt_tokens=prompt_mean, prefill_ratio=ratio,
-            recent_tpot=max(self.recent_tpots(now), default=None))
+            recent_tpot=max(self.recent_tpots(now, tpot_since), default=None))

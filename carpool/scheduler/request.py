@@ -59,6 +59,10 @@ class Request:
     first_token_time: float | None = None  # clock times of the first and latest sampled token
     last_token_time: float | None = None
     predicted_ttft: float | None = None  # admission's estimate, to learn its error
+    # The live sequence limit when admission accepted it (adaptive controller):
+    # its first token was promised at that many slots, so a later cut of the
+    # limit does not hold it back (it would break the promise for TPOT's sake).
+    slot_limit: int | None = None
     # Per-request cap on the request-level batching wait (seconds); None = the knob's.
     max_wait: float | None = None
     # Prefix-cache namespace: blocks are reused only between requests with an

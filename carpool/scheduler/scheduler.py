@@ -120,6 +120,8 @@ class Scheduler:
                     now, request.num_prompt_tokens + request.max_tokens, request.num_prompt_tokens)
             raise
         request.status = RequestStatus.WAITING
+        if self.controller is not None:
+            request.slot_limit = self.knobs.max_num_seqs
         self.requests[request.request_id] = request
         self.waiting.add(request)
         self.sessions.add(request)
@@ -164,7 +166,8 @@ class Scheduler:
         if self.controller is not None and request.num_output_tokens > 1 and status in (
                 RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
             self.controller.observe_tpot(now, (request.last_token_time - request.first_token_time)
-                                         / (request.num_output_tokens - 1))
+                                         / (request.num_output_tokens - 1),
+                                         request.first_token_time)
         self.departures.record(now)
         self.departures.set_busy(now, bool(self.requests))
 
@@ -313,7 +316,9 @@ class Scheduler:
                 return
             capped = self._is_capped(request)
             limit = step.limit(capped)
-            if (limit > 0 and len(self.running) < self.knobs.max_num_seqs
+            # A limit cut since its admission does not apply to it (slot_limit).
+            slots = max(self.knobs.max_num_seqs, request.slot_limit or 0)
+            if (limit > 0 and len(self.running) < slots
                     and self.kv.try_admit(request, limit)):
                 self._admit(request, limit, capped, output, step)
                 continue

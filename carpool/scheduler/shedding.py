@@ -80,8 +80,10 @@ class PredictionError:
 
     The error is relative: r = (actual + RATIO_SLACK) / (predicted +
     RATIO_SLACK) over the last ``window`` admitted requests that had a
-    prediction, and ``margin(now, predicted)`` is what the ``quantile`` (p99
-    by default) of r adds to a prediction (never below 0). Shedding adds it,
+    prediction, and ``margin(now, predicted)`` is what the ``quantile`` (p95
+    by default: over the few dozen errors of a short ``max_age`` a p99 is
+    the single worst one, which then set the margin of every arrival for
+    its whole age) of r adds to a prediction (never below 0). Shedding adds it,
     so a cost model that is optimistic under the current load sheds earlier
     instead of letting the admitted requests' p99 TTFT miss the target.
     Relative, because misses scale with the work ahead: seconds late when a
@@ -91,7 +93,7 @@ class PredictionError:
     many seconds no longer count: what a surge taught must not outlive it.
     """
 
-    def __init__(self, window: int = 256, quantile: float = 0.99,
+    def __init__(self, window: int = 256, quantile: float = 0.95,
                  max_age: float | None = None) -> None:
         self.quantile = quantile
         self.max_age = max_age
