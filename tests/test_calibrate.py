@@ -73,7 +73,13 @@ def test_explicit_targets_are_kept_and_only_the_rest_is_measured(loaded):
     both = prepare_serving(fresh(loaded, controller={"ttft_target": 1.5, "tpot_target": 0.3}))
     assert (both.slo.ttft, both.slo.tpot) == (1.5, 0.3)
     assert both.slo.sources == {"ttft": "config", "tpot": "config"}
-    assert both.slo.calibration_seconds is None  # nothing to measure
+    # Still measured: the serving cost model starts from the probe's steps, a
+    # batch of up to 16 sequences among them (a fresh fit on small batches alone
+    # overpriced bigger ones and kept the limit small).
+    assert both.slo.calibration_seconds is not None
+    cost = both.scheduler.admission.cost_model
+    assert cost.ready and not cost.steps()  # the prior, not the window
+    assert cost.predict(16, 16) > cost.predict(1, 1) > 0
 
 
 def test_without_calibration_auto_targets_are_the_fallbacks(loaded):

@@ -34,8 +34,9 @@ def test_default_serve_measures_its_targets_and_says_so(server):
     assert slo["ttft_target"] >= 0.25 and slo["tpot_target"] >= 0.025  # the floors
     assert slo["ttft_unloaded"] > 0 and "median of 3" in slo["rule"]
     assert "controller_latency_correction" in policy["knobs"]
-    # What admission predicts with: the step-cost fit, once steps ran, and its error.
-    assert policy["predictions"]["step_cost"] is None  # a fresh engine serves
+    # What admission predicts with: the step-cost fit (from the start-up probe's
+    # steps, then the served ones) and its error.
+    assert policy["predictions"]["step_cost"] is not None
     with server.client() as c:
         done = c.post("/v1/completions", json={"prompt": "Count: 1 2 3", "max_tokens": 12,
                                                 "ignore_eos": True})

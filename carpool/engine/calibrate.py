@@ -52,6 +52,9 @@ class Calibration:
     seconds: float  # wall time of the whole measurement, warm-up included
     prompt_tokens: int
     decode_tokens: int
+    # Every step the probe engine ran (tokens, seqs, seconds), the batched
+    # probe's included: the serving engine's cost model keeps them as a prior.
+    steps: tuple[tuple[int, int, float], ...] = ()
 
 
 def measure_unloaded(engine: LLMEngine, prompt_tokens: int = CALIBRATION_PROMPT_TOKENS,
@@ -74,8 +77,29 @@ def measure_unloaded(engine: LLMEngine, prompt_tokens: int = CALIBRATION_PROMPT_
         tpots.append(tpot)
         if time.perf_counter() - started > budget_s:
             break
+    _run_batch(probe, decode_tokens)
     return Calibration(statistics.median(ttfts), statistics.median(tpots), len(ttfts),
-                       time.perf_counter() - started, prompt_tokens, decode_tokens)
+                       time.perf_counter() - started, prompt_tokens, decode_tokens,
+                       tuple(probe.scheduler.admission.cost_model.steps()))
+
+
+# The batched probe: this many short requests decoding together, so the
+# prior holds steps of a real batch next to the single runs' ones.
+PRIOR_BATCH = 16
+PRIOR_PROMPT_TOKENS = 16
+
+
+def _run_batch(engine: LLMEngine, decode_tokens: int) -> None:
+    """PRIOR_BATCH requests at once, as many as the pool and limit allow."""
+    batch = min(PRIOR_BATCH, engine.config.scheduler.max_num_seqs)
+    params = SamplingParams(max_tokens=decode_tokens, temperature=0.0, ignore_eos=True)
+    for run in range(batch):
+        prompt = _prompt(engine, PRIOR_PROMPT_TOKENS, 100 + run)
+        if not engine.scheduler.kv.can_ever_fit(len(prompt) + decode_tokens * (run + 2)):
+            break
+        engine.add_request(prompt, params)
+    while engine.has_unfinished:
+        engine.step()
 
 
 def _probe_config(config: EngineConfig) -> EngineConfig:
@@ -124,9 +148,21 @@ def prepare_serving(engine: LLMEngine, sources: dict[str, str] | None = None,
     config.controller.resolve_adaptive(serving=True)
     if not config.controller.adaptive:
         return engine
-    slo = resolve_targets(engine, sources, log)
+    # Measured even when every target is explicit: the serving cost model
+    # keeps the probe's steps as its prior (``StepCostModel.add_prior``).
+    measured = None
+    if config.controller.calibrate:
+        if log is not None:
+            auto = config.controller.auto_targets
+            log("carpool: measuring the unloaded TTFT / TPOT and a batch's step costs ("
+                + (f"targets for {' and '.join(auto)}; " if auto else "")
+                + "--calibrate false skips this)...")
+        measured = measure_unloaded(engine)
+    slo = _resolve(config.controller, measured, sources or {})
     serving = engine.renewed(config)  # the controller built with the resolved targets
     serving.slo = slo
+    if measured is not None:
+        serving.scheduler.admission.cost_model.add_prior(measured.steps)
     return serving
 
 
@@ -137,15 +173,19 @@ def resolve_targets(engine: LLMEngine, sources: dict[str, str] | None = None,
     fallbacks); explicit ones stay. ``sources`` names where explicit targets
     came from (``{"ttft": "flag"}``; others say ``config``); ``log`` gets a
     line before a measurement."""
+    return _resolve(engine.config.controller, _measure_if_auto(engine, log), sources or {})
+
+
+def _measure_if_auto(engine: LLMEngine, log=None) -> Calibration | None:
+    """``measure_unloaded`` when a target is ``auto`` and calibration is on."""
     controller = engine.config.controller
     auto = controller.auto_targets
-    measured = None
-    if auto and controller.calibrate:
-        if log is not None:
-            log(f"carpool: measuring the unloaded TTFT / TPOT for the latency targets "
-                f"({' and '.join(auto)}; --slo or --calibrate false skips this)...")
-        measured = measure_unloaded(engine)
-    return _resolve(controller, measured, sources or {})
+    if not (auto and controller.calibrate):
+        return None
+    if log is not None:
+        log(f"carpool: measuring the unloaded TTFT / TPOT for the latency targets "
+            f"({' and '.join(auto)}; --slo or --calibrate false skips this)...")
+    return measure_unloaded(engine)
 
 
 def _resolve(controller, measured: Calibration | None, sources: dict[str, str]) -> ServingSLO:

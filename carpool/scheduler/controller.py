@@ -56,6 +56,7 @@ from carpool.scheduler.slo_policy import (
     CALM_SHARE,
     LIMIT_STEP_SHARE,
     LimitCorrection,
+    proven_limit,
     early_tick_cause,
     latency_limit,
 )
@@ -101,6 +102,7 @@ class AdaptiveController:
         self.early_ticks: Counter[str] = Counter()  # by the kind of event
         self._last_tick: float | None = None
         self._last_step: float | None = None  # the previous step's start, while busy
+        self._last_running = 0  # the previous step's running count
         self._waiting_at_tick = 0
         # When the limit correction last moved: its evidence is the TPOT of
         # requests that started after it, so one move is judged before the
@@ -170,8 +172,9 @@ class AdaptiveController:
         requests run, is the step time they feel (the fast TPOT signal).
         """
         if num_running and self._last_step is not None:
-            self.window.steps.add(now, now - self._last_step)
+            self.window.observe_step_interval(now, self._last_running, now - self._last_step)
         self._last_step = now if num_running else None
+        self._last_running = num_running
         if self._last_tick is None:
             self._last_tick = now
         elapsed = now - self._last_tick
@@ -304,8 +307,10 @@ class AdaptiveController:
         step_limit = None if target is None else target * LIMIT_STEP_SHARE
         if step_limit is not None and self.cost_model.ready:
             ratio = None if self.request_level else s.prefill_ratio
-            feed = latency_limit(self.cost_model, step_limit, cap, ratio,
-                                 self.base.max_num_batched_tokens)
+            budget = self.base.max_num_batched_tokens
+            feed = latency_limit(self.cost_model, step_limit, cap, ratio, budget)
+            if not self.request_level:
+                feed = max(feed, proven_limit(s.step_anchor, step_limit))
             factor = 1.0 if self.request_level else self.correction.factor
             terms["by_latency"] = max(1, int(feed * factor))
         if self.request_level:

@@ -38,12 +38,33 @@ class StepCostModel:
         self.min_steps = min_steps
         self._steps: deque[tuple[int, int, float]] = deque()
         self._sums = [0.0] * 9
+        # Moments of steps measured before serving (``add_prior``), never evicted.
+        self._prior = [0.0] * 9
+        self._prior_steps = 0
         self._coef: list[float] | None = None
 
     @property
     def ready(self) -> bool:
         """Whether enough steps were seen for predictions to mean something."""
-        return len(self._steps) >= self.min_steps
+        return len(self._steps) + self._prior_steps >= self.min_steps
+
+    def add_prior(self, steps: Iterable[tuple[int, int, float]]) -> None:
+        """Steps (tokens, seqs, seconds) measured before serving, kept in
+        every fit beside the sliding window: batch sizes the live load has
+        not reached yet are then priced from measurements. Without them a
+        fresh server fitted only its first small batches, overpriced bigger
+        ones, kept its limit (and so its batches) small, and never learned
+        otherwise."""
+        prior = self._prior
+        for t, s, y in steps:
+            for i, value in enumerate((1, t, s, t * t, t * s, s * s, y, t * y, s * y)):
+                prior[i] += value
+            self._prior_steps += 1
+        self._coef = None
+
+    def steps(self) -> list[tuple[int, int, float]]:
+        """The steps of the sliding window, oldest first."""
+        return list(self._steps)
 
     @property
     def coefficients(self) -> tuple[float, float, float] | None:
@@ -114,7 +135,8 @@ class StepCostModel:
         if not self.ready:
             return None
         if self._coef is None:
-            n, st, ss, stt, sts, sss, sy, sty, ssy = self._sums
+            n, st, ss, stt, sts, sss, sy, sty, ssy = (
+                a + b for a, b in zip(self._sums, self._prior))
             matrix = [[n, st, ss], [st, stt, sts], [ss, sts, sss]]
             for i in range(1, _FEATURES):  # scale-free: relative to the feature's own moment
                 matrix[i][i] += _RIDGE * max(matrix[i][i], 1.0)

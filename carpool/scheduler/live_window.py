@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 # The fewest finished requests whose TPOT makes the recent TPOT signal.
 RECENT_TPOTS = 4
+# The fewest busy steps that anchor the batch limit (``step_anchor``).
+MIN_ANCHOR_STEPS = 8
 
 
 class SampleWindow:
@@ -95,6 +97,9 @@ class Signals:
     # Prompt tokens per output token of recent arrivals (mean prompt / mean
     # max_tokens): the prefill work that comes with each decoded token.
     prefill_ratio: float | None = None
+    # (mean running count, mean wall seconds) of the busy steps of the slow
+    # window: where the batch limit's line is anchored (``slo_policy``).
+    step_anchor: tuple[float, float] | None = None
 
     def describe(self) -> str:
         def fmt(value: float | None, unit: str = "s") -> str:
@@ -124,6 +129,8 @@ class LiveWindow:
         self._runs: deque[tuple[float, float, float]] = deque()
         self.fill = SampleWindow(window_s)
         self.steps = SampleWindow(self.fast_s)  # wall seconds between consecutive busy steps
+        # The same over the slow window with the step's running count: (n, seconds).
+        self.step_sizes = SampleWindow(window_s)
         self._started: float | None = None
 
     def observe_arrival(self, now: float, request_tokens: int,
@@ -160,6 +167,20 @@ class LiveWindow:
         fast = [tpot for finished, tpot in runs if finished >= now - self.fast_s]
         return fast if len(fast) >= RECENT_TPOTS else [tpot for _, tpot in runs[-RECENT_TPOTS:]]
 
+    def observe_step_interval(self, now: float, running: int, seconds: float) -> None:
+        """A busy step of ``running`` sequences took ``seconds`` of wall time
+        (to the next step's start: what a running request feels per token)."""
+        self.steps.add(now, seconds)
+        self.step_sizes.add(now, (running, seconds))
+
+    def step_anchor(self, now: float) -> tuple[float, float] | None:
+        """(mean running count, mean wall seconds) of the busy steps of the
+        slow window, or None before ``MIN_ANCHOR_STEPS`` of them."""
+        sizes = self.step_sizes.values(now)
+        if len(sizes) < MIN_ANCHOR_STEPS:
+            return None
+        return (sum(n for n, _ in sizes) / len(sizes), sum(s for _, s in sizes) / len(sizes))
+
     def step_time(self, now: float) -> float | None:
         """Mean wall seconds between consecutive busy steps over the fast window."""
         return mean(self.steps.values(now))
@@ -181,4 +202,5 @@ class LiveWindow:
             fill=mean(self.fill.values(now)), mean_request_tokens=request_mean,
             batch_limit=batch_limit, fast_arrival_rate=self.rate(now, self.fast_s),
             step_time=self.step_time(now), mean_prompt_tokens=prompt_mean, prefill_ratio=ratio,
-            recent_tpot=max(self.recent_tpots(now, tpot_since), default=None))
+            recent_tpot=max(self.recent_tpots(now, tpot_since), default=None),
+            step_anchor=self.step_anchor(now))

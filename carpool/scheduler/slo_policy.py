@@ -79,6 +79,19 @@ def latency_limit(cost: StepCostModel, step_seconds: float, cap: int,
     return low
 
 
+def proven_limit(anchor: tuple[float, float] | None, step_seconds: float) -> int:
+    """The batch the measured steps show within ``step_seconds``: the mean
+    running count of recent busy steps (``anchor``: mean count, mean wall
+    seconds) when their mean took no longer, else 0. A floor under the cost
+    model's limit: fitted on the small batches of a fresh server (a few
+    decodes beside 100-token prefills), the model overpriced bigger ones,
+    so the limit fell, the batches stayed small and the fit never learned
+    otherwise (limits of 1-5 where 10 kept the target)."""
+    if anchor is None or anchor[1] > step_seconds:
+        return 0
+    return int(anchor[0])
+
+
 class LimitCorrection:
     """Feedback factor on the batch limit from the step times requests feel."""
 
