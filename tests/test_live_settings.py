@@ -97,7 +97,9 @@ def test_prediction_margin_is_the_late_quantile_of_relative_errors() -> None:
     assert errors.margin(predicted=1.0) == pytest.approx(0.9 * (1.0 + slack))
     # Relative: the same history adds less to a smaller prediction.
     assert errors.margin(predicted=0.0) == pytest.approx(0.9 * slack)
-    assert PredictionError().quantile == 0.99  # the default aims at the p99 TTFT
+    # The default: p95 of the errors (over a short age a p99 is the single worst one,
+    # which then set every arrival's margin); the class shares keep the p99 within.
+    assert PredictionError().quantile == 0.95
     early = PredictionError()
     for _ in range(20):
         early.record(2.0, 1.0)
