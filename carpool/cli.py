@@ -15,6 +15,16 @@ from carpool.sampling_params import SamplingParams
 from carpool.slo import parse_target, slo_arg, slo_sources
 
 # (flag, config key, type, help). The key is an EngineConfig field name.
+def _flag_bool(value: str) -> bool:
+    """A true/false flag value (1/0, yes/no, on/off too); anything else is an error."""
+    lowered = value.lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
+
+
 ENGINE_FLAGS: list[tuple[str, str, type, str]] = [
     ("--model", "model", str, "HF model directory or .gguf file (default: SmolLM2-135M-Instruct)"),
     ("--dtype", "dtype", str, "auto | float32 | bfloat16 | float16 (auto: bf16 on GPU and on "
@@ -59,10 +69,15 @@ ENGINE_FLAGS: list[tuple[str, str, type, str]] = [
      "static/dynamic: seconds the oldest request waits before a partial batch goes"),
     ("--padding", "padding", str,
      "static/dynamic: pad each step to a rectangle: none | left | right | center (default right)"),
-    ("--emergency-switch", "emergency_switch", lambda v: v.lower() in ("1", "true", "yes", "on"),
+    ("--bucket-tolerance", "bucket_tolerance", float,
+     "dynamic: a length bucket holds prompts within this fraction of its length"),
+    ("--predictive-shedding", "predictive_shedding", _flag_bool,
+     "reject at arrival a request predicted to miss its deadline or TTFT target "
+     "(default true)"),
+    ("--emergency-switch", "emergency_switch", _flag_bool,
      "true: under sustained overload shed the lowest priorities first"),
     ("--max-batch-tokens", "max_batch_tokens", int, "same as --max-num-batched-tokens"),
-    ("--adaptive", "adaptive", lambda v: v.lower() in ("1", "true", "yes", "on"),
+    ("--adaptive", "adaptive", _flag_bool,
      "the adaptive controller and SLO admission (default: on for serve, off elsewhere); "
      "false: plain batching at the configured knobs"),
     ("--controller-interval", "controller_interval", float,
@@ -78,11 +93,17 @@ ENGINE_FLAGS: list[tuple[str, str, type, str]] = [
      "start-up); admission sheds predicted misses"),
     ("--tpot-target", "tpot_target", parse_target,
      "adaptive: p99 time-per-output-token target (0.1, 100ms or auto)"),
-    ("--calibrate", "calibrate", lambda v: v.lower() in ("1", "true", "yes", "on"),
+    ("--calibrate", "calibrate", _flag_bool,
      "serve: measure the unloaded TTFT/TPOT at start-up for auto targets (default true; "
      "false: auto targets are 2 s / 200 ms)"),
     ("--memory-headroom", "memory_headroom", float,
      "adaptive: share of the KV pool the batch limit keeps free"),
+    ("--transition-steps", "transition_steps", int,
+     "adaptive: scheduler steps a knob change is spread over (1..3)"),
+    ("--hysteresis-ticks", "hysteresis_ticks", int,
+     "adaptive: ticks in a row asking for a change before mode, alpha or correction move"),
+    ("--shed-on-ttft-target", "shed_on_ttft_target", _flag_bool,
+     "adaptive: reject at arrival what is predicted to miss the TTFT target (default true)"),
 ]
 
 # (flag, ServerConfig field, type, help)
@@ -100,7 +121,7 @@ SERVER_FLAGS: list[tuple[str, str, type, str]] = [
     ("--keep-alive-timeout", "keep_alive_timeout", float,
      "seconds an idle keep-alive connection stays open (default 5)"),
     ("--special-tokens-in-content", "special_tokens_in_content",
-     lambda v: v.lower() in ("1", "true", "yes", "on"),
+     _flag_bool,
      "true: parse special-token text (<|im_start|>...) inside chat message content "
      "(default false: it is plain text)"),
     ("--shutdown-timeout", "shutdown_timeout", float,
@@ -111,6 +132,15 @@ SERVER_FLAGS: list[tuple[str, str, type, str]] = [
     ("--max-tokens-cap", "max_tokens_cap", int, "largest max_tokens accepted"),
     ("--max-prompt-chars", "max_prompt_chars", int,
      "most characters of prompt text (or chat messages) in one request (HTTP 400 beyond)"),
+    ("--max-header-bytes", "max_header_bytes", int, "largest request head accepted (HTTP 431)"),
+    ("--max-prompts", "max_prompts", int, "most prompts in one /v1/completions call"),
+    ("--max-messages", "max_messages", int, "most chat messages in one call"),
+    ("--max-logprobs", "max_logprobs", int, "largest logprobs / top_logprobs accepted (0..20)"),
+    ("--max-stop", "max_stop", int, "most stop strings in one request"),
+    ("--prep-workers", "prep_workers", int,
+     "threads that parse, template and tokenize requests off the event loop"),
+    ("--stall-timeout", "stall_timeout", float,
+     "seconds busy without a step before /health answers 503"),
 ]
 
 

@@ -121,3 +121,30 @@ def test_bench_regimes_finds_the_peak_rate_under_an_slo(tiny_model_dir, tmp_path
     assert "peak rate under SLO" in result.stdout
     missing_slo = run_cli(*common, "--rates", "20")
     assert missing_slo.returncode == 2 and "give --slo too" in missing_slo.stderr
+
+
+def test_every_config_field_has_a_flag():
+    """A setting without a flag can only be set from a file; a new field must
+    come with its flag (bucket_tolerance, predictive_shedding, transition_steps,
+    hysteresis_ticks, shed_on_ttft_target and seven server limits had none)."""
+    import dataclasses
+
+    from carpool.cli import ENGINE_FLAGS, SERVER_FLAGS
+    from carpool.config import CacheConfig, ControllerConfig, ModelSettings, SchedulerConfig
+    from carpool.server.config import ServerConfig
+
+    engine = {key for _, key, _, _ in ENGINE_FLAGS} | {"enable_prefix_caching"}  # --no-prefix-caching
+    server = {key for _, key, _, _ in SERVER_FLAGS} | {"cors_origins", "allowed_hosts"}  # nargs
+    for section in (ModelSettings, CacheConfig, SchedulerConfig, ControllerConfig):
+        missing = [f.name for f in dataclasses.fields(section) if f.name not in engine]
+        assert not missing, (section.__name__, missing)
+    missing = [f.name for f in dataclasses.fields(ServerConfig) if f.name not in server]
+    assert not missing, missing
+    args = build_parser().parse_args(["serve", "--hysteresis-ticks", "3", "--predictive-shedding",
+                                      "false", "--bucket-tolerance", "0.2", "--max-stop", "4"])
+    config = engine_config_from_args(args)
+    assert config.controller.hysteresis_ticks == 3 and config.scheduler.bucket_tolerance == 0.2
+    assert config.scheduler.predictive_shedding is False
+    assert args.server_max_stop == 4
+    with pytest.raises(SystemExit):  # a misspelt boolean is an error, not a silent false
+        build_parser().parse_args(["serve", "--predictive-shedding", "ture"])
