@@ -14,6 +14,7 @@ from carpool.config import EngineConfig, read_yaml
 from carpool.sampling_params import SamplingParams
 from carpool.slo import parse_target, slo_arg, slo_sources
 
+
 # (flag, config key, type, help). The key is an EngineConfig field name.
 def _flag_bool(value: str) -> bool:
     """A true/false flag value (1/0, yes/no, on/off too); anything else is an error."""

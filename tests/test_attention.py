@@ -4,8 +4,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from carpool.model.attention import (CpuPagedAttention, SdpaAttention, SeqSpan, TorchAttention,
-                                     build_metadata)
+from carpool.model.attention import (
+    CpuPagedAttention,
+    SdpaAttention,
+    SeqSpan,
+    TorchAttention,
+    build_metadata,
+)
 from carpool.model.cpu_kernels import load_cpu_ops
 
 HEADS, KV_HEADS, DIM, BLOCK = 6, 2, 32, 4

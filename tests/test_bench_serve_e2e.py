@@ -10,7 +10,6 @@ import sys
 
 import httpx
 import pytest
-
 from server_utils import ServerProcess
 
 pytestmark = pytest.mark.real_model

@@ -130,7 +130,12 @@ def test_every_config_field_has_a_flag():
     import dataclasses
 
     from carpool.cli import ENGINE_FLAGS, SERVER_FLAGS
-    from carpool.config import CacheConfig, ControllerConfig, ModelSettings, SchedulerConfig
+    from carpool.config import (
+        CacheConfig,
+        ControllerConfig,
+        ModelSettings,
+        SchedulerConfig,
+    )
     from carpool.server.config import ServerConfig
 
     engine = {key for _, key, _, _ in ENGINE_FLAGS} | {"enable_prefix_caching"}  # --no-prefix-caching

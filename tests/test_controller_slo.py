@@ -10,7 +10,13 @@ from carpool.scheduler import RejectedError, Request
 from carpool.scheduler.live_window import LiveWindow
 from carpool.scheduler.modes import PRESETS
 from carpool.scheduler.slo_policy import latency_limit
-from tests.test_controller import adaptive_scheduler, controller, linear_cost, signals, tick
+from tests.test_controller import (
+    adaptive_scheduler,
+    controller,
+    linear_cost,
+    signals,
+    tick,
+)
 
 
 def test_batch_limit_counts_the_prefill_that_comes_with_each_decode() -> None:

@@ -17,10 +17,9 @@ from typing import Any
 
 import httpx
 import pytest
+from fuzz_strategies import _TEXT, MAX_TOKENS_CAP, SchemaStrategies
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from fuzz_strategies import _TEXT, MAX_TOKENS_CAP, SchemaStrategies
 from server_utils import ServerProcess
 
 API_KEY = "fuzzkey"

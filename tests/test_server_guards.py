@@ -18,7 +18,13 @@ from carpool.sampling_params import SamplingParams
 from carpool.scheduler import Request
 from carpool.scheduler.kv_manager import KVCacheManager
 from carpool.scheduler.queues import LaneQueue
-from carpool.server.auth import ANONYMOUS, PRIORITY_CLASSES, KeyRing, Principal, read_keys_file
+from carpool.server.auth import (
+    ANONYMOUS,
+    PRIORITY_CLASSES,
+    KeyRing,
+    Principal,
+    read_keys_file,
+)
 from carpool.server.config import ServerConfig
 from carpool.server.prepare import extensions
 from carpool.server.protocol import CompletionRequest

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import openai
 import pytest
-
 from server_utils import ServerProcess
 
 pytestmark = pytest.mark.real_model

@@ -10,7 +10,6 @@ import time
 
 import httpx
 import pytest
-
 from server_utils import ServerProcess
 
 KEY = "sk-test-key"

@@ -8,7 +8,6 @@ from __future__ import annotations
 import re
 
 import pytest
-
 from server_utils import ServerProcess
 
 TINY = ["--attention-backend", "torch", "--kv-cache-memory", "16MiB"]

@@ -7,7 +7,13 @@ import argparse
 import pytest
 
 from carpool.config import EngineConfig
-from carpool.sim.fidelity import FidelityRow, add_fidelity_args, compare, fidelity, format_rows
+from carpool.sim.fidelity import (
+    FidelityRow,
+    add_fidelity_args,
+    compare,
+    fidelity,
+    format_rows,
+)
 
 
 @pytest.fixture(scope="module")

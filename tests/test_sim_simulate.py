@@ -6,12 +6,12 @@ import subprocess
 import sys
 
 import pytest
+from sim_helpers import ConstantCost
 
 from carpool.bench.traces import TraceRequest
 from carpool.config import EngineConfig
 from carpool.sim.analytic import analytic_from_names
 from carpool.sim.simulate import SimSettings, simulate
-from sim_helpers import ConstantCost
 
 
 def _outcome(run):

@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from carpool.bench.arrivals import rescale_offsets
+from carpool.bench.regimes_report import excess_share, print_row, print_table
 from carpool.bench.stats import OK, REJECTED, RequestRecord, summarize
 from carpool.bench.throughput import BenchRequest
-from carpool.bench.tune import parse_slo
 from carpool.bench.workload import (
     add_workload_args,
     arg_type,
@@ -38,6 +38,7 @@ from carpool.bench.workload import (
 from carpool.config import EngineConfig
 from carpool.sampling_params import SamplingParams
 from carpool.scheduler import RejectedError
+from carpool.slo import parse_slo
 
 # Regimes: the three batching modes, and continuous batching under the adaptive controller.
 REGIMES = ("static", "dynamic", "continuous", "adaptive")
@@ -165,8 +166,25 @@ def parse_rates(text: str) -> list[float]:
     return rates
 
 
+def surge_summary(base, config: EngineConfig, workload: list[BenchRequest],
+                  offsets: list[float]) -> dict:
+    """Capacity (requests/s, every request at once, continuous batching) and
+    the excess load of this schedule against the TTFT target."""
+    from carpool.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(regime_config(config, "continuous"), base.tokenizer, base.model_config,
+                       base.executor, base.max_model_len)
+    offline = replay(engine, workload, [0.0] * len(workload))
+    capacity = len(workload) / offline.seconds
+    target = config.controller.concrete().ttft_target or 0.0  # auto: the fallback
+    excess = excess_share(offsets, capacity, target)
+    print(f"capacity {capacity:.2f} requests/s (all {len(workload)} at once); offered "
+          f"{len(offsets) / max(offsets[-1], 1e-9):.2f}/s on average; excess load over "
+          f"capacity at TTFT target {target:g} s: {excess:.1%}", flush=True)
+    return {"capacity_rps": capacity, "excess_share": excess, "ttft_target": target}
+
+
 def run_regimes(config: EngineConfig, args: argparse.Namespace) -> int:
-    from carpool.bench.regimes_report import print_row, print_table, surge_summary
     from carpool.engine.llm_engine import LLMEngine
 
     base = LLMEngine.from_config(config)

@@ -1,13 +1,10 @@
 """What ``carpool bench regimes`` prints: a line per regime as it finishes,
 then the comparison table (markdown) with ratios to the first regime, and,
-for a schedule with surges, the capacity and excess load it is measured
-against."""
+for a schedule with surges, the excess load it is measured against
+(``excess_share``; ``regimes.surge_summary`` measures the capacity)."""
 from __future__ import annotations
 
 import argparse
-
-from carpool.bench.throughput import BenchRequest
-from carpool.config import EngineConfig
 
 
 def excess_share(offsets: list[float], capacity: float, max_delay: float) -> float:
@@ -23,25 +20,6 @@ def excess_share(offsets: list[float], capacity: float, max_delay: float) -> flo
             continue
         free_at = start + 1.0 / capacity
     return rejected / len(offsets) if offsets else 0.0
-
-
-def surge_summary(base, config: EngineConfig, workload: list[BenchRequest],
-                  offsets: list[float]) -> dict:
-    """Capacity (requests/s, every request at once, continuous batching) and
-    the excess load of this schedule against the TTFT target."""
-    from carpool.bench.regimes import regime_config, replay
-    from carpool.engine.llm_engine import LLMEngine
-
-    engine = LLMEngine(regime_config(config, "continuous"), base.tokenizer, base.model_config,
-                       base.executor, base.max_model_len)
-    offline = replay(engine, workload, [0.0] * len(workload))
-    capacity = len(workload) / offline.seconds
-    target = config.controller.concrete().ttft_target or 0.0  # auto: the fallback
-    excess = excess_share(offsets, capacity, target)
-    print(f"capacity {capacity:.2f} requests/s (all {len(workload)} at once); offered "
-          f"{len(offsets) / max(offsets[-1], 1e-9):.2f}/s on average; excess load over "
-          f"capacity at TTFT target {target:g} s: {excess:.1%}", flush=True)
-    return {"capacity_rps": capacity, "excess_share": excess, "ttft_target": target}
 
 
 def print_row(row: dict, first: dict, with_peak: bool) -> None:

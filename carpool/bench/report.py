@@ -306,7 +306,7 @@ def _header(doc: dict, title: str) -> list[str]:
             _p(f"Workload: {workload_line(doc)}.")]
 
 
-def _serve_body(result: dict, out_dir: Path) -> str:
+def serve_body(result: dict, out_dir: Path) -> str:
     plot_cdfs([result], out_dir / "latency_cdf.png", (result.get("summary") or {}).get("slo"))
     plot_timeseries(result, out_dir / "timeseries.png")
     parts = _header(result, str(result.get("label") or "bench serve"))
@@ -314,24 +314,3 @@ def _serve_body(result: dict, out_dir: Path) -> str:
     parts += ["<h2>Plots</h2>", _img("latency_cdf.png", "latency CDFs"),
               _img("timeseries.png", "the run over time"), _config_block(result)]
     return "\n".join(parts)
-
-
-def write_report(result: dict, out_dir: Path, *, run_reports: bool = True) -> Path:
-    """Write ``out_dir/report.html`` and its PNGs for a bench-serve or
-    bench-sweep document (dispatching on ``kind``); returns the HTML path.
-    For a sweep, ``run_reports`` also writes each run's own report into
-    ``run-NN/`` and links it from the runs table."""
-    kind = result.get("kind")
-    if kind not in ("bench-serve", "bench-sweep"):
-        raise ValueError(f"cannot report on kind {kind!r}: expected 'bench-serve' or 'bench-sweep'")
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    if kind == "bench-serve":
-        body = _serve_body(result, out_dir)
-    else:
-        from carpool.bench.report_sweep import sweep_body  # it builds on this module
-
-        body = sweep_body(result, out_dir, run_reports)
-    path = out_dir / "report.html"
-    path.write_text(html_page(f"{kind}: {result.get('label') or ''}", body), encoding="utf-8")
-    return path

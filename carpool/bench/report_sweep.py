@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import html
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -20,10 +20,9 @@ from carpool.bench.report import (
     _pct,
     _save,
     format_ms,
-    new_figure,
     html_table,
+    new_figure,
     slo_terms,
-    write_report,
 )
 
 # find_knee: below this normalised distance from the chord there is no bend
@@ -143,7 +142,9 @@ def _sweep_rows(sweep: dict, links: list[str | None]) -> list[list[object]]:
     return rows
 
 
-def sweep_body(sweep: dict, out_dir: Path, run_reports: bool) -> str:
+def sweep_body(sweep: dict, out_dir: Path, run_reports: bool,
+               write_report: Callable[[dict, Path], Path]) -> str:
+    """The sweep page's body; ``write_report`` writes each run's own report."""
     plot_sweep_latency(sweep, out_dir / "latency_vs_rate.png")
     plot_sweep_throughput(sweep, out_dir / "throughput_vs_rate.png")
     links = [write_report(run["result"], out_dir / f"run-{i:02d}").relative_to(out_dir).as_posix()

@@ -172,7 +172,7 @@ def write_outputs(result: dict, json_path: str | None, html_dir: str | None) -> 
         Path(json_path).write_text(json.dumps(result, indent=1, default=str))
         print(f"wrote {json_path}")
     if html_dir:
-        from carpool.bench.report import write_report
+        from carpool.bench.html_report import write_report
 
         print(f"wrote {write_report(result, Path(html_dir))}")
 

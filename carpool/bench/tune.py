@@ -293,7 +293,7 @@ def run_tune(config: EngineConfig, args: argparse.Namespace) -> int:
     """Run the sweep, print the table and recommendation, write JSON/profile."""
     from tqdm import tqdm
 
-    from carpool.bench.regimes import warm_up, encode_workload
+    from carpool.bench.regimes import encode_workload, warm_up
     from carpool.engine.llm_engine import LLMEngine
 
     batching = config.scheduler.batching

@@ -56,9 +56,9 @@ from carpool.scheduler.slo_policy import (
     CALM_SHARE,
     LIMIT_STEP_SHARE,
     LimitCorrection,
-    proven_limit,
     early_tick_cause,
     latency_limit,
+    proven_limit,
 )
 
 logger = logging.getLogger(__name__)

@@ -4,7 +4,13 @@ from __future__ import annotations
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
-from carpool.scheduler.block_pool import ROOT_HASH, BlockKey, BlockKeyChain, BlockPool, LazyRun
+from carpool.scheduler.block_pool import (
+    ROOT_HASH,
+    BlockKey,
+    BlockKeyChain,
+    BlockPool,
+    LazyRun,
+)
 from carpool.scheduler.request import Request
 
 

@@ -9,7 +9,6 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-
 # The fewest finished requests whose TPOT makes the recent TPOT signal.
 RECENT_TPOTS = 4
 # The fewest busy steps that anchor the batch limit (``step_anchor``).

@@ -40,7 +40,11 @@ from carpool.server.prepare import (
     encode_text,
     extensions,
 )
-from carpool.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from carpool.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    _SamplingFields,
+)
 from carpool.server.responses import SSE_DONE, ResponseBuilder, sse, usage_of
 
 _SEED_STRIDE = 0x9E3779B97F4A7C15  # odd: distinct seeds for the n samples of one seed

@@ -11,51 +11,15 @@ name the kind they used. Pure Python.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from carpool.sim.analytic import AnalyticCostModel
+from carpool.sim.fitted import FittedCostModel
+from carpool.sim.shapes import StepShape
+
 COST_MODEL_KIND = "carpool-cost-model"
 COST_MODEL_VERSION = 1
-
-
-@dataclass(frozen=True)
-class StepShape:
-    """What one step computes.
-
-    prefill_tokens: prompt tokens computed (the sum of the prefill chunks);
-    decode_seqs: sequences generating one token each;
-    context_tokens: the sum, over every sequence in the step, of the
-        context it attends to after the step (its KV length);
-    seqs: sequences in the step (prefill chunks + decodes);
-    attention_pairs: query x key pairs attention scores, the sum over
-        sequences of (tokens computed) x (context after the step): a decode
-        adds its context, a prefill chunk grows with chunk x context.
-    """
-
-    prefill_tokens: int
-    decode_seqs: int
-    context_tokens: int
-    seqs: int
-    attention_pairs: int = 0
-
-    @property
-    def tokens(self) -> int:
-        """Tokens computed: prompt chunk tokens plus one per decode."""
-        return self.prefill_tokens + self.decode_seqs
-
-    @classmethod
-    def of(cls, spans) -> StepShape:
-        """The shape of a step from its spans (anything with ``start`` and
-        ``num_tokens``: the scheduler's spans, the executor's batch items). A
-        one-token span counts as a decode: a one-token prompt chunk costs
-        the same."""
-        decodes = sum(1 for span in spans if span.num_tokens == 1)
-        total = sum(span.num_tokens for span in spans)
-        return cls(prefill_tokens=total - decodes, decode_seqs=decodes,
-                   context_tokens=sum(span.start + span.num_tokens for span in spans),
-                   seqs=len(spans), attention_pairs=sum(
-                       span.num_tokens * (span.start + span.num_tokens) for span in spans))
 
 
 class CostModel(Protocol):
@@ -97,11 +61,9 @@ def load_cost_model(path: str | Path) -> CostModel:
         raise ValueError(f"{path}: cost model version {data.get('version')!r} is not "
                          f"{COST_MODEL_VERSION}")
     if data.get("model_kind") == "measured":
-        from carpool.sim.fitted import FittedCostModel
 
         return FittedCostModel.from_dict(data)
     if data.get("model_kind") == "analytic":
-        from carpool.sim.analytic import AnalyticCostModel
 
         return AnalyticCostModel.from_dict(data)
     raise ValueError(f"{path}: unknown model_kind {data.get('model_kind')!r}")

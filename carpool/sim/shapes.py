@@ -1,0 +1,47 @@
+"""What one step computes, as the simulator's cost models price it.
+
+Its own module so the cost models (``analytic``, ``fitted``) and the
+loader that picks one (``costs``) import it without importing each other.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What one step computes.
+
+    prefill_tokens: prompt tokens computed (the sum of the prefill chunks);
+    decode_seqs: sequences generating one token each;
+    context_tokens: the sum, over every sequence in the step, of the
+        context it attends to after the step (its KV length);
+    seqs: sequences in the step (prefill chunks + decodes);
+    attention_pairs: query x key pairs attention scores, the sum over
+        sequences of (tokens computed) x (context after the step): a decode
+        adds its context, a prefill chunk grows with chunk x context.
+    """
+
+    prefill_tokens: int
+    decode_seqs: int
+    context_tokens: int
+    seqs: int
+    attention_pairs: int = 0
+
+    @property
+    def tokens(self) -> int:
+        """Tokens computed: prompt chunk tokens plus one per decode."""
+        return self.prefill_tokens + self.decode_seqs
+
+    @classmethod
+    def of(cls, spans) -> StepShape:
+        """The shape of a step from its spans (anything with ``start`` and
+        ``num_tokens``: the scheduler's spans, the executor's batch items). A
+        one-token span counts as a decode: a one-token prompt chunk costs
+        the same."""
+        decodes = sum(1 for span in spans if span.num_tokens == 1)
+        total = sum(span.num_tokens for span in spans)
+        return cls(prefill_tokens=total - decodes, decode_seqs=decodes,
+                   context_tokens=sum(span.start + span.num_tokens for span in spans),
+                   seqs=len(spans), attention_pairs=sum(
+                       span.num_tokens * (span.start + span.num_tokens) for span in spans))
