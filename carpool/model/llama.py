@@ -15,6 +15,7 @@ from torch import nn
 
 from carpool.model.attention import AttentionMetadata, TorchAttention
 from carpool.model.config import ModelConfig
+from carpool.model.hf_names import EMBED_TOKENS, FINAL_NORM, LM_HEAD, layer_names, o_proj_has_bias
 
 
 class RMSNorm(nn.Module):
@@ -92,9 +93,7 @@ class DecoderLayer(nn.Module):
         self.kv_size = c.num_kv_heads * c.head_dim
         self.qkv_proj = nn.Linear(c.hidden_size, self.q_size + 2 * self.kv_size,
                                   bias=c.attention_bias)
-        # Llama's attention_bias covers o_proj too; Qwen2's qkv bias does not.
-        self.o_proj = nn.Linear(self.q_size, c.hidden_size,
-                                bias=c.attention_bias and c.architecture != "qwen2")
+        self.o_proj = nn.Linear(self.q_size, c.hidden_size, bias=o_proj_has_bias(c))
         self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
@@ -159,23 +158,19 @@ class LlamaModel(nn.Module):
             except KeyError:
                 raise ValueError(f"weight {name!r} missing from the checkpoint") from None
 
-        self.embed_tokens.weight.copy_(take("model.embed_tokens.weight"))
-        self.norm.weight.copy_(take("model.norm.weight"))
+        self.embed_tokens.weight.copy_(take(EMBED_TOKENS))
+        self.norm.weight.copy_(take(FINAL_NORM))
         if self.lm_head is not None:
-            self.lm_head.weight.copy_(take("lm_head.weight"))
+            self.lm_head.weight.copy_(take(LM_HEAD))
         for index, layer in enumerate(self.layers):
-            prefix = f"model.layers.{index}."
-            attn, mlp = prefix + "self_attn.", prefix + "mlp."
-            layer.qkv_proj.weight.copy_(torch.cat(
-                [take(attn + f"{p}_proj.weight") for p in "qkv"]))
+            n = layer_names(index)
+            layer.qkv_proj.weight.copy_(torch.cat([take(n[p]) for p in "qkv"]))
             if layer.qkv_proj.bias is not None:
-                layer.qkv_proj.bias.copy_(torch.cat([take(attn + f"{p}_proj.bias") for p in "qkv"]))
-            layer.o_proj.weight.copy_(take(attn + "o_proj.weight"))
+                layer.qkv_proj.bias.copy_(torch.cat([take(n[f"{p}_bias"]) for p in "qkv"]))
+            layer.o_proj.weight.copy_(take(n["o"]))
             if layer.o_proj.bias is not None:
-                layer.o_proj.bias.copy_(take(attn + "o_proj.bias"))
-            layer.gate_up_proj.weight.copy_(torch.cat(
-                [take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")]))
-            layer.down_proj.weight.copy_(take(mlp + "down_proj.weight"))
-            layer.input_layernorm.weight.copy_(take(prefix + "input_layernorm.weight"))
-            layer.post_attention_layernorm.weight.copy_(
-                take(prefix + "post_attention_layernorm.weight"))
+                layer.o_proj.bias.copy_(take(n["o_bias"]))
+            layer.gate_up_proj.weight.copy_(torch.cat([take(n["gate"]), take(n["up"])]))
+            layer.down_proj.weight.copy_(take(n["down"]))
+            layer.input_layernorm.weight.copy_(take(n["input_norm"]))
+            layer.post_attention_layernorm.weight.copy_(take(n["post_norm"]))

@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 
 from carpool.model.config import ModelConfig
 from carpool.model.gguf_convert import convert_gguf
+from carpool.model.hf_names import expected_shapes
 from carpool.model.hub import DEFAULT_MODEL_NAME, default_cache_dir, fetch_default_model
 from carpool.model.tokenizer import Tokenizer
 
@@ -156,35 +157,6 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
     for shard in shards:
         weights.update(load_file(str(shard)))
     return weights
-
-
-def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """The HF tensor names and shapes a checkpoint for ``config`` must contain."""
-    c = config
-    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (c.vocab_size, c.hidden_size),
-        "model.norm.weight": (c.hidden_size,),
-    }
-    if not c.tie_word_embeddings:
-        shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
-    for i in range(c.num_layers):
-        p = f"model.layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": (c.hidden_size,),
-            p + "post_attention_layernorm.weight": (c.hidden_size,),
-            p + "self_attn.q_proj.weight": (q, c.hidden_size),
-            p + "self_attn.k_proj.weight": (kv, c.hidden_size),
-            p + "self_attn.v_proj.weight": (kv, c.hidden_size),
-            p + "self_attn.o_proj.weight": (c.hidden_size, q),
-            p + "mlp.gate_proj.weight": (c.intermediate_size, c.hidden_size),
-            p + "mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
-            p + "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size),
-        })
-        if c.attention_bias:
-            shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
-                           p + "self_attn.v_proj.bias": (kv,)})
-    return shapes
 
 
 def _weights_problem(config: ModelConfig, weights: dict[str, torch.Tensor]) -> str | None:

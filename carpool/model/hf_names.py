@@ -1,0 +1,53 @@
+"""The Hugging Face tensor names of a Llama-family checkpoint, in one place:
+the loader checks a checkpoint against ``expected_shapes`` and the model
+copies its weights in by ``layer_names``, so the two cannot disagree (they
+once did about o_proj's bias). Plain Python: no torch."""
+from __future__ import annotations
+
+from carpool.model.config import ModelConfig
+
+EMBED_TOKENS = "model.embed_tokens.weight"
+FINAL_NORM = "model.norm.weight"
+LM_HEAD = "lm_head.weight"
+
+
+def o_proj_has_bias(config: ModelConfig) -> bool:
+    """Llama's ``attention_bias`` covers o_proj too; Qwen2's q/k/v bias does not."""
+    return config.attention_bias and config.architecture != "qwen2"
+
+
+def layer_names(index: int) -> dict[str, str]:
+    """Layer ``index``'s tensor names by role (``q``, ``q_bias``, ``gate``, ...)."""
+    prefix = f"model.layers.{index}."
+    attn, mlp = prefix + "self_attn.", prefix + "mlp."
+    names = {p: f"{attn}{p}_proj.weight" for p in "qkvo"}
+    names.update({f"{p}_bias": f"{attn}{p}_proj.bias" for p in "qkvo"})
+    names.update({p: f"{mlp}{p}_proj.weight" for p in ("gate", "up", "down")})
+    names["input_norm"] = prefix + "input_layernorm.weight"
+    names["post_norm"] = prefix + "post_attention_layernorm.weight"
+    return names
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The tensor names and shapes a checkpoint for ``config`` must contain."""
+    c = config
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    shapes: dict[str, tuple[int, ...]] = {EMBED_TOKENS: (c.vocab_size, c.hidden_size),
+                                          FINAL_NORM: (c.hidden_size,)}
+    if not c.tie_word_embeddings:
+        shapes[LM_HEAD] = (c.vocab_size, c.hidden_size)
+    for i in range(c.num_layers):
+        n = layer_names(i)
+        shapes.update({
+            n["input_norm"]: (c.hidden_size,), n["post_norm"]: (c.hidden_size,),
+            n["q"]: (q, c.hidden_size), n["k"]: (kv, c.hidden_size), n["v"]: (kv, c.hidden_size),
+            n["o"]: (c.hidden_size, q),
+            n["gate"]: (c.intermediate_size, c.hidden_size),
+            n["up"]: (c.intermediate_size, c.hidden_size),
+            n["down"]: (c.hidden_size, c.intermediate_size),
+        })
+        if c.attention_bias:
+            shapes.update({n["q_bias"]: (q,), n["k_bias"]: (kv,), n["v_bias"]: (kv,)})
+        if o_proj_has_bias(c):
+            shapes[n["o_bias"]] = (c.hidden_size,)
+    return shapes
