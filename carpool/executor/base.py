@@ -1,7 +1,9 @@
 """The executor interface: run one scheduled step, return sampled tokens.
 
-The engine and the simulator share the scheduler; only the executor
-differs (a real model here, a cost model in the simulator).
+The live engine runs a scheduled step through an ``Executor`` (``TorchExecutor``:
+the real model). The simulator shares the scheduler but still drives it with
+its own replica loop and a cost model (``carpool/sim/replica.py``), not
+through this interface (yet: one engine core for both is the plan).
 """
 from __future__ import annotations
 
