@@ -95,8 +95,8 @@ def _run_batch(engine: LLMEngine, decode_tokens: int) -> None:
     params = SamplingParams(max_tokens=decode_tokens, temperature=0.0, ignore_eos=True)
     for run in range(batch):
         prompt = _prompt(engine, PRIOR_PROMPT_TOKENS, 100 + run)
-        if not engine.scheduler.kv.can_ever_fit(len(prompt) + decode_tokens * (run + 2)):
-            break
+        if not engine.scheduler.kv.can_ever_fit((run + 1) * (len(prompt) + decode_tokens)):
+            break  # the whole batch so far must fit the pool at once
         engine.add_request(prompt, params)
     while engine.has_unfinished:
         engine.step()

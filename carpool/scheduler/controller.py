@@ -121,13 +121,6 @@ class AdaptiveController:
                         prompt_tokens: int | None = None) -> None:
         self.window.observe_arrival(now, request_tokens, prompt_tokens)
 
-    def observe_rejected(self, now: float, request_tokens: int,
-                         prompt_tokens: int | None = None) -> None:
-        """An arrival admission turned away: offered demand all the same, so
-        the arrival rate and surge detection count it (counting only the
-        admitted ones would hide a surge behind its own shedding)."""
-        self.window.observe_arrival(now, request_tokens, prompt_tokens)
-
     def observe_ttft(self, now: float, seconds: float) -> None:
         self.window.ttft.add(now, seconds)
 

@@ -97,7 +97,7 @@ class Signals:
     # max_tokens): the prefill work that comes with each decoded token.
     prefill_ratio: float | None = None
     # (mean running count, mean wall seconds) of the busy steps of the slow
-    # window: where the batch limit's line is anchored (``slo_policy``).
+    # window: the batch they show within target (``slo_policy.proven_limit``).
     step_anchor: tuple[float, float] | None = None
 
     def describe(self) -> str:
@@ -123,9 +123,9 @@ class LiveWindow:
         self.arrivals = SampleWindow(window_s)  # value: prompt + max_tokens
         self.prompts = SampleWindow(window_s)  # value: prompt tokens (one per arrival)
         self.ttft = SampleWindow(window_s)
-        self.tpot = SampleWindow(window_s)  # per finished request: (E2E - TTFT) / (tokens - 1)
-        # The same requests as (finished, first token, TPOT), oldest first.
-        self._runs: deque[tuple[float, float, float]] = deque()
+        # Per finished request, stamped at its finish: (its first token's time,
+        # its TPOT = (E2E - TTFT) / (tokens - 1)).
+        self.tpot = SampleWindow(window_s)
         self.fill = SampleWindow(window_s)
         self.steps = SampleWindow(self.fast_s)  # wall seconds between consecutive busy steps
         # The same over the slow window with the step's running count: (n, seconds).
@@ -150,8 +150,7 @@ class LiveWindow:
 
     def observe_tpot(self, now: float, seconds: float, started: float) -> None:
         """A request finished at ``now``: its TPOT, its first token at ``started``."""
-        self.tpot.add(now, seconds)
-        self._runs.append((now, started, seconds))
+        self.tpot.add(now, (started, seconds))
 
     def recent_tpots(self, now: float, since: float = -math.inf) -> list[float]:
         """TPOTs of the requests that finished in the fast window, or of the
@@ -160,11 +159,11 @@ class LiveWindow:
         correction needs to know what tokens cost); only of requests whose
         first token came at ``since`` or later: those that ran under the
         batch limit of then."""
-        while self._runs and self._runs[0][0] < now - self.window_s:
-            self._runs.popleft()
-        runs = [(finished, tpot) for finished, started, tpot in self._runs if started >= since]
-        fast = [tpot for finished, tpot in runs if finished >= now - self.fast_s]
-        return fast if len(fast) >= RECENT_TPOTS else [tpot for _, tpot in runs[-RECENT_TPOTS:]]
+        fast = [tpot for started, tpot in self.tpot.recent(now, self.fast_s) if started >= since]
+        if len(fast) >= RECENT_TPOTS:
+            return fast
+        runs = [tpot for started, tpot in self.tpot.values(now) if started >= since]
+        return runs[-RECENT_TPOTS:]
 
     def observe_step_interval(self, now: float, running: int, seconds: float) -> None:
         """A busy step of ``running`` sequences took ``seconds`` of wall time
@@ -197,7 +196,7 @@ class LiveWindow:
             now=now, arrival_rate=self.rate(now, self.window_s), waiting=waiting,
             waiting_tokens=waiting_tokens, running=running, kv_usage=kv_usage, busy=busy,
             ttft_p95=percentile(self.ttft.values(now), 95),
-            tpot_p95=percentile(self.tpot.values(now), 95),
+            tpot_p95=percentile([tpot for _, tpot in self.tpot.values(now)], 95),
             fill=mean(self.fill.values(now)), mean_request_tokens=request_mean,
             batch_limit=batch_limit, fast_arrival_rate=self.rate(now, self.fast_s),
             step_time=self.step_time(now), mean_prompt_tokens=prompt_mean, prefill_ratio=ratio,

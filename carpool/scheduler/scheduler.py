@@ -29,7 +29,7 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 
 from carpool.config import CacheConfig, ControllerConfig, SchedulerConfig
-from carpool.scheduler.admission import AdmissionControl, ExpiryQueue, RejectedError
+from carpool.scheduler.admission import AdmissionControl, ExpiryQueue
 from carpool.scheduler.controller import AdaptiveController, LiveKnobs
 from carpool.scheduler.invariants import check_invariants
 from carpool.scheduler.kv_manager import KVCacheManager
@@ -112,13 +112,12 @@ class Scheduler:
         now = self.clock()
         if request.session_id is not None:
             self.admission.check_session_room(now, self.sessions.num_unfinished(request.session_id))
-        try:
-            self.admission.check(request, now, self.waiting, self.running, self._drop_waiting)
-        except RejectedError:
-            if self.controller is not None:
-                self.controller.observe_rejected(
-                    now, request.num_prompt_tokens + request.max_tokens, request.num_prompt_tokens)
-            raise
+        if self.controller is not None:
+            # Offered load, admitted or not: counting only the admitted ones
+            # would hide a surge behind its own shedding.
+            self.controller.observe_arrival(now, request.num_prompt_tokens + request.max_tokens,
+                                            request.num_prompt_tokens)
+        self.admission.check(request, now, self.waiting, self.running, self._drop_waiting)
         request.status = RequestStatus.WAITING
         if self.controller is not None:
             request.slot_limit = self.knobs.max_num_seqs
@@ -128,9 +127,6 @@ class Scheduler:
         self.expiries.add(request, self.config.queue_timeout)
         self.expiries.compact(self._is_unscheduled)
         self.departures.set_busy(now, True)
-        if self.controller is not None:
-            self.controller.observe_arrival(now, request.num_prompt_tokens + request.max_tokens,
-                                            request.num_prompt_tokens)
 
     def record_step(self, num_tokens: int, num_seqs: int, seconds: float) -> None:
         """Feed the online cost model with an executed step's size and duration."""
