@@ -314,6 +314,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_profiles_args(commands.add_parser(
         "profiles", help="list the built-in settings profiles, or show one resolved"))
+    from carpool.workload.command import add_traces_args
+
+    add_traces_args(commands.add_parser(
+        "traces", help="the public request traces: where each is found, or download them"))
     for name, help_text, module, add_args in _SIM_COMMANDS:
         sub = commands.add_parser(name, help=help_text)
         getattr(importlib.import_module(module), add_args)(sub)
@@ -386,6 +390,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from carpool.profiles.command import run_profiles
 
             return run_profiles(args)
+        if args.command == "traces":
+            from carpool.workload.command import run_traces
+
+            return run_traces(args)
         if getattr(args, "bench_command", None) in ("serve", "sweep", "compare"):
             return _run_client_bench(args)
         if args.command == "serve" and args.model_path:

@@ -78,7 +78,8 @@ def real_model_path() -> Path:
     override = os.environ.get("CARPOOL_TEST_GGUF")
     if override:
         return Path(override)
-    from carpool.model.hub import default_cache_dir, fetch_default_model
+    from carpool.model.hub import fetch_default_model
+    from carpool.paths import default_cache_dir
 
     return fetch_default_model(default_cache_dir())
 

@@ -12,7 +12,6 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from carpool.bench.arrivals import arrival_offsets
 from carpool.bench.prompts import PromptFactory
-from carpool.bench.traces import load_trace, scale_tokens, select_window
 from carpool.bench.workload import (
     BenchItem,
     add_workload_args,
@@ -22,6 +21,7 @@ from carpool.bench.workload import (
     plan_workload,
 )
 from carpool.model.tokenizer import Tokenizer
+from carpool.workload.traces import load_trace, scale_tokens, select_window
 
 WORDS = (
     "alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet",
@@ -45,8 +45,9 @@ def bpe() -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def real_tokenizer() -> Tokenizer:
-    from carpool.model.hub import default_cache_dir, fetch_default_model
+    from carpool.model.hub import fetch_default_model
     from carpool.model.loader import ensure_converted
+    from carpool.paths import default_cache_dir
 
     cache = default_cache_dir()
     return Tokenizer.from_dir(ensure_converted(fetch_default_model(cache), cache))

@@ -19,6 +19,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from carpool import paths
 from carpool.model import gguf_convert, hub, loader
 from carpool.model.config import ModelConfig
 from carpool.model.gguf_convert import convert_gguf, llama3_scaling_from_factors
@@ -412,9 +413,9 @@ def test_missing_tensor_is_reported(tmp_path: Path, tiny_gguf: Path) -> None:
 
 def test_default_cache_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("CARPOOL_CACHE", str(tmp_path))
-    assert hub.default_cache_dir() == tmp_path
+    assert paths.default_cache_dir() == tmp_path
     monkeypatch.delenv("CARPOOL_CACHE")
-    assert hub.default_cache_dir() == Path.home() / ".cache" / "carpool"
+    assert paths.default_cache_dir() == Path.home() / ".cache" / "carpool"
 
 
 def test_fetch_default_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:

@@ -10,7 +10,6 @@ import sys
 import pytest
 from sim_helpers import ConstantCost
 
-from carpool.bench.traces import TraceRequest
 from carpool.config import EngineConfig
 from carpool.sim.plan import (
     Batching,
@@ -24,6 +23,7 @@ from carpool.sim.plan import (
 )
 from carpool.sim.plan_day import hourly_replicas, parse_curve, spread_over_curve
 from carpool.sim.simulate import SimSettings
+from carpool.workload.traces import TraceRequest
 
 # An L4 serving llama-3-8b, short requests, at most 16 running per replica:
 # at 60 req/s the search settles on 4 replicas in about a second.

@@ -8,10 +8,10 @@ import sys
 import pytest
 from sim_helpers import ConstantCost
 
-from carpool.bench.traces import TraceRequest
 from carpool.config import EngineConfig
 from carpool.sim.analytic import analytic_from_names
 from carpool.sim.simulate import SimSettings, simulate
+from carpool.workload.traces import TraceRequest
 
 
 def _outcome(run):

@@ -91,8 +91,9 @@ def load_bench_tokenizer(spec: str | None):
         return Tokenizer.from_dir(spec)
     if spec and Path(spec).name == "tokenizer.json":
         return Tokenizer.from_dir(Path(spec).parent)
-    from carpool.model.hub import default_cache_dir, fetch_default_model
+    from carpool.model.hub import fetch_default_model
     from carpool.model.loader import ensure_converted
+    from carpool.paths import default_cache_dir
 
     cache = default_cache_dir()
     if spec is None:
@@ -185,7 +186,8 @@ def format_result(result: dict) -> str:
     lines = [
         f"== {result['label']} ==",
         f"workload: {workload.get('name')} | token counts x{workload.get('token_scale', 1):g}, "
-        f"time x{workload.get('time_scale', 1):g} | arrivals {workload.get('arrival')}",
+        f"time x{workload.get('time_scale', 1):g} | arrivals {workload.get('arrival')}"
+        + (f"\nnote: {workload['excerpt']}" if workload.get("excerpt") else ""),
         f"requests {s['requests']}: completed {s['completed']}, rejected {s['rejected']}"
         f"{f' ({rejected})' if rejected else ''}, failed {s['failed']}"
         f"{f' ({failed})' if failed else ''}" + (f", unsent {s['unsent']}" if s["unsent"] else ""),

@@ -162,8 +162,8 @@ def run_hf_static(model_dir: Path, workload: list[BenchRequest], batch_size: int
 
 
 def run_throughput(config: EngineConfig, args: argparse.Namespace) -> int:
-    from carpool.model.hub import default_cache_dir
     from carpool.model.loader import load_model
+    from carpool.paths import default_cache_dir
 
     cache_dir = Path(config.model.cache_dir) if config.model.cache_dir else default_cache_dir()
     loaded = load_model(config.model.model, cache_dir)

@@ -17,10 +17,11 @@ from dataclasses import dataclass
 
 from carpool.bench.arrivals import Ramp, Surge, arrival_offsets, describe_process
 from carpool.bench.prompts import PromptFactory, TokenizerLike
-from carpool.bench.traces import (
+from carpool.workload.traces import (
     MOONCAKE_BLOCK_TOKENS,
     TRACE_FILES,
     TraceRequest,
+    excerpt_note,
     has_arrivals,
     load_trace,
     loop_window,
@@ -167,6 +168,8 @@ def describe_workload(args: argparse.Namespace, items: Sequence[BenchItem] | Non
         "seed": args.workload_seed,
         "duration_s": span,
         "offered_rate": (len(offsets) - 1) / span if span > 0 else None,
+        # Only when the file is the excerpt packaged with carpool, not the whole trace.
+        **({"excerpt": note} if (note := path and excerpt_note(path)) else {}),
     }
 
 
@@ -192,9 +195,10 @@ def _source_requests(args: argparse.Namespace) -> list[TraceRequest]:
     if len(chosen) < count and getattr(args, "trace_loop", False):
         chosen = loop_window(chosen, count)
     if len(chosen) < count:
+        note = excerpt_note(resolve_trace(args.workload))
         raise ValueError(f"trace {args.workload!r} has only {len(chosen)} requests after "
                          f"--trace-start {args.trace_start:g}; lower --num-requests or "
-                         f"--trace-start, or add --trace-loop")
+                         f"--trace-start, or add --trace-loop" + (f" ({note})" if note else ""))
     return chosen
 
 

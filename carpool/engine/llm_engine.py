@@ -124,8 +124,8 @@ class LLMEngine:
     def from_config(cls, config: EngineConfig) -> "LLMEngine":
         """Load the model named in ``config`` (the default model if none)."""
         from carpool.executor.torch_executor import TorchExecutor
-        from carpool.model.hub import default_cache_dir
         from carpool.model.loader import load_model
+        from carpool.paths import default_cache_dir
 
         config.validate()
         cache_dir = Path(config.model.cache_dir) if config.model.cache_dir else default_cache_dir()

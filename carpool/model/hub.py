@@ -26,12 +26,6 @@ class ModelFetchError(RuntimeError):
     """Downloading or unpacking the default model failed."""
 
 
-def default_cache_dir() -> Path:
-    """``$CARPOOL_CACHE`` if set, else ``~/.cache/carpool``."""
-    env = os.environ.get("CARPOOL_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "carpool"
-
-
 def default_model_path(cache_dir: Path) -> Path:
     """Where `fetch_default_model` puts the GGUF file under ``cache_dir``."""
     return Path(cache_dir) / DEFAULT_MODEL_FILE

@@ -20,8 +20,9 @@ from safetensors.torch import load_file
 from carpool.model.config import ModelConfig
 from carpool.model.gguf_convert import convert_gguf
 from carpool.model.hf_names import expected_shapes
-from carpool.model.hub import DEFAULT_MODEL_NAME, default_cache_dir, fetch_default_model
+from carpool.model.hub import DEFAULT_MODEL_NAME, fetch_default_model
 from carpool.model.tokenizer import Tokenizer
+from carpool.paths import default_cache_dir
 
 # Part of every conversion key: bump it when the converter's output changes so
 # stale conversions are not reused.

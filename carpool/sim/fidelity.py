@@ -20,7 +20,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from carpool.bench.traces import TraceRequest
 from carpool.bench.workload import (
     add_workload_args,
     describe_workload,
@@ -28,6 +27,7 @@ from carpool.bench.workload import (
     plan_workload,
 )
 from carpool.config import EngineConfig
+from carpool.workload.traces import TraceRequest
 
 # (metric, statistic) pairs the report compares; throughput is added apart.
 COMPARED = (("ttft", "p50"), ("ttft", "p99"), ("tpot", "p50"), ("tpot", "p99"),

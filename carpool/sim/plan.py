@@ -37,10 +37,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from carpool.bench.stats import summarize
-from carpool.bench.traces import TraceRequest
 from carpool.config import EngineConfig
 from carpool.sim.costs import CostModel
 from carpool.sim.simulate import SimSettings, simulate
+from carpool.workload.traces import TraceRequest
 
 PROCESSING_SAMPLE = 200  # requests simulated one at a time for the mean processing time
 _ISOLATION_GAP_S = 3600.0  # virtual seconds between them (free on the virtual clock)

@@ -10,7 +10,6 @@ import math
 import time
 
 from carpool.bench.arrivals import rescale_offsets
-from carpool.bench.traces import TraceRequest
 from carpool.bench.workload import (
     add_workload_args,
     arg_type,
@@ -21,6 +20,7 @@ from carpool.config import EngineConfig
 from carpool.sim.command import add_simulation_args, cost_label, settings_from_args
 from carpool.sim.plan import ASSUMED_PRICE, Batching, PeakProblem, plan_peak
 from carpool.sim.simulate import add_cost_model_args, cost_model_from_args, pool_blocks
+from carpool.workload.traces import TraceRequest
 
 
 def add_plan_args(parser: argparse.ArgumentParser) -> None:

@@ -30,9 +30,9 @@ from collections.abc import Callable
 
 from carpool.bench.arrivals import rescale_offsets
 from carpool.bench.stats import distribution, meets_slo
-from carpool.bench.traces import TraceRequest
 from carpool.config import EngineConfig
 from carpool.sim.simulate import simulate
+from carpool.workload.traces import TraceRequest
 
 HOURS = 24
 DIURNAL_CURVE = (0.30, 0.24, 0.20, 0.18, 0.18, 0.22, 0.32, 0.48, 0.66, 0.82, 0.92, 0.97,

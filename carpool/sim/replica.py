@@ -15,12 +15,12 @@ import enum
 import math
 
 from carpool.bench.stats import FAILED, OK, REJECTED, RequestRecord
-from carpool.bench.traces import TraceRequest
 from carpool.config import EngineConfig
 from carpool.scheduler import RejectedError, Request, RequestStatus, Scheduler
 from carpool.scheduler.fast_forward import apply_decode_steps, decode_run_limit, horizon
 from carpool.scheduler.step import SchedulerOutput
 from carpool.sim.costs import CostModel, StepShape
+from carpool.workload.traces import TraceRequest
 
 # An engine with requests it cannot schedule yet (a request-level batch
 # waiting to fill) loops without sleeping; the simulator looks again this

@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from carpool.bench.stats import RequestRecord
-from carpool.bench.traces import TraceRequest
 from carpool.config import EngineConfig, parse_size
 from carpool.sim.costs import CostModel
 from carpool.sim.replica import SimReplica, VirtualClock
+from carpool.workload.traces import TraceRequest
 
 ROUTING = ("round-robin", "least-outstanding")
 # The measured model of carpool's development machine (2-core CPU, default

@@ -1,16 +1,27 @@
-"""Readers for the public request traces under ``../shared/traces``.
+"""Readers for the public request traces carpool replays, and where to find them.
 
 Every reader returns a list of `TraceRequest` in arrival order, arrivals in
 seconds from the trace's first request (None for length-only files). Three
 formats: the Azure LLM inference trace 2023 (CSV: TIMESTAMP, ContextTokens,
 GeneratedTokens), the Mooncake traces (JSONL: timestamp in ms,
 input_length, output_length, hash_ids) and lengths files (CSV:
-num_prefill_tokens, num_decode_tokens). See ../shared/traces/README.md for
-sources, licences and the attribution reports must carry.
+num_prefill_tokens, num_decode_tokens); any of them may be gzipped
+(``.gz``).
+
+A short name (`TRACE_FILES`) is looked up, in this order, in
+``$CARPOOL_TRACES`` (when set, only there), the user's cache
+(``~/.cache/carpool/traces``, filled by ``carpool traces download``), the
+team's ``../shared/traces`` (from the current directory, or beside the
+repository) and last in the excerpts packaged with carpool
+(``carpool/workload/excerpts``: the first minutes of each trace, with the
+licence texts), so every command and test works from a bare install. See
+``carpool/workload/excerpts/README.md`` for sources, licences and the
+attribution reports must carry.
 """
 from __future__ import annotations
 
 import csv
+import gzip
 import itertools
 import json
 import os
@@ -20,6 +31,8 @@ from dataclasses import dataclass, replace
 from datetime import date
 from pathlib import Path
 from types import MappingProxyType
+
+from carpool.paths import default_cache_dir
 
 # One Mooncake hash id covers this many prompt tokens (the last block may be partial).
 MOONCAKE_BLOCK_TOKENS = 512
@@ -41,6 +54,10 @@ TRACE_FILES: MappingProxyType[str, tuple[str, str, str]] = MappingProxyType({
               "arXiv summarisation lengths from the Vidur project (Microsoft; MIT)"),
 })
 
+# Excerpts of every trace, gzipped, with their licences (made by
+# scripts/make_trace_excerpts.py).
+EXCERPTS_DIR = Path(__file__).resolve().parent / "excerpts"
+
 _TIMESTAMP = re.compile(r"\s*(\d{4}-\d{2}-\d{2})[ T](\d{1,2}):(\d{2}):(\d{2}(?:\.\d*)?)\s*")
 
 
@@ -56,31 +73,63 @@ class TraceRequest:
     hash_ids: tuple[int, ...] = ()
 
 
-def traces_dir() -> Path:
-    """``$CARPOOL_TRACES`` if set, else ``../shared/traces`` from the current
-    directory if it exists, else ``shared/traces`` beside the repository."""
+def trace_dirs() -> list[Path]:
+    """The folders searched for whole traces, in order: ``$CARPOOL_TRACES``
+    alone when it is set (an explicit choice: nothing else is searched),
+    else the cache that ``carpool traces download`` fills, ``../shared/traces``
+    from the current directory and ``shared/traces`` beside the repository.
+    """
     env = os.environ.get(TRACES_ENV)
     if env:
-        return Path(env).expanduser()
-    local = Path.cwd().parent / "shared" / "traces"
-    if local.is_dir():
-        return local
-    return Path(__file__).resolve().parents[3] / "shared" / "traces"
+        return [Path(env).expanduser()]
+    return [default_cache_dir() / "traces", Path.cwd().parent / "shared" / "traces",
+            Path(__file__).resolve().parents[3] / "shared" / "traces"]
+
+
+def traces_dir() -> Path:
+    """The first folder of `trace_dirs` that exists, else the last one."""
+    dirs = trace_dirs()
+    return next((d for d in dirs if d.is_dir()), dirs[-1])
+
+
+def excerpt_path(name: str) -> Path:
+    """The packaged excerpt of trace ``name`` (a key of `TRACE_FILES`)."""
+    return EXCERPTS_DIR / (TRACE_FILES[name][0] + ".gz")
+
+
+def excerpt_note(path: Path) -> str | None:
+    """For a packaged excerpt: what it holds and how to get the whole trace
+    (to print beside results); None for any other file."""
+    for name in TRACE_FILES:
+        if Path(path) == excerpt_path(name):
+            info = json.loads((EXCERPTS_DIR / "manifest.json").read_text())[name]
+            span = f"the first {info['span_s']:.0f} s, " if info.get("span_s") else "the first "
+            return (f"{name} is the excerpt packaged with carpool ({span}{info['rows']:,} of "
+                    f"{info['of']:,} requests); `carpool traces download {name}` fetches the "
+                    f"whole trace")
+    return None
 
 
 def resolve_trace(name_or_path: str | os.PathLike) -> Path:
     """The file of a short trace name (see `TRACE_FILES`) or a path.
 
-    Raises FileNotFoundError saying what to do when it is not there.
+    A name is looked up in `trace_dirs`, then in the packaged excerpts
+    (unless ``$CARPOOL_TRACES`` is set). Raises FileNotFoundError saying
+    what to do when it is not there.
     """
     text = str(name_or_path)
     if text in TRACE_FILES:
-        path = traces_dir() / TRACE_FILES[text][0]
-        if not path.is_file():
+        relative = TRACE_FILES[text][0]
+        for folder in trace_dirs():
+            if (folder / relative).is_file():
+                return folder / relative
+        if os.environ.get(TRACES_ENV):
+            path = trace_dirs()[0] / relative
             raise FileNotFoundError(
                 f"trace {text!r}: {path} not found; set ${TRACES_ENV} to the folder holding the "
-                f"shared traces (azure2023/, mooncake/, lengths/) or pass the file's path")
-        return path
+                f"traces (azure2023/, mooncake/, lengths/), unset it to use the cache or the "
+                f"packaged excerpt, or pass the file's path")
+        return excerpt_path(text)
     path = Path(text).expanduser()
     if not path.is_file():
         raise FileNotFoundError(
@@ -91,12 +140,12 @@ def resolve_trace(name_or_path: str | os.PathLike) -> Path:
 
 def trace_format(path: Path) -> str:
     """``azure``, ``mooncake`` or ``lengths``, from the file's name or header."""
-    for relative, kind, _ in TRACE_FILES.values():
-        if path.as_posix().endswith(relative):
-            return kind
-    if path.suffix == ".jsonl":
+    known = _registered(path)
+    if known is not None:
+        return known[1]
+    if _plain_name(path).endswith(".jsonl"):
         return "mooncake"
-    with open(path, encoding="utf-8") as f:
+    with _open_text(path) as f:
         header = f.readline()
     if "TIMESTAMP" in header:
         return "azure"
@@ -109,10 +158,26 @@ def trace_format(path: Path) -> str:
 
 def trace_attribution(path: Path) -> str | None:
     """The credit a report must carry for results on this shared trace file."""
-    for relative, _, attribution in TRACE_FILES.values():
-        if path.as_posix().endswith(relative):
-            return attribution
-    return None
+    known = _registered(path)
+    return None if known is None else known[2]
+
+
+def _plain_name(path: Path) -> str:
+    """The path without a ``.gz`` ending, as text."""
+    return Path(path).as_posix().removesuffix(".gz")
+
+
+def _registered(path: Path) -> tuple[str, str, str] | None:
+    """The `TRACE_FILES` entry a path is a copy (or an excerpt) of, if any."""
+    plain = _plain_name(path)
+    return next((entry for entry in TRACE_FILES.values() if plain.endswith(entry[0])), None)
+
+
+def _open_text(path: Path, newline: str | None = None):
+    """A text file, gunzipped on the fly when its name ends in ``.gz``."""
+    if Path(path).name.endswith(".gz"):
+        return gzip.open(path, "rt", encoding="utf-8", newline=newline)
+    return open(path, encoding="utf-8", newline=newline)
 
 
 def load_trace(name_or_path: str | os.PathLike) -> list[TraceRequest]:
@@ -141,7 +206,7 @@ def read_mooncake_jsonl(path: str | os.PathLike) -> list[TraceRequest]:
     """Mooncake trace: timestamp (ms), input_length, output_length, hash_ids."""
     path = Path(path)
     stamped = []
-    with open(path, encoding="utf-8") as f:
+    with _open_text(path) as f:
         for line, text in enumerate(f, start=1):
             if not text.strip():
                 continue
@@ -239,7 +304,7 @@ def scale_count(value: int, factor: float, cap: int | None = None) -> int:
 
 def _csv_columns(path: Path, names: tuple[str, ...]) -> list[tuple[int, list[str]]]:
     """(line number, the named columns' cells) for every data row."""
-    with open(path, newline="", encoding="utf-8") as f:
+    with _open_text(path, newline="") as f:
         reader = csv.reader(f)
         header = next(reader, None)
         if header is None:
