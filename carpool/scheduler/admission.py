@@ -25,6 +25,7 @@ from carpool.scheduler.shedding import (
     predict_slot_delay,
     ttft_allowance,
 )
+from carpool.slo import CALIBRATION_PROMPT_TOKENS
 
 # Seconds a first token's prediction error counts in the margin. The large
 # misses come where the load changes (a surge's first seconds, while the
@@ -266,9 +267,12 @@ class AdmissionControl:
             # (nor learned by the margin); count at least a typical step.
             waited = max(0.0, now - request.arrival_time)
             delay += max(0.0, self.busy.mean_step(now) - waited)
+        budget = self.knobs.max_num_batched_tokens
         alone = predict_first_token_delay(self.cost_model, 0, request.num_prompt_tokens, 0,
-                                          self.knobs.max_num_batched_tokens)
-        allowed = ttft_allowance(self.ttft_target, request.priority, alone)
+                                          budget)
+        reference = predict_first_token_delay(self.cost_model, 0, CALIBRATION_PROMPT_TOKENS, 0,
+                                              budget)
+        allowed = ttft_allowance(self.ttft_target, request.priority, alone, reference)
         if delay > allowed:
             # The minimum needed: the work ahead must drain by the excess.
             self._reject("predicted_ttft_miss", delay - allowed, (

@@ -14,22 +14,28 @@ import math
 from collections import deque
 
 from carpool.scheduler.cost_model import StepCostModel
-from carpool.slo import TTFT_MULTIPLE, class_share
+from carpool.slo import class_share
 
 
-def ttft_allowance(target: float, priority: int, alone: float | None) -> float:
+def ttft_allowance(target: float, priority: int, alone: float | None,
+                   reference: float | None = None) -> float:
     """The latest first token admission accepts for a request, in seconds.
 
     Its class's share of the target (``carpool.slo.class_share``: low
-    arrivals are shed first, high ones last). A prompt so long that its
-    prefill alone (``alone``: the cost model's unloaded TTFT for it) takes
-    more than target / TTFT_MULTIPLE is held to TTFT_MULTIPLE x that
-    instead, the rule the target itself comes from: a request that would
-    miss the target even on an idle server is not rejected for ever.
+    arrivals are shed first, high ones last), plus, for a prompt longer than
+    the one the target is made for, the extra time its own prefill takes:
+    ``alone`` (the cost model's unloaded TTFT of this prompt) less
+    ``reference`` (the same model's unloaded TTFT of the
+    ``CALIBRATION_PROMPT_TOKENS`` prompt the calibrated target comes from).
+    Both come from one model, so its bias cancels: a typical prompt is held
+    to the target itself (an allowance of 5x its own time let a live model
+    that priced a 100-token prefill 20% high admit first tokens past the
+    target), a long one gets what its extra compute needs on top, so it is
+    not rejected for ever.
     """
     allowed = target * class_share(priority)
-    if alone is not None:
-        allowed = max(allowed, TTFT_MULTIPLE * alone)
+    if alone is not None and reference is not None:
+        allowed += max(0.0, alone - reference)
     return allowed
 
 
