@@ -359,13 +359,13 @@ def _run_client_bench(args: argparse.Namespace) -> int:
 # The simulator's commands: (name, help, module, the function adding its flags).
 _SIM_COMMANDS = (
     ("profile", "measure this machine's step times and fit the simulator's cost model",
-     "carpool.sim.profile", "add_profile_args"),
+     "carpool.measure.profile", "add_profile_args"),
     ("simulate", "replay a workload through simulated replicas running carpool's scheduler "
                  "with a cost model (virtual clock); bench-serve report",
      "carpool.sim.command", "add_simulate_args"),
     ("fidelity", "replay one workload on the real engine and in the simulator (with this "
                  "machine's profile) and report the simulation's error",
-     "carpool.sim.fidelity", "add_fidelity_args"),
+     "carpool.measure.fidelity", "add_fidelity_args"),
     ("plan", "capacity planning: the fewest simulated replicas that meet an SLO at a peak "
              "load, their cost, and optionally a day on a replica schedule",
      "carpool.sim.plan_command", "add_plan_args"),
@@ -374,9 +374,9 @@ _SIM_COMMANDS = (
 # Commands run as function(engine config, args), imported only when chosen.
 _CONFIG_COMMANDS = {
     "simulate": ("carpool.sim.command", "run_simulate"),
-    "fidelity": ("carpool.sim.fidelity", "run_fidelity"),
+    "fidelity": ("carpool.measure.fidelity", "run_fidelity"),
     "plan": ("carpool.sim.plan_command", "run_plan"),
-    "profile": ("carpool.sim.profile", "run_profile"),
+    "profile": ("carpool.measure.profile", "run_profile"),
     "tune": ("carpool.bench.tune", "run_tune"),
     "bench regimes": ("carpool.bench.regimes", "run_regimes"),
     "bench throughput": ("carpool.bench.throughput", "run_throughput"),

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from carpool.bench.arrivals import (
+from carpool.workload.arrivals import (
     Ramp,
     RateShape,
     Surge,

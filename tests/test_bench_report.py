@@ -16,9 +16,9 @@ from carpool.bench.compare import (
     load_result,
     run_compare,
 )
-from carpool.bench.html_report import write_report
-from carpool.bench.report import format_ms, timeseries_figure
-from carpool.bench.report_sweep import find_knee
+from carpool.report.html import write_report
+from carpool.report.run import format_ms, timeseries_figure
+from carpool.report.sweep import find_knee
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

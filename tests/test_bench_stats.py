@@ -11,7 +11,9 @@ import pytest
 
 from carpool.bench.client import Target, send_request
 from carpool.bench.loadgen import parse_queue_gauges
-from carpool.bench.stats import (
+from carpool.bench.sweep import capacity, rescale, sweep_rates
+from carpool.workload.spec import BenchItem
+from carpool.workload.stats import (
     FAILED,
     OK,
     REJECTED,
@@ -23,8 +25,6 @@ from carpool.bench.stats import (
     summarize,
     timeseries,
 )
-from carpool.bench.sweep import capacity, rescale, sweep_rates
-from carpool.bench.workload import BenchItem
 
 
 def _ok(index, sent, chunks, tokens, input_tokens=10):

@@ -10,17 +10,18 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from carpool.bench.arrivals import arrival_offsets
-from carpool.bench.prompts import PromptFactory
-from carpool.bench.workload import (
+from carpool.model.tokenizer import Tokenizer
+from carpool.workload.arrivals import arrival_offsets
+from carpool.workload.command import add_workload_args, workload_spec
+from carpool.workload.prompts import PromptFactory
+from carpool.workload.spec import (
     BenchItem,
-    add_workload_args,
+    WorkloadSpec,
     build_workload,
     describe_workload,
     mooncake_block_tokens,
     plan_workload,
 )
-from carpool.model.tokenizer import Tokenizer
 from carpool.workload.traces import load_trace, scale_tokens, select_window
 
 WORDS = (
@@ -209,6 +210,10 @@ def _args(*argv: str, seed_flag: str = "--seed") -> argparse.Namespace:
     return parser.parse_args(list(argv))
 
 
+def _spec(*argv: str) -> WorkloadSpec:
+    return workload_spec(_args(*argv))
+
+
 def test_defaults():
     args = _args()
     assert (args.workload, args.num_requests, args.input_len, args.output_len) == \
@@ -224,16 +229,16 @@ def test_synthetic_workload(bpe):
     args = _args("--num-requests", "40", "--input-len", "33", "--output-len", "7",
                  "--arrival", "gamma", "--burstiness", "0.5", "--rate", "3", "--seed", "4",
                  "--surge", "2x@5+5", "--ramp", "1x-2x@0+10")
-    items = build_workload(args, bpe)
+    items = build_workload(workload_spec(args), bpe)
     assert [item.index for item in items] == list(range(40))
     assert [item.offset for item in items] == arrival_offsets(
         40, 3.0, 4, 0.5, args.surge, ramps=args.ramp, process="gamma")
     assert all(len(bpe.encode(item.prompt)) == 33 for item in items)
     assert all((item.input_tokens, item.output_tokens) == (33, 7) for item in items)
     assert len({item.prompt for item in items}) == 40
-    assert build_workload(args, bpe) == items
+    assert build_workload(workload_spec(args), bpe) == items
     args.workload_seed = 5
-    other = build_workload(args, bpe)
+    other = build_workload(workload_spec(args), bpe)
     assert [i.offset for i in other] != [i.offset for i in items]
     assert [i.prompt for i in other] != [i.prompt for i in items]
 
@@ -241,7 +246,7 @@ def test_synthetic_workload(bpe):
 def test_trace_arrivals_replay_the_window_scaled_in_time():
     args = _args("--workload", "azure-code", "--arrival", "trace", "--trace-start", "100",
                  "--time-scale", "4", "--num-requests", "50", "--token-scale", "0.5")
-    plan = plan_workload(args)
+    plan = plan_workload(workload_spec(args))
     window = scale_tokens(select_window(load_trace("azure-code"), 100.0, max_requests=50),
                           0.5, 1024, 512)
     assert [r.arrival for r in plan] == pytest.approx([4 * w.arrival for w in window])
@@ -253,11 +258,11 @@ def test_trace_arrivals_replay_the_window_scaled_in_time():
 def test_trace_lengths_with_generated_arrivals():
     args = _args("--workload", "azure-conv", "--arrival", "constant", "--rate", "4",
                  "--trace-start", "60", "--num-requests", "30", "--max-input-len", "300")
-    plan = plan_workload(args)
+    plan = plan_workload(workload_spec(args))
     window = select_window(load_trace("azure-conv"), 60.0, max_requests=30)
     assert [r.input_len for r in plan] == [min(300, w.input_len) for w in window]
     assert [r.arrival for r in plan] == pytest.approx([i / 4 for i in range(30)])
-    described = json.loads(json.dumps(describe_workload(args)))
+    described = json.loads(json.dumps(describe_workload(workload_spec(args))))
     assert described["offered_rate"] == pytest.approx(4.0)
     assert described["format"] == "azure" and "Azure" in described["attribution"]
     assert described["rate"] == 4.0 and described["process"] == "constant"
@@ -265,7 +270,7 @@ def test_trace_lengths_with_generated_arrivals():
 
 def test_length_files_are_sampled_with_the_seed():
     trace = {(r.input_len, r.output_len) for r in load_trace("arxiv")}
-    plans = [plan_workload(_args("--workload", "arxiv", "--num-requests", "200", "--seed", seed,
+    plans = [plan_workload(_spec("--workload", "arxiv", "--num-requests", "200", "--seed", seed,
                                  "--max-input-len", "100000", "--max-output-len", "100000"))
              for seed in ("1", "1", "2")]
     assert plans[0] == plans[1] != plans[2]
@@ -276,7 +281,7 @@ def test_mooncake_workload_keeps_prefix_sharing(bpe):
     args = _args("--workload", "mooncake-synthetic", "--arrival", "trace",
                  "--token-scale", "0.0625", "--num-requests", "60", "--max-input-len", "4096")
     assert mooncake_block_tokens(args.token_scale) == 32
-    items = build_workload(args, bpe)
+    items = build_workload(workload_spec(args), bpe)
     assert all(isinstance(item, BenchItem) and item.hash_ids for item in items)
     assert all(len(bpe.encode(item.prompt)) == item.input_tokens for item in items)
     first = {item.hash_ids[0]: item for item in items}
@@ -302,12 +307,12 @@ def test_mooncake_workload_keeps_prefix_sharing(bpe):
 ])
 def test_bad_workloads_raise_clear_errors(argv, message):
     with pytest.raises(ValueError, match=message):
-        plan_workload(_args(*argv))
+        plan_workload(_spec(*argv))
 
 
 def test_unknown_trace_and_bad_specs(capsys):
     with pytest.raises(FileNotFoundError, match="known name"):
-        plan_workload(_args("--workload", "no-such-trace"))
+        plan_workload(_spec("--workload", "no-such-trace"))
     with pytest.raises(SystemExit):
         _args("--ramp", "1x@0+5")
     assert "FROMx-TOx@START+DURATION" in capsys.readouterr().err
@@ -328,7 +333,7 @@ def test_two_hundred_real_prompts_build_fast(real_tokenizer):
     args = _args("--workload", "mooncake-conv", "--token-scale", "0.125",
                  "--num-requests", "200", "--arrival", "trace")
     started = time.perf_counter()
-    items = build_workload(args, real_tokenizer)
+    items = build_workload(workload_spec(args), real_tokenizer)
     assert time.perf_counter() - started < 2.0
     assert all(len(real_tokenizer.encode(item.prompt)) == item.input_tokens for item in items)
-    assert describe_workload(args, items)["num_requests"] == 200
+    assert describe_workload(workload_spec(args), items)["num_requests"] == 200

@@ -7,7 +7,7 @@ import argparse
 import pytest
 
 from carpool.config import EngineConfig
-from carpool.sim.fidelity import (
+from carpool.measure.fidelity import (
     FidelityRow,
     add_fidelity_args,
     compare,
@@ -27,7 +27,7 @@ def real_engine(real_model_path):
 
 
 def test_fidelity_on_a_short_window_of_the_azure_trace(real_engine, tmp_path):
-    from carpool.sim.profile import measure
+    from carpool.measure.profile import measure
 
     engine, config = real_engine
     profile = measure(engine, config, argparse.Namespace(quick=True, repeats=1,

@@ -178,8 +178,8 @@ def test_spread_over_curve_fills_each_hour_at_its_rate():
 def test_trace_arrivals_are_scaled_to_the_peak_rate():
     import argparse
 
-    from carpool.bench.workload import add_workload_args
     from carpool.sim.plan_command import peak_workload
+    from carpool.workload.command import add_workload_args
 
     parser = argparse.ArgumentParser()
     add_workload_args(parser, seed_flag="--workload-seed")

@@ -14,21 +14,22 @@ import argparse
 
 import pytest
 
-from carpool.bench.stats import phase_summaries
-from carpool.bench.workload import add_workload_args, plan_workload
 from carpool.config import EngineConfig
 from carpool.sim.costs import StepShape, load_cost_model
 from carpool.sim.simulate import DEFAULT_COST_MODEL, pool_blocks, simulate
 from carpool.slo import CALIBRATION_PROMPT_TOKENS, calibrated_targets
+from carpool.workload.command import add_workload_args, workload_spec
+from carpool.workload.spec import WorkloadSpec, plan_workload
+from carpool.workload.stats import phase_summaries
 
 RATE = 2.9  # the simulated server serves ~4.8 requests/s of this shape
 
 
-def _args(*extra: str) -> argparse.Namespace:
+def _spec(*extra: str) -> WorkloadSpec:
     parser = argparse.ArgumentParser()
     add_workload_args(parser)
-    return parser.parse_args(["--input-len", "100", "--output-len", "48", "--seed", "1",
-                              *extra])
+    return workload_spec(parser.parse_args(["--input-len", "100", "--output-len", "48",
+                                            "--seed", "1", *extra]))
 
 
 def capacity_under_slo(cost, slo: dict[str, float]) -> float:
@@ -38,7 +39,7 @@ def capacity_under_slo(cost, slo: dict[str, float]) -> float:
     config = EngineConfig.from_dict({"adaptive": False}).validate()
     best = 0.0
     for rate in [2.5 + 0.25 * i for i in range(12)]:
-        plan = plan_workload(_args("--rate", str(rate), "--num-requests", str(int(60 * rate))))
+        plan = plan_workload(_spec("--rate", str(rate), "--num-requests", str(int(60 * rate))))
         run = simulate(plan, config, cost, pool_blocks(config, cost, False))
         whole = phase_summaries(run.records, [], slo)[0]
         if whole["ttft"]["p99"] > slo["ttft"] or whole["tpot"]["p99"] > slo["tpot"]:
@@ -50,7 +51,7 @@ def capacity_under_slo(cost, slo: dict[str, float]) -> float:
 @pytest.fixture(scope="module")
 def runs():
     total = int(RATE * 30 + 3 * RATE * 30 + RATE * 30)
-    args = _args("--rate", str(RATE), "--surge", "3x@30+30", "--num-requests", str(total))
+    args = _spec("--rate", str(RATE), "--surge", "3x@30+30", "--num-requests", str(total))
     plan = plan_workload(args)
     cost = load_cost_model(DEFAULT_COST_MODEL)
     prompt = CALIBRATION_PROMPT_TOKENS

@@ -16,9 +16,7 @@ from carpool.bench.tune import (
     make_grid,
     pareto_front,
     parse_batch_sizes,
-    parse_duration,
     parse_max_waits,
-    parse_slo,
     profile_header,
     profile_yaml,
     recommend,
@@ -27,6 +25,7 @@ from carpool.bench.tune import (
 from carpool.cli import add_engine_flags, build_parser, engine_config_from_args
 from carpool.config import EngineConfig, SchedulerConfig
 from carpool.profiles import load_profile
+from carpool.slo import parse_duration, parse_slo
 
 
 def _pt(b: int, tput: float, e2e: float, ttft: float = 0.1, tpot: float = 0.01,

@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from carpool.bench.workload import add_workload_args, plan_workload
 from carpool.cli import main
 from carpool.workload import command, traces
+from carpool.workload.command import add_workload_args, workload_spec
 from carpool.workload.download import TraceDownloadError, Upstream, download_traces
+from carpool.workload.spec import plan_workload
 from carpool.workload.traces import (
     EXCERPTS_DIR,
     TRACE_FILES,
@@ -109,13 +110,13 @@ def test_a_bare_install_replays_the_excerpt(no_whole_traces):
 
     parser = argparse.ArgumentParser()
     add_workload_args(parser)
-    plan = plan_workload(parser.parse_args(["--workload", "mooncake-conv", "--arrival", "trace",
-                                            "--num-requests", "20"]))
+    plan = plan_workload(workload_spec(parser.parse_args(
+        ["--workload", "mooncake-conv", "--arrival", "trace", "--num-requests", "20"])))
     assert len(plan) == 20
     too_far = parser.parse_args(["--workload", "azure-code", "--trace-start", "1000",
                                  "--num-requests", "10"])
     with pytest.raises(ValueError, match="carpool traces download azure-code"):
-        plan_workload(too_far)
+        plan_workload(workload_spec(too_far))
 
 
 def test_the_cache_comes_before_the_shared_folder(monkeypatch, tmp_path):

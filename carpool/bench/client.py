@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from carpool.bench.stats import FAILED, OK, REJECTED, RequestRecord
+from carpool.workload.stats import FAILED, OK, REJECTED, RequestRecord
 
 # "Not now" answers: the server shed load; counted apart from failures.
 REJECT_STATUSES = {429: "http_429", 503: "http_503"}

@@ -19,7 +19,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from carpool.bench.report import (
+from carpool.report.run import (
     format_ms,
     html_page,
     html_table,

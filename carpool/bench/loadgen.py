@@ -15,13 +15,14 @@ import re
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import httpx
 
 from carpool.bench.client import Target, send_request
-from carpool.bench.stats import FAILED, RequestRecord
-from carpool.bench.workload import BenchItem
+from carpool.workload.results import LoadRun
+from carpool.workload.spec import BenchItem
+from carpool.workload.stats import FAILED, RequestRecord
 
 # Prometheus gauges polled from the server's /metrics when it has them;
 # any prefix matches (carpool:, vllm:, sglang: ...).
@@ -34,16 +35,6 @@ class LoadLimits:
     max_concurrency: int | None = None
     max_duration: float | None = None  # seconds; no request is sent after this
     request_timeout: float = 600.0
-
-
-@dataclass
-class LoadRun:
-    """What one run produced: per-request records, the run's wall duration
-    and the server's queue gauges sampled over time (t, waiting, running)."""
-
-    records: list[RequestRecord]
-    duration: float
-    server_samples: list[tuple[float, float | None, float | None]] = field(default_factory=list)
 
 
 async def run_load(plan: list[BenchItem], target: Target, limits: LoadLimits,

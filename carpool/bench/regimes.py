@@ -3,7 +3,7 @@ engine under each batching regime, side by side, with ratios to the first.
 
 The workload is the one ``carpool bench serve`` sends (a shared trace with
 its own timestamps, trace lengths under a seeded arrival process, or
-synthetic; see carpool/bench/workload.py), tokenized once; every regime
+synthetic; see carpool/workload/spec.py), tokenized once; every regime
 replays the same requests at the same times with ``ignore_eos``, so all do
 the same work. Latency counts from the intended arrival time, so a regime
 that falls behind pays for it in TTFT. All regimes share one loaded model.
@@ -25,20 +25,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from carpool.bench.arrivals import rescale_offsets
 from carpool.bench.regimes_report import excess_share, print_row, print_table
-from carpool.bench.stats import OK, REJECTED, RequestRecord, summarize
 from carpool.bench.throughput import BenchRequest
-from carpool.bench.workload import (
-    add_workload_args,
-    arg_type,
-    build_workload,
-    describe_workload,
-)
 from carpool.config import EngineConfig
 from carpool.sampling_params import SamplingParams
 from carpool.scheduler import RejectedError
 from carpool.slo import parse_slo
+from carpool.workload.arrivals import rescale_offsets
+from carpool.workload.command import add_workload_args, arg_type, workload_spec
+from carpool.workload.spec import build_workload, describe_workload
+from carpool.workload.stats import OK, REJECTED, RequestRecord, summarize
 
 # Regimes: the three batching modes, and continuous batching under the adaptive controller.
 REGIMES = ("static", "dynamic", "continuous", "adaptive")
@@ -154,7 +150,7 @@ def _result(engine, records: list[RequestRecord], before, seconds: float) -> Reg
 def encode_workload(args: argparse.Namespace, tokenizer) -> tuple[list[BenchRequest], list[float]]:
     """The shared workload as token ids (exact: prompts are built with this
     tokenizer) and its send offsets."""
-    items = build_workload(args, tokenizer)
+    items = build_workload(workload_spec(args), tokenizer)
     return ([BenchRequest(tokenizer.encode(item.prompt), item.output_tokens) for item in items],
             [item.offset for item in items])
 
@@ -216,11 +212,11 @@ def run_regimes(config: EngineConfig, args: argparse.Namespace) -> int:
         row["peak_rate_under_slo"] = max(met) if met else None
         rows.append(row)
         print_row(row, rows[0], bool(rates))
-    print_table(rows, args, describe_workload(args))
+    print_table(rows, args, describe_workload(workload_spec(args)))
     if args.json:
         Path(args.json).write_text(json.dumps(
             {"config": {k: v for k, v in vars(args).items() if k != "func"},
-             "workload": describe_workload(args), "scheduler": vars(config.scheduler),
+             "workload": describe_workload(workload_spec(args)), "scheduler": vars(config.scheduler),
              "controller": vars(config.controller), **summary, "results": rows},
             indent=2, default=str))
     return 0

@@ -1,5 +1,5 @@
 """``carpool bench serve``: replay a workload against any OpenAI-compatible
-server and measure it from the client (see carpool/bench/stats.py for the
+server and measure it from the client (see carpool/workload/stats.py for the
 definitions). Writes a JSON result (with the full config) and, with
 ``--html``, a report with plots.
 
@@ -12,31 +12,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
-from datetime import datetime, timezone
 from pathlib import Path
 
 import httpx
 
 from carpool.bench.client import Target
-from carpool.bench.loadgen import LoadLimits, LoadRun, run_load
-from carpool.bench.stats import (
-    LATENCY_METRICS,
-    PERCENTILES,
-    phase_summaries,
-    summarize,
-    timeseries,
-)
-from carpool.bench.tune import parse_slo
-from carpool.bench.workload import (
-    add_workload_args,
-    arg_type,
-    build_workload,
-    describe_workload,
-)
-
-RESULT_KIND, RESULT_VERSION = "bench-serve", 1
+from carpool.bench.loadgen import LoadLimits, run_load
+from carpool.report.html import write_outputs
+from carpool.slo import parse_slo
+from carpool.workload.command import add_workload_args, arg_type, workload_spec
+from carpool.workload.results import format_result, make_result
+from carpool.workload.spec import build_workload, describe_workload
 
 
 def add_target_args(parser: argparse.ArgumentParser) -> None:
@@ -123,36 +110,19 @@ def target_from_args(args: argparse.Namespace) -> Target:
                   args.ignore_eos)
 
 
-def make_result(label: str, config: dict, run: LoadRun, slo: dict[str, float],
-                per_request: bool = True) -> dict:
-    """The bench-serve JSON document (also what ``carpool simulate`` writes);
-    without ``per_request`` its ``requests`` list is left empty (a result
-    that is only printed)."""
-    return {
-        "kind": RESULT_KIND, "version": RESULT_VERSION, "label": label,
-        "started_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "config": config, "duration_s": run.duration,
-        "summary": summarize(run.records, run.duration, slo),
-        "phases": phase_summaries(run.records, (config.get("workload") or {}).get("surges")
-                                  or [], slo),
-        "timeseries": timeseries(run.records, run.duration, run.server_samples),
-        "requests": [r.to_dict() for r in run.records] if per_request else [],
-    }
-
-
 def run_config(args: argparse.Namespace, target: Target) -> dict:
     """Every argument (the api key masked) plus the workload's description."""
     skip = {"func", "api_key", "slo"}
     config = {k: v for k, v in vars(args).items() if k not in skip}
     config.update({"model": target.model, "api_key_set": bool(args.api_key),
-                   "workload": describe_workload(args)})
+                   "workload": describe_workload(workload_spec(args))})
     return config
 
 
 def run_bench_serve(args: argparse.Namespace) -> int:
     tokenizer = load_bench_tokenizer(args.tokenizer)
     target = target_from_args(args)
-    plan = build_workload(args, tokenizer)
+    plan = build_workload(workload_spec(args), tokenizer)
     limits = LoadLimits(args.max_concurrency, args.max_duration, args.request_timeout)
     run = asyncio.run(run_load(plan, target, limits, token_counter(tokenizer), args.progress,
                                args.metrics_interval, "bench serve"))
@@ -165,67 +135,3 @@ def run_bench_serve(args: argparse.Namespace) -> int:
 
 def token_counter(tokenizer):
     return lambda text: len(tokenizer.encode(text))
-
-
-def write_outputs(result: dict, json_path: str | None, html_dir: str | None) -> None:
-    if json_path:
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps(result, indent=1, default=str))
-        print(f"wrote {json_path}")
-    if html_dir:
-        from carpool.bench.html_report import write_report
-
-        print(f"wrote {write_report(result, Path(html_dir))}")
-
-
-def format_result(result: dict) -> str:
-    """The summary as text: counts, throughput, goodput, latency percentiles (ms)."""
-    s, workload = result["summary"], result["config"].get("workload", {})
-    rejected = ", ".join(f"{k} {v}" for k, v in sorted(s["rejected_by_reason"].items()))
-    failed = ", ".join(f"{k} {v}" for k, v in sorted(s["failed_by_reason"].items()))
-    lines = [
-        f"== {result['label']} ==",
-        f"workload: {workload.get('name')} | token counts x{workload.get('token_scale', 1):g}, "
-        f"time x{workload.get('time_scale', 1):g} | arrivals {workload.get('arrival')}"
-        + (f"\nnote: {workload['excerpt']}" if workload.get("excerpt") else ""),
-        f"requests {s['requests']}: completed {s['completed']}, rejected {s['rejected']}"
-        f"{f' ({rejected})' if rejected else ''}, failed {s['failed']}"
-        f"{f' ({failed})' if failed else ''}" + (f", unsent {s['unsent']}" if s["unsent"] else ""),
-        f"duration {result['duration_s']:.1f} s | {s['request_throughput']:.2f} req/s | "
-        f"output {s['output_throughput']:.1f} tok/s | total {s['total_token_throughput']:.1f} "
-        f"tok/s | peak concurrency {s['peak_concurrency']}",
-    ]
-    if s["slo"]:
-        limits = ", ".join(f"{k}<={v * 1000:g}ms" for k, v in s["slo"].items())
-        lines.append(f"goodput {s['goodput']:.2f} req/s, {s['slo_attainment']:.1%} of "
-                     f"requests meet {limits}")
-    if s["token_count_mismatches"]:
-        lines.append(f"note: {s['token_count_mismatches']} responses' usage differs from our "
-                     f"tokenizer's count of their text")
-    lines += format_phases(result.get("phases") or [])
-    header = f"{'ms':<6}" + "".join(f"{c:>9}" for c in ["mean", *[f"p{q}" for q in PERCENTILES]])
-    lines.append(header)
-    for metric in LATENCY_METRICS:
-        values = s[metric]
-        cells = [values["mean"], *[values[f"p{q}"] for q in PERCENTILES]]
-        lines.append(f"{metric.upper():<6}" + "".join(
-            f"{'-':>9}" if v is None else f"{v * 1000:>9.1f}" for v in cells))
-    return "\n".join(lines)
-
-
-def format_phases(phases: list[dict]) -> list[str]:
-    """One line per phase of a surge schedule (nothing for a single phase)."""
-    if len(phases) < 2:
-        return []
-
-    def ms(value: float | None) -> str:
-        return "-" if value is None else f"{value * 1000:.0f}"
-
-    lines = [f"{'phase':<14}{'offered/s':>10}{'sent':>6}{'rejected':>10}{'TTFT p99':>10}"
-             f"{'TPOT p99':>10}{'goodput/s':>11}"]
-    for p in phases:
-        goodput = "-" if p["goodput"] is None else f"{p['goodput']:.2f}"
-        lines.append(f"{p['phase']:<14}{p['offered_rate']:>10.2f}{p['requests']:>6}"
-                     f"{p['rejected_share']:>9.1%} {ms(p['ttft']['p99']):>9}"
-                     f"{ms(p['tpot']['p99']):>10}{goodput:>11}")
-    return lines

@@ -15,19 +15,19 @@ import asyncio
 from dataclasses import replace
 from datetime import datetime, timezone
 
-from carpool.bench.arrivals import rescale_offsets
 from carpool.bench.loadgen import LoadLimits, run_load
 from carpool.bench.serve import (
     add_target_args,
-    format_result,
     load_bench_tokenizer,
-    make_result,
     run_config,
     target_from_args,
     token_counter,
-    write_outputs,
 )
-from carpool.bench.workload import BenchItem, add_workload_args, build_workload
+from carpool.report.html import write_outputs
+from carpool.workload.arrivals import rescale_offsets
+from carpool.workload.command import add_workload_args, workload_spec
+from carpool.workload.results import format_result, make_result
+from carpool.workload.spec import BenchItem, build_workload
 
 SWEEP_KIND, SWEEP_VERSION = "bench-sweep", 1
 
@@ -75,7 +75,7 @@ def run_sweep(args: argparse.Namespace) -> int:
         raise ValueError(f"--attainment must be in (0, 1], got {args.attainment}")
     tokenizer = load_bench_tokenizer(args.tokenizer)
     target = target_from_args(args)
-    plan = build_workload(args, tokenizer)
+    plan = build_workload(workload_spec(args), tokenizer)
     config = run_config(args, target)
     label = args.label or f"{target.model} @ {target.base_url}"
 
@@ -104,7 +104,7 @@ def run_sweep(args: argparse.Namespace) -> int:
 
 def sweep_result(label: str, config: dict, slo: dict, attainment: float,
                  runs: list[dict]) -> dict:
-    from carpool.bench.report_sweep import find_knee
+    from carpool.report.sweep import find_knee
 
     open_loop = [r for r in runs if r["mode"] == "rate"]
     knee = find_knee([r["rate"] for r in open_loop],

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from carpool.config import EngineConfig, SchedulerConfig
 from carpool.slo import SLO_METRICS as LATENCY_METRICS
-from carpool.slo import parse_duration, parse_slo  # noqa: F401 - the commands import them here
+from carpool.slo import parse_duration, parse_slo
 
 
 @dataclass(frozen=True)
@@ -221,7 +221,7 @@ def profile_header(rec: Recommendation, workload: str, slo: dict[str, float],
 def add_tune_args(parser: argparse.ArgumentParser) -> None:
     """Workload, replay and sweep flags (the engine flags come separately;
     the engine flag ``--batching`` picks the regime to tune)."""
-    from carpool.bench.workload import add_workload_args, arg_type
+    from carpool.workload.command import add_workload_args, arg_type
 
     add_workload_args(parser, seed_flag="--workload-seed")
     group = parser.add_argument_group("sweep")
@@ -276,9 +276,10 @@ def _measure(base, config: EngineConfig, setting: Setting, workload, offsets) ->
 
 def describe_workload(args: argparse.Namespace, model: str | None) -> str:
     """One line naming the workload, arrivals and model, for the output and profile."""
-    from carpool.bench.workload import describe_workload as describe
+    from carpool.workload.command import workload_spec
+    from carpool.workload.spec import describe_workload as describe
 
-    w = describe(args)
+    w = describe(workload_spec(args))
     lengths = (f"synthetic {args.input_len} in / {args.output_len} out" if w["format"] ==
                "synthetic" else f"lengths from {w['name']} x{w['token_scale']:g}")
     arrivals = (f"trace timestamps x{w['time_scale']:g}" if w["arrival"] == "trace"

@@ -5,13 +5,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from carpool.bench.workload import (
-    add_workload_args,
-    arg_type,
-    describe_workload,
-    mooncake_block_tokens,
-    plan_workload,
-)
 from carpool.config import EngineConfig
 from carpool.sim.costs import CostModel
 from carpool.sim.simulate import (
@@ -24,6 +17,8 @@ from carpool.sim.simulate import (
     pool_blocks,
     simulate,
 )
+from carpool.workload.command import add_workload_args, arg_type, workload_spec
+from carpool.workload.spec import describe_workload, mooncake_block_tokens, plan_workload
 
 
 def add_simulation_args(parser: argparse.ArgumentParser, *, fleet: bool = True) -> None:
@@ -46,7 +41,7 @@ def add_simulation_args(parser: argparse.ArgumentParser, *, fleet: bool = True) 
 
 
 def add_simulate_args(parser: argparse.ArgumentParser) -> None:
-    from carpool.bench.tune import parse_slo
+    from carpool.slo import parse_slo
 
     add_workload_args(parser, seed_flag="--workload-seed")
     add_cost_model_args(parser)
@@ -77,13 +72,14 @@ def available_cpus() -> int:
 
 
 def run_simulate(config: EngineConfig, args: argparse.Namespace) -> int:
-    from carpool.bench.serve import format_result, write_outputs
+    from carpool.report.html import write_outputs
+    from carpool.workload.results import format_result
 
     cost = cost_model_from_args(args)
     num_blocks = pool_blocks(config, cost, memory_set=args.engine_kv_cache_memory is not None)
     settings = settings_from_args(config, cost, args)
     with cyclic_gc_paused():  # the result's passes over the records too
-        plan = plan_workload(args)
+        plan = plan_workload(workload_spec(args))
         run = simulate(plan, config, cost, num_blocks, settings)
         label = args.label or f"simulated: {settings.replicas} x {cost_label(cost)}"
         result = simulation_result(label, args, config, cost, num_blocks, settings, plan, run)
@@ -105,12 +101,11 @@ def simulation_result(label: str, args: argparse.Namespace, config: EngineConfig
                       cost: CostModel, num_blocks: int, settings: SimSettings,
                       plan, run: SimRun) -> dict:
     """The bench-serve document of a simulated run, plus its ``simulation`` section."""
-    from carpool.bench.loadgen import LoadRun
-    from carpool.bench.serve import make_result
+    from carpool.workload.results import LoadRun, make_result
 
     run_config = {k: v for k, v in vars(args).items()
                   if k not in ("func", "slo") and not k.startswith("engine_")}
-    run_config.update({"model": cost_label(cost), "workload": describe_workload(args, plan=plan),
+    run_config.update({"model": cost_label(cost), "workload": describe_workload(workload_spec(args), plan=plan),
                        "engine": dataclasses.asdict(config)})
     written = bool(getattr(args, "json", None) or getattr(args, "html", None))
     result = make_result(label, run_config, LoadRun(run.records, run.duration,

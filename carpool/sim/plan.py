@@ -36,10 +36,10 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from carpool.bench.stats import summarize
 from carpool.config import EngineConfig
 from carpool.sim.costs import CostModel
 from carpool.sim.simulate import SimSettings, simulate
+from carpool.workload.stats import summarize
 from carpool.workload.traces import TraceRequest
 
 PROCESSING_SAMPLE = 200  # requests simulated one at a time for the mean processing time

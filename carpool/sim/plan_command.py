@@ -9,25 +9,21 @@ import json
 import math
 import time
 
-from carpool.bench.arrivals import rescale_offsets
-from carpool.bench.workload import (
-    add_workload_args,
-    arg_type,
-    describe_workload,
-    plan_workload,
-)
 from carpool.config import EngineConfig
 from carpool.sim.command import add_simulation_args, cost_label, settings_from_args
 from carpool.sim.plan import ASSUMED_PRICE, Batching, PeakProblem, plan_peak
 from carpool.sim.simulate import add_cost_model_args, cost_model_from_args, pool_blocks
+from carpool.workload.arrivals import rescale_offsets
+from carpool.workload.command import add_workload_args, arg_type, workload_spec
+from carpool.workload.spec import WorkloadSpec, describe_workload, plan_workload
 from carpool.workload.traces import TraceRequest
 
 
 def add_plan_args(parser: argparse.ArgumentParser) -> None:
     """Workload, cost model, simulation options (no --replicas: the plan
     chooses them), the planning targets and the day-long mode."""
-    from carpool.bench.tune import parse_slo
     from carpool.sim.plan_day import add_day_args
+    from carpool.slo import parse_slo
 
     add_workload_args(parser, seed_flag="--workload-seed")
     add_cost_model_args(parser)
@@ -81,21 +77,20 @@ def validate_plan_args(args: argparse.Namespace) -> None:
 
 
 def peak_workload(args: argparse.Namespace, rate: float,
-                  count: int) -> tuple[list[TraceRequest], argparse.Namespace]:
+                  count: int) -> tuple[list[TraceRequest], WorkloadSpec]:
     """``count`` requests of the workload arriving at ``rate`` req/s on
-    average, and the arguments that describe them: generated arrivals get
+    average, and the workload that describes them: generated arrivals get
     ``rate``; a timed trace is looped and its gaps scaled so its mean rate is
     ``rate`` (its burst pattern is kept)."""
-    shaped = argparse.Namespace(**vars(args))
-    shaped.num_requests = count
+    shaped = dataclasses.replace(workload_spec(args), num_requests=count)
     if args.arrival != "trace":
-        shaped.rate = rate
+        shaped = dataclasses.replace(shaped, rate=rate)
         return plan_workload(shaped), shaped
-    shaped.trace_loop = True
+    shaped = dataclasses.replace(shaped, trace_loop=True)
     plan = plan_workload(shaped)
     offsets = rescale_offsets([r.arrival for r in plan], rate)
     span = plan[-1].arrival - plan[0].arrival if len(plan) > 1 else 0.0
-    shaped.time_scale = offsets[-1] / span if span > 0 else 1.0
+    shaped = dataclasses.replace(shaped, time_scale=offsets[-1] / span if span > 0 else 1.0)
     return [dataclasses.replace(r, arrival=t) for r, t in zip(plan, offsets)], shaped
 
 
@@ -135,7 +130,7 @@ def run_plan(config: EngineConfig, args: argparse.Namespace) -> int:
     return 0
 
 
-def _plan_header(args: argparse.Namespace, problem: PeakProblem, shaped: argparse.Namespace,
+def _plan_header(args: argparse.Namespace, problem: PeakProblem, shaped: WorkloadSpec,
                  config: EngineConfig, price: float) -> dict:
     """The plan document's description of what was planned and how it was priced."""
     return {"kind": "carpool-plan", "cost_model_kind": problem.cost.kind,

@@ -28,10 +28,10 @@ import dataclasses
 import math
 from collections.abc import Callable
 
-from carpool.bench.arrivals import rescale_offsets
-from carpool.bench.stats import distribution, meets_slo
 from carpool.config import EngineConfig
 from carpool.sim.simulate import simulate
+from carpool.workload.arrivals import rescale_offsets
+from carpool.workload.stats import distribution, meets_slo
 from carpool.workload.traces import TraceRequest
 
 HOURS = 24
@@ -60,7 +60,7 @@ def parse_curve(text: str) -> tuple[float, ...]:
 
 def add_day_args(parser: argparse.ArgumentParser) -> None:
     """Group "day": the day-long mode's flags."""
-    from carpool.bench.workload import arg_type
+    from carpool.workload.command import arg_type
 
     day = parser.add_argument_group("day")
     day.add_argument("--day", action="store_true",

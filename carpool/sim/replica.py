@@ -14,12 +14,12 @@ from __future__ import annotations
 import enum
 import math
 
-from carpool.bench.stats import FAILED, OK, REJECTED, RequestRecord
 from carpool.config import EngineConfig
 from carpool.scheduler import RejectedError, Request, RequestStatus, Scheduler
 from carpool.scheduler.fast_forward import apply_decode_steps, decode_run_limit, horizon
 from carpool.scheduler.step import SchedulerOutput
 from carpool.sim.costs import CostModel, StepShape
+from carpool.workload.stats import FAILED, OK, REJECTED, RequestRecord
 from carpool.workload.traces import TraceRequest
 
 # An engine with requests it cannot schedule yet (a request-level batch

@@ -1,7 +1,7 @@
 """``carpool simulate``: replay a workload through simulated replicas.
 
 A discrete-event simulation on a virtual clock. Arrivals come from the
-same workload code as ``carpool bench serve`` (carpool/bench/workload.py);
+same workload code as ``carpool bench serve`` (carpool/workload/spec.py);
 a router sends each to a replica; each replica is carpool's own scheduler
 (policy, controller, admission: the classes the engine runs) with a cost
 model pricing its steps (carpool/sim/replica.py). The result is a
@@ -22,10 +22,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from carpool.bench.stats import RequestRecord
 from carpool.config import EngineConfig, parse_size
 from carpool.sim.costs import CostModel
 from carpool.sim.replica import SimReplica, VirtualClock
+from carpool.workload.stats import RequestRecord
 from carpool.workload.traces import TraceRequest
 
 ROUTING = ("round-robin", "least-outstanding")

@@ -1,12 +1,16 @@
-"""``carpool traces``: where each trace is found, and fetching the whole ones."""
+"""The workload's command-line flags (one set for every command that
+replays a workload, and the one place they become a `WorkloadSpec`), and
+``carpool traces``: where each trace is found, and fetching the whole ones."""
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from carpool.paths import default_cache_dir
+from carpool.workload.arrivals import Ramp, Surge
 from carpool.workload.download import (
     BASE_URL_ENV,
     DEFAULT_BASE_URL,
@@ -14,7 +18,78 @@ from carpool.workload.download import (
     TraceDownloadError,
     download_traces,
 )
+from carpool.workload.spec import ARRIVALS, SYNTHETIC, WorkloadSpec
 from carpool.workload.traces import TRACE_FILES, TRACES_ENV, excerpt_note, resolve_trace
+
+
+def add_workload_args(parser: argparse.ArgumentParser, *, seed_flag: str = "--seed") -> None:
+    """Groups "workload" and "arrivals". Dests: workload, num_requests,
+    input_len, output_len, token_scale, max_input_len, max_output_len,
+    trace_start, workload_seed, arrival, rate, burstiness, time_scale, surge,
+    ramp, trace_loop. ``seed_flag`` renames ``--seed`` on parsers that also take the
+    engine flags (which have their own ``--seed``)."""
+    group = parser.add_argument_group("workload")
+    group.add_argument("--workload", default=SYNTHETIC,
+                       help=f"'{SYNTHETIC}' (fixed lengths), a trace by name "
+                            f"({', '.join(TRACE_FILES)}: `carpool traces list` shows the file "
+                            f"each reads) or the path of such a file")
+    group.add_argument("--num-requests", type=int, default=100)
+    group.add_argument("--input-len", type=int, default=128, help="synthetic prompt tokens")
+    group.add_argument("--output-len", type=int, default=128, help="synthetic output tokens")
+    group.add_argument("--token-scale", type=float, default=1.0,
+                       help="multiply trace token counts by this (e.g. 0.125 for a small "
+                            "CPU model); Mooncake prefix blocks shrink by the same factor")
+    group.add_argument("--max-input-len", type=int, default=1024, help="cap on trace prompts")
+    group.add_argument("--max-output-len", type=int, default=512, help="cap on trace outputs")
+    group.add_argument("--trace-start", type=float, default=0.0,
+                       help="seconds into a timed trace where the replay starts")
+    group.add_argument("--trace-loop", action="store_true",
+                       help="a timed trace shorter than --num-requests replays back to back "
+                            "(with --time-scale 0.1: ten copies at 10x the rate)")
+    group.add_argument(seed_flag, dest="workload_seed", type=int, default=0, metavar="SEED",
+                       help="seed for arrivals, sampled lengths and prompt text")
+    arrivals = parser.add_argument_group("arrivals")
+    arrivals.add_argument("--arrival", choices=ARRIVALS, default="poisson",
+                          help="arrival process; 'trace' replays a timed trace's timestamps")
+    arrivals.add_argument("--rate", type=float, default=2.0,
+                          help="mean requests per second (ignored by --arrival trace)")
+    arrivals.add_argument("--burstiness", type=float, default=1.0,
+                          help="gamma shape: 1 = Poisson, < 1 burstier, > 1 smoother")
+    arrivals.add_argument("--time-scale", type=float, default=1.0,
+                          help="multiply trace gaps by this (4 = four times slower)")
+    arrivals.add_argument("--surge", action="append", default=[], type=arg_type(Surge.parse),
+                          metavar="FACTORx@START+DURATION",
+                          help="multiply the rate over a window of seconds, e.g. 3x@20+30 "
+                               "(repeatable)")
+    arrivals.add_argument("--ramp", action="append", default=[], type=arg_type(Ramp.parse),
+                          metavar="FROMx-TOx@START+DURATION",
+                          help="move the rate multiplier linearly over a window, e.g. "
+                               "1x-3x@10+20 (repeatable; multiplies with surges)")
+
+
+
+
+def arg_type(parse: Callable[[str], object]) -> Callable[[str], object]:
+    """``parse`` with its ValueError shown by argparse word for word."""
+    def parsed(text: str) -> object:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    parsed.__name__ = parse.__name__
+    return parsed
+
+
+def workload_spec(args: argparse.Namespace) -> WorkloadSpec:
+    """The workload the flags of `add_workload_args` describe."""
+    return WorkloadSpec(
+        workload=args.workload, num_requests=args.num_requests, input_len=args.input_len,
+        output_len=args.output_len, token_scale=args.token_scale,
+        max_input_len=args.max_input_len, max_output_len=args.max_output_len,
+        trace_start=args.trace_start, trace_loop=args.trace_loop,
+        workload_seed=args.workload_seed, arrival=args.arrival, rate=args.rate,
+        burstiness=args.burstiness, time_scale=args.time_scale, surge=tuple(args.surge),
+        ramp=tuple(args.ramp))
 
 
 def add_traces_args(parser: argparse.ArgumentParser) -> None:

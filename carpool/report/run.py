@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from carpool.bench.stats import LATENCY_METRICS
+from carpool.workload.stats import LATENCY_METRICS
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

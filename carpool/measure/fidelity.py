@@ -20,13 +20,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from carpool.bench.workload import (
-    add_workload_args,
-    describe_workload,
-    mooncake_block_tokens,
-    plan_workload,
-)
 from carpool.config import EngineConfig
+from carpool.workload.command import add_workload_args, workload_spec
+from carpool.workload.spec import describe_workload, mooncake_block_tokens, plan_workload
 from carpool.workload.traces import TraceRequest
 
 # (metric, statistic) pairs the report compares; throughput is added apart.
@@ -86,8 +82,8 @@ def format_rows(rows: list[FidelityRow]) -> str:
 
 
 def run_fidelity(config: EngineConfig, args: argparse.Namespace) -> int:
-    from carpool.bench.serve import write_outputs
     from carpool.engine.llm_engine import LLMEngine
+    from carpool.report.html import write_outputs
     from carpool.sim.costs import load_cost_model
 
     cost = load_cost_model(args.cost_model)
@@ -112,11 +108,10 @@ class FidelityResult:
 def fidelity(engine, config: EngineConfig, cost, args: argparse.Namespace) -> FidelityResult:
     """Replay the workload of ``args`` on ``engine`` in real time, then in
     the simulator with ``cost`` and the engine's pool size; compare."""
-    from carpool.bench.loadgen import LoadRun
     from carpool.bench.regimes import encode_workload, replay, warm_up
-    from carpool.bench.serve import make_result
     from carpool.sim.command import cost_label
     from carpool.sim.simulate import SimSettings, simulate
+    from carpool.workload.results import LoadRun, make_result
 
     workload, offsets = encode_workload(args, engine.tokenizer)
     warm_up(engine, workload[0])
@@ -130,13 +125,13 @@ def fidelity(engine, config: EngineConfig, cost, args: argparse.Namespace) -> Fi
         engine.executor = engine.executor._inner
     plan = [TraceRequest(offset, len(request.prompt_token_ids), request.output_len,
                          planned.hash_ids)
-            for offset, request, planned in zip(offsets, workload, plan_workload(args))]
+            for offset, request, planned in zip(offsets, workload, plan_workload(workload_spec(args)))]
     settings = SimSettings(max_model_len=engine.max_model_len,
                            hash_block=mooncake_block_tokens(args.token_scale))
     sim = simulate(plan, config, cost, engine.executor.num_blocks, settings)
     run_config = {**{k: v for k, v in vars(args).items()
                      if not k.startswith("engine_") and k != "func"},
-                  "workload": describe_workload(args)}
+                  "workload": describe_workload(workload_spec(args))}
     real_doc = make_result("real engine (in-process replay)", run_config,
                            LoadRun(real.records, real.seconds), {})
     sim_doc = make_result(f"simulated: {cost_label(cost)}", run_config,
@@ -153,7 +148,7 @@ def fidelity(engine, config: EngineConfig, cost, args: argparse.Namespace) -> Fi
 def _time_steps(engine) -> list:
     """Wrap ``engine.step`` to keep (shape, seconds) of every step that ran
     a batch: the cost model's own error on the replayed steps."""
-    from carpool.sim.profile import ShapeRecorder
+    from carpool.measure.profile import ShapeRecorder
 
     recorder = ShapeRecorder(engine.executor)
     engine.executor = recorder

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from carpool.bench.report import (
+from carpool.report.run import (
     METRIC_NAMES,
     RawHtml,
     _config_block,
