@@ -1,19 +1,23 @@
-"""Per-request sampling parameters (OpenAI/vLLM-shaped) with validation."""
+"""Per-request sampling parameters (OpenAI/vLLM-shaped) with validation.
+
+The limits are ``carpool.limits``, the same ones the HTTP API's request
+models declare. A `SamplingParams` is checked once, when it is made, and is
+immutable after (``dataclasses.replace`` makes a checked copy), so the
+engine takes it as it is.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-MAX_LOGPROBS = 20
+from carpool import limits
+
+MAX_LOGPROBS = int(limits.LOGPROBS.hi)
 # Temperatures below this sample greedily (as vLLM): dividing logits by a
 # temperature that rounds to zero in float32 would give inf/NaN probabilities.
 GREEDY_TEMPERATURE = 1e-5
-# Dividing logits by a smaller repetition penalty could overflow float32.
-MIN_REPETITION_PENALTY = 0.01
-MAX_STOP_STRINGS = 16
-MAX_STOP_STRING_CHARS = 256
 
 
-@dataclass
+@dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens for one request and when to stop.
 
@@ -39,10 +43,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop)
-        self.stop_token_ids = list(self.stop_token_ids)
+        # Frozen: normalise through object.__setattr__, once, before the check.
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "stop_token_ids", list(self.stop_token_ids))
         self.validate()
 
     @property
@@ -59,31 +63,31 @@ class SamplingParams:
         def bad(name: str, why: str) -> None:
             raise ValueError(f"invalid sampling parameter {name}: {why}")
 
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
-        if not 0.0 <= self.temperature <= 100.0:
-            bad("temperature", f"must be in [0, 100], got {self.temperature}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            bad("top_k", f"must be -1, 0 (off) or a positive integer, got {self.top_k!r}")
-        if not 0.0 < self.top_p <= 1.0:
-            bad("top_p", f"must be in (0, 1], got {self.top_p}")
-        if not 0.0 <= self.min_p <= 1.0:
-            bad("min_p", f"must be in [0, 1], got {self.min_p}")
-        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= 10.0:
-            bad("repetition_penalty", f"must be in [{MIN_REPETITION_PENALTY}, 10], "
-                                      f"got {self.repetition_penalty}")
-        for name in ("presence_penalty", "frequency_penalty"):
+        def within(name: str, bound: limits.Bound, integer: bool = False) -> None:
             value = getattr(self, name)
-            if not -2.0 <= value <= 2.0:
-                bad(name, f"must be in [-2, 2], got {value}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            bad("seed", f"must be an integer, got {self.seed!r}")
-        if len(self.stop) > MAX_STOP_STRINGS:
-            bad("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+            if integer and (not isinstance(value, int) or isinstance(value, bool)):
+                bad(name, f"must be an integer {bound.describe()}, got {value!r}")
+            if not isinstance(value, (int, float)) or not bound.contains(value):
+                bad(name, f"must be {'in ' if bound.hi is not None else ''}"
+                          f"{bound.describe()}, got {value!r}")
+
+        within("max_tokens", limits.MAX_TOKENS, integer=True)
+        for name, bound in (("temperature", limits.TEMPERATURE), ("top_p", limits.TOP_P),
+                            ("min_p", limits.MIN_P),
+                            ("repetition_penalty", limits.REPETITION_PENALTY),
+                            ("presence_penalty", limits.PRESENCE_PENALTY),
+                            ("frequency_penalty", limits.FREQUENCY_PENALTY)):
+            within(name, bound)
+        within("top_k", limits.TOP_K, integer=True)
+        if self.seed is not None:
+            within("seed", limits.SEED, integer=True)
+        if len(self.stop) > limits.MAX_STOP_STRINGS:
+            bad("stop", f"at most {limits.MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
         for s in self.stop:
-            if not isinstance(s, str) or not s or len(s) > MAX_STOP_STRING_CHARS:
-                bad("stop", f"each stop string must be 1..{MAX_STOP_STRING_CHARS} characters")
+            if not isinstance(s, str) or not s or len(s) > limits.MAX_STOP_STRING_CHARS:
+                bad("stop", f"each stop string must be 1..{limits.MAX_STOP_STRING_CHARS} "
+                            f"characters")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids", "must be non-negative integers")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            bad("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.logprobs is not None:
+            within("logprobs", limits.LOGPROBS, integer=True)

@@ -149,8 +149,7 @@ class AsyncEngine:
         """
         if self.error is not None:
             raise EngineDeadError(f"engine loop failed: {self.error!r}")
-        params = params or SamplingParams()
-        params.validate()
+        params = params or SamplingParams()  # checked when made, and immutable
         request_id = request_id or self.engine.new_request_id()
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._wake:

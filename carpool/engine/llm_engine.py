@@ -162,8 +162,7 @@ class LLMEngine:
         Requests reuse each other's cached prefix only with an equal
         ``cache_salt`` (the server salts by tenant).
         """
-        params = params or SamplingParams()
-        params.validate()
+        params = params or SamplingParams()  # checked when made, and immutable
         token_ids = (self.tokenizer.encode(prompt) if isinstance(prompt, str)
                      else [int(t) for t in prompt])
         self.check_prompt(token_ids, params)

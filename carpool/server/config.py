@@ -4,6 +4,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from carpool import limits
+
 
 @dataclass
 class ServerConfig:
@@ -32,8 +34,8 @@ class ServerConfig:
     max_n: int = 16
     max_prompts: int = 32  # prompts in one /v1/completions batch
     max_messages: int = 256
-    max_logprobs: int = 20
-    max_stop: int = 16
+    max_logprobs: int = int(limits.LOGPROBS.hi)  # may be lowered, never raised
+    max_stop: int = limits.MAX_STOP_STRINGS
     max_tokens_cap: int | None = None  # None: the context length is the only cap
     # Characters of prompt text in one request (all text prompts, or all chat
     # messages' content); None = CHARS_PER_CONTEXT_TOKEN per token of the
@@ -60,8 +62,9 @@ class ServerConfig:
         if self.max_prompt_chars is not None and self.max_prompt_chars < 1:
             raise ValueError(f"max_prompt_chars must be >= 1 or null (no cap), "
                              f"got {self.max_prompt_chars}")
-        if not 0 <= self.max_logprobs <= 20:
-            raise ValueError(f"max_logprobs must be in [0, 20], got {self.max_logprobs}")
+        if not limits.LOGPROBS.contains(self.max_logprobs):
+            raise ValueError(f"max_logprobs must be in {limits.LOGPROBS.describe()}, "
+                             f"got {self.max_logprobs}")
         if self.shutdown_timeout < 0 or self.status_interval <= 0 or self.stall_timeout <= 0:
             raise ValueError("shutdown_timeout must be >= 0, status_interval and "
                              "stall_timeout > 0")

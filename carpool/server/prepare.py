@@ -19,6 +19,7 @@ import anyio
 import anyio.to_thread
 from pydantic import BaseModel, ValidationError
 
+from carpool import limits
 from carpool.server.auth import ANONYMOUS, PRIORITY_CLASSES, Principal
 from carpool.server.errors import APIError, bad_request
 from carpool.server.protocol import ChatMessage, _SamplingFields, template_messages
@@ -116,8 +117,9 @@ def _session(body: _SamplingFields, headers: Mapping[str, str],
     session_id = body.session_id or headers.get("x-session-id") or None
     if session_id is None:
         return None
-    if len(session_id) > 256:
-        raise bad_request("session_id is longer than 256 characters", "session_id")
+    if len(session_id) > limits.MAX_SESSION_ID_CHARS:
+        raise bad_request(f"session_id is longer than {limits.MAX_SESSION_ID_CHARS} characters",
+                          "session_id")
     # Length-prefixed, so no choice of tenant and id can spell another pair.
     return f"{len(principal.tenant)}:{principal.tenant}/{session_id}"
 
@@ -130,8 +132,9 @@ def _deadline(body: _SamplingFields, headers: Mapping[str, str]) -> float | None
         except ValueError:
             raise bad_request("x-deadline-ms must be a number of milliseconds",
                               "deadline_ms") from None
-        if not 0 < deadline_ms <= 86_400_000:
-            raise bad_request("deadline_ms must be in (0, 86400000]", "deadline_ms")
+        if not limits.DEADLINE_MS.contains(deadline_ms):
+            raise bad_request(f"deadline_ms must be in {limits.DEADLINE_MS.describe()}",
+                              "deadline_ms")
     return time.monotonic() + deadline_ms / 1000 if deadline_ms is not None else None
 
 

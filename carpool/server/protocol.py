@@ -21,6 +21,8 @@ from pydantic import (
     model_validator,
 )
 
+from carpool import limits
+
 # Any integer (clamped to the classes and to the key's privilege) or a class name.
 Priority = (Annotated[int, Field(strict=True, gt=-10**9, lt=10**9)]
             | Literal["high", "normal", "low"])
@@ -36,18 +38,18 @@ class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    n: StrictInt = Field(1, ge=1)
-    seed: StrictInt | None = Field(None, ge=-(2**63), lt=2**63)
+    n: StrictInt = Field(1, **limits.N.field())
+    seed: StrictInt | None = Field(None, **limits.SEED.field())
     stop: str | list[str] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: StrictInt = Field(0, ge=-1)
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(1.0, ge=0.01, le=10.0)
+    temperature: float = Field(1.0, **limits.TEMPERATURE.field())
+    top_p: float = Field(1.0, **limits.TOP_P.field())
+    top_k: StrictInt = Field(0, **limits.TOP_K.field())
+    min_p: float = Field(0.0, **limits.MIN_P.field())
+    presence_penalty: float = Field(0.0, **limits.PRESENCE_PENALTY.field())
+    frequency_penalty: float = Field(0.0, **limits.FREQUENCY_PENALTY.field())
+    repetition_penalty: float = Field(1.0, **limits.REPETITION_PENALTY.field())
     ignore_eos: StrictBool = False
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     include_stop_str_in_output: StrictBool = False
@@ -56,12 +58,12 @@ class _SamplingFields(BaseModel):
     logit_bias: dict[str, float] | None = None
     # carpool extensions (also accepted as x-priority / x-session-id / x-deadline-ms headers)
     priority: Priority | None = None
-    session_id: str | None = Field(None, min_length=1, max_length=256)
-    deadline_ms: float | None = Field(None, gt=0, le=86_400_000)
+    session_id: str | None = Field(None, min_length=1, max_length=limits.MAX_SESSION_ID_CHARS)
+    deadline_ms: float | None = Field(None, **limits.DEADLINE_MS.field())
     # Request-level (static / dynamic) batching holds this request at most this long.
-    max_wait_ms: float | None = Field(None, ge=0, le=60_000)
+    max_wait_ms: float | None = Field(None, **limits.MAX_WAIT_MS.field())
     # Prefix-cache namespace within the caller's tenant (vLLM's cache_salt).
-    cache_salt: str | None = Field(None, min_length=1, max_length=256)
+    cache_salt: str | None = Field(None, min_length=1, max_length=limits.MAX_CACHE_SALT_CHARS)
 
     @model_validator(mode="after")
     def _neutral_unsupported(self) -> "_SamplingFields":
@@ -115,8 +117,8 @@ class CompletionRequest(_SamplingFields):
     """``POST /v1/completions``."""
 
     prompt: Prompt
-    max_tokens: StrictInt | None = Field(16, ge=1)
-    logprobs: StrictInt | None = Field(None, ge=0)
+    max_tokens: StrictInt | None = Field(16, **limits.MAX_TOKENS.field())
+    logprobs: StrictInt | None = Field(None, **limits.LOGPROBS.field())
     echo: StrictBool = False
     suffix: str | None = None
 
@@ -172,10 +174,10 @@ class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: StrictInt | None = Field(None, ge=1)
-    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    max_tokens: StrictInt | None = Field(None, **limits.MAX_TOKENS.field())
+    max_completion_tokens: StrictInt | None = Field(None, **limits.MAX_TOKENS.field())
     logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = Field(None, ge=0)
+    top_logprobs: StrictInt | None = Field(None, **limits.LOGPROBS.field())
     add_generation_prompt: StrictBool = True
     tools: list[Any] | None = None
     tool_choice: Any = None

@@ -120,7 +120,6 @@ class OpenAIServing:
                 ignore_eos=body.ignore_eos, logprobs=logprobs,
                 include_stop_str_in_output=body.include_stop_str_in_output,
                 skip_special_tokens=body.skip_special_tokens)
-            params.validate()
             self.ctx.engine.engine.check_prompt(prompt, params)
         except ContextLengthError as exc:
             raise APIError(400, str(exc), code="context_length_exceeded") from None
