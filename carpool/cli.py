@@ -358,8 +358,8 @@ def _run_client_bench(args: argparse.Namespace) -> int:
 
 # The simulator's commands: (name, help, module, the function adding its flags).
 _SIM_COMMANDS = (
-    ("profile", "measure this machine's step times and fit the simulator's cost model",
-     "carpool.measure.profile", "add_profile_args"),
+    ("measure", "measure this machine's step times and fit the simulator's cost model",
+     "carpool.measure.costs", "add_measure_args"),
     ("simulate", "replay a workload through simulated replicas running carpool's scheduler "
                  "with a cost model (virtual clock); bench-serve report",
      "carpool.sim.command", "add_simulate_args"),
@@ -376,7 +376,7 @@ _CONFIG_COMMANDS = {
     "simulate": ("carpool.sim.command", "run_simulate"),
     "fidelity": ("carpool.measure.fidelity", "run_fidelity"),
     "plan": ("carpool.sim.plan_command", "run_plan"),
-    "profile": ("carpool.measure.profile", "run_profile"),
+    "measure": ("carpool.measure.costs", "run_measure"),
     "tune": ("carpool.bench.tune", "run_tune"),
     "bench regimes": ("carpool.bench.regimes", "run_regimes"),
     "bench throughput": ("carpool.bench.throughput", "run_throughput"),

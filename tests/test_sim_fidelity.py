@@ -27,11 +27,11 @@ def real_engine(real_model_path):
 
 
 def test_fidelity_on_a_short_window_of_the_azure_trace(real_engine, tmp_path):
-    from carpool.measure.profile import measure
+    from carpool.measure.costs import measure
 
     engine, config = real_engine
     profile = measure(engine, config, argparse.Namespace(quick=True, repeats=1,
-                                                         profile_seed=0))
+                                                         measure_seed=0))
     assert not engine.has_unfinished and engine.executor.__class__.__name__ == "TorchExecutor"
     parser = argparse.ArgumentParser()
     add_fidelity_args(parser)

@@ -1,4 +1,4 @@
-"""``carpool profile``: measure the real engine's step time on this machine
+"""``carpool measure``: measure the real engine's step time on this machine
 and fit the measured cost model (carpool/sim/fitted.py) the simulator uses.
 
 The grid covers prefill chunks of several sizes, decode batches of several
@@ -98,15 +98,15 @@ def run_scenario(engine, recorder: ShapeRecorder, scenario: Scenario, rng: rando
     return samples
 
 
-def add_profile_args(parser: argparse.ArgumentParser) -> None:
+def add_measure_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="cost-model.json", help="where to write the fit")
     parser.add_argument("--quick", action="store_true",
                         help="a small grid (seconds, for a smoke test; a poor fit)")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each grid point")
-    parser.add_argument("--profile-seed", type=int, default=0)
+    parser.add_argument("--measure-seed", type=int, default=0)
 
 
-def run_profile(config: EngineConfig, args: argparse.Namespace) -> int:
+def run_measure(config: EngineConfig, args: argparse.Namespace) -> int:
     from carpool.engine.llm_engine import LLMEngine
 
     if args.repeats < 1:
@@ -114,13 +114,13 @@ def run_profile(config: EngineConfig, args: argparse.Namespace) -> int:
     config.scheduler.batching = "continuous"
     model = measure(LLMEngine.from_config(config), config, args)
     save_cost_model(model, args.out)
-    print(format_profile(model))
+    print(format_cost_model(model))
     print(f"wrote {args.out}")
     return 0
 
 
 def measure(engine, config: EngineConfig, args: argparse.Namespace) -> FittedCostModel:
-    """Run the grid (``args.quick``, ``args.repeats``, ``args.profile_seed``)
+    """Run the grid (``args.quick``, ``args.repeats``, ``args.measure_seed``)
     on a loaded continuous-batching engine and fit; the engine is left as it
     was (drained, its executor unwrapped)."""
     from tqdm import tqdm
@@ -128,7 +128,7 @@ def measure(engine, config: EngineConfig, args: argparse.Namespace) -> FittedCos
     recorder = ShapeRecorder(engine.executor)
     engine.executor = recorder
     try:
-        rng = random.Random(args.profile_seed)
+        rng = random.Random(args.measure_seed)
         special = set(engine.tokenizer.all_special_ids)
         vocab = [t for t in range(engine.model_config.vocab_size) if t not in special]
         kv_tokens = engine.scheduler.kv.stats().num_blocks * config.cache.block_size
@@ -141,7 +141,7 @@ def measure(engine, config: EngineConfig, args: argparse.Namespace) -> FittedCos
         # machine's speed drifts by 10-20% over tens of seconds, and each
         # point should see that drift as the simulated workload will.
         runs = [(i, s) for _ in range(args.repeats) for i, s in enumerate(scenarios)]
-        for index, scenario in tqdm(runs, desc="profile", unit="run", file=sys.stderr):
+        for index, scenario in tqdm(runs, desc="measure", unit="run", file=sys.stderr):
             measured[index] += run_scenario(engine, recorder, scenario, rng, vocab)
         samples = [sample for runs_of_point in measured for sample in runs_of_point]
         points = list(zip(scenarios, measured))
@@ -200,7 +200,7 @@ def _kv_bytes_per_token(engine) -> int:
             * engine.executor.dtype.itemsize)
 
 
-def format_profile(model: FittedCostModel) -> str:
+def format_cost_model(model: FittedCostModel) -> str:
     meta = model.meta
     c = dict(zip(("c0", "c1", "c2", "c3", "c4"), model.coefficients))
     lines = [f"{'point':<26} {'tokens':>6} {'seqs':>5} {'context':>8} {'measured':>9} "

@@ -1,12 +1,12 @@
 """``carpool fidelity``: one workload window on the real engine and in the
 simulator, and how far apart they are.
 
-The procedure: measure this machine (``carpool profile --out
+The procedure: measure this machine (``carpool measure --out
 cost-model.json``), then replay a trace window here twice with the same
 engine settings: in real time through the loaded model (the in-process
 replay of ``carpool bench regimes``: requests are added at their arrival
 times, latency counts from the arrival), and in the simulator with the
-profile pricing every step and the same KV pool size. The report gives
+measured cost model pricing every step and the same KV pool size. The report gives
 each side's TTFT, TPOT and E2E p50/p99 and output throughput, and the
 relative error of the simulation (simulated / real - 1). With ``--json
 DIR`` both runs are written as bench-serve results (``real.json``,
@@ -52,7 +52,7 @@ class FidelityRow:
 def add_fidelity_args(parser: argparse.ArgumentParser) -> None:
     add_workload_args(parser, seed_flag="--workload-seed")
     parser.add_argument("--cost-model", required=True,
-                        help="this machine's measured cost model (carpool profile --out)")
+                        help="this machine's measured cost model (carpool measure --out)")
     parser.add_argument("--json", default=None,
                         help="write real.json and simulated.json (bench-serve results) here")
     parser.add_argument("--check", action="store_true",
@@ -148,7 +148,7 @@ def fidelity(engine, config: EngineConfig, cost, args: argparse.Namespace) -> Fi
 def _time_steps(engine) -> list:
     """Wrap ``engine.step`` to keep (shape, seconds) of every step that ran
     a batch: the cost model's own error on the replayed steps."""
-    from carpool.measure.profile import ShapeRecorder
+    from carpool.measure.costs import ShapeRecorder
 
     recorder = ShapeRecorder(engine.executor)
     engine.executor = recorder

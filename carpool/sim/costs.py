@@ -4,7 +4,7 @@ A step is described by its shape only (what the scheduler decided), never
 by tensors, so the simulator can price a step without a model:
 ``StepShape(prefill_tokens, decode_seqs, context_tokens, seqs)``. Two kinds
 of model price it: ``measured`` (fitted to this machine by ``carpool
-profile``, carpool/measure/profile.py) and ``analytic`` (hardware specs and model
+measure``, carpool/measure/costs.py) and ``analytic`` (hardware specs and model
 shape, carpool/sim/analytic.py, for machines we cannot measure). Reports
 name the kind they used. Pure Python.
 """

@@ -297,11 +297,11 @@ def _replica_stats(replica: SimReplica) -> dict:
 
 
 def add_cost_model_args(parser: argparse.ArgumentParser) -> None:
-    """Group "cost model": a saved model (``carpool profile``'s or an
+    """Group "cost model": a saved model (``carpool measure``'s or an
     analytic one) or an analytic model from presets."""
     group = parser.add_argument_group("cost model")
     group.add_argument("--cost-model", default=None,
-                       help="a cost model JSON (carpool profile --out); default: the analytic "
+                       help="a cost model JSON (carpool measure --out); default: the analytic "
                             "model when --hardware is given, else the measured model of "
                             "carpool's 2-core development CPU (default model, bf16)")
     group.add_argument("--hardware", default=None,
