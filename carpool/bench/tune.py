@@ -128,8 +128,10 @@ def pareto_front(points: list[TunePoint], metric: str = "e2e") -> list[TunePoint
     return [p for p in points if not any(dominates(q, p) for q in points if q is not p)]
 
 
-def meets_slo(point: TunePoint, slo: dict[str, float], max_rejected: float = 0.0) -> bool:
-    """Every SLO metric's p99 within its limit, and no more rejected than allowed."""
+def point_meets_slo(point: TunePoint, slo: dict[str, float], max_rejected: float = 0.0) -> bool:
+    """A whole run's verdict: every SLO metric's p99 within its limit (the
+    SLO's meaning, ``carpool.slo.parse_slo``), and no more rejected than
+    allowed. One request's verdict (goodput) is ``workload.stats.meets_slo``."""
     return (point.rejected_share <= max_rejected
             and all(point.latency(m) <= limit for m, limit in slo.items()))
 
@@ -150,7 +152,7 @@ def recommend(points: list[TunePoint], slo: dict[str, float], metric: str = "e2e
     without an SLO)."""
     if not points:
         raise ValueError("no measured points to recommend from")
-    feasible = [p for p in points if meets_slo(p, slo, max_rejected)]
+    feasible = [p for p in points if point_meets_slo(p, slo, max_rejected)]
     target = describe_slo(slo, max_rejected)
     if feasible:
         top = max(p.output_tok_s for p in feasible) * (1.0 - tolerance)
@@ -182,7 +184,7 @@ def format_table(points: list[TunePoint], metric: str, slo: dict[str, float],
             f"{'*' if id(p) in front else ' '} {p.setting.batch_size:>5} {wait:>8} "
             f"{p.output_tok_s:>9.1f} {p.ttft_p99:>8.3f}s {p.tpot_p99:>8.3f}s "
             f"{p.e2e_p99:>8.3f}s {p.rejected_share:>5.0%}  "
-            f"{'ok' if meets_slo(p, slo, max_rejected) else 'miss'}")
+            f"{'ok' if point_meets_slo(p, slo, max_rejected) else 'miss'}")
     lines.append(f"* = Pareto front: output tok/s vs {metric.upper()} p99")
     return lines
 
@@ -341,7 +343,7 @@ def _report(points: list[TunePoint], config: EngineConfig, args: argparse.Namesp
             "workload": workload_text, "command": command, "latency_metric": metric,
             "slo": slo, "max_rejected": args.max_rejected, "scheduler": vars(config.scheduler),
             "points": [p.to_dict() | {"pareto": id(p) in front,
-                                      "meets_slo": meets_slo(p, slo, args.max_rejected)}
+                                      "meets_slo": point_meets_slo(p, slo, args.max_rejected)}
                        for p in points],
             "recommendation": rec.point.to_dict() | {"meets_slo": rec.meets_slo,
                                                      "message": rec.message}},
