@@ -21,15 +21,15 @@ def decode_run_limit(scheduler, most: int | None = None) -> int:
     """How many of the next steps (at most ``most``) are pure decode steps
     that change nothing but tokens and blocks: 0 unless nothing waits,
     every running request is decoding, their tokens fit the step budget and
-    no controller, overload detector or batch gate acts per step. The run
+    nothing acts per step (``scheduler.step_hooks``: the controller, the
+    overload detector, a batch gate, or whatever is added there). The run
     ends at the latest with the step in which a request samples its last
     token (the caller then finishes it, as the engine does after that
     step's commit), and before any step that would run out of free blocks
     (it would preempt). Session protections lapse by time: see ``horizon``."""
     running = scheduler.running
     if (not running or scheduler.waiting or scheduler.has_pending_rejections
-            or scheduler.gate is not None or scheduler.controller is not None
-            or scheduler.overload is not None
+            or scheduler.step_hooks
             or len(running) > scheduler.knobs.max_num_batched_tokens):
         return 0
     steps = None

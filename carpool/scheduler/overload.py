@@ -68,6 +68,11 @@ class OverloadGuard:
         self._overloaded_since: float | None = None
         self.switches = 0
 
+    def before_step(self, now: float, scheduler) -> None:
+        """The scheduler's hook at the start of each step: feed the queue
+        length and the busy fraction of the window."""
+        self.update(now, len(scheduler.waiting), scheduler.admission.busy.fraction(now))
+
     def update(self, now: float, queue_len: int, busy: float) -> bool:
         """Feed the current state; return True when the mode changed."""
         overloaded = queue_len >= self.queue_threshold or busy > self.busy_threshold

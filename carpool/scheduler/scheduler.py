@@ -85,6 +85,14 @@ class Scheduler:
         self.gate = None if config.batching == "continuous" else BatchGate(
             config.batching, config.preferred_batch_size, config.max_batch_size,
             config.max_wait, config.bucket_tolerance)
+        # Everything that acts at the start of every step besides picking
+        # spans, in order. ``schedule`` runs exactly these, and fast-forward
+        # (which applies decode steps without ``schedule``) refuses to run
+        # while there is any: a new per-step feature joins this tuple, or it
+        # does not act at all, so fast-forward cannot skip it unawares.
+        self.step_hooks: tuple = tuple(hook for hook in (
+            self.overload, self.controller,
+            _GateHook(self.gate) if self.gate is not None else None) if hook is not None)
         self.expiries = ExpiryQueue()
         self.sessions = SessionTracker(self.kv.pool, config.session_ttl)
         self._rejected: list[Request] = []  # expired, not yet handed out by pop_rejected
@@ -209,17 +217,10 @@ class Scheduler:
         now = self.clock()
         self._expire_waiting(now)
         self.sessions.expire(now)
-        if self.overload is not None:
-            self.overload.update(now, len(self.waiting), self.admission.busy.fraction(now))
-        if self.controller is not None:
-            self.controller.before_step(now, self)
+        for hook in self.step_hooks:
+            hook.before_step(now, self)
         output = SchedulerOutput()
         step = StepBudget(self.knobs.max_num_batched_tokens, self._long_allowance())
-        if self.gate is not None and not self.gate.in_flight:
-            batch = self.gate.next_batch(
-                (r for r in self.waiting if self._not_session_blocked(r)), now)
-            if batch and self.controller is not None:
-                self.controller.observe_step(now, len(batch) / self.gate.preferred, 0)
         self._schedule_running(output, step)
         self._schedule_waiting(output, step)
         if self.gate is not None and self.config.padding_mode != "none":
@@ -430,3 +431,21 @@ class Scheduler:
     def check_invariants(self) -> None:
         """Bookkeeping consistency, for tests."""
         check_invariants(self)
+
+
+class _GateHook:
+    """Static / dynamic batching's step hook: form the next request-level
+    batch from the waiting requests a session does not hold back, once the
+    batch in flight has left."""
+
+    def __init__(self, gate: BatchGate) -> None:
+        self.gate = gate
+
+    def before_step(self, now: float, scheduler: Scheduler) -> None:
+        gate = self.gate
+        if gate.in_flight:
+            return
+        batch = gate.next_batch(
+            (r for r in scheduler.waiting if scheduler._not_session_blocked(r)), now)
+        if batch and scheduler.controller is not None:
+            scheduler.controller.observe_step(now, len(batch) / gate.preferred, 0)
