@@ -22,9 +22,13 @@ from carpool.executor.base import BatchItem, Executor, Padding
 from carpool.model.sampler import SampleResult, SamplingRow
 from carpool.sampling_params import SamplingParams
 from carpool.scheduler import Request, RequestStatus, ScheduledSpan, Scheduler
+from carpool.scheduler.core import EngineCore
 from carpool.scheduler.live_settings import apply_live_settings
 
 logger = logging.getLogger(__name__)
+
+# How a finished request's status reads in its output.
+_FINISH_REASONS = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length"}
 
 
 def _predictions(scheduler) -> dict:
@@ -105,6 +109,8 @@ class LLMEngine:
         self.clock = clock
         self.scheduler = Scheduler(config.scheduler, config.cache, executor.num_blocks, clock,
                                    config.controller)
+        # The step's rules, shared with the simulator (carpool.scheduler.core).
+        self.core = EngineCore(self.scheduler, max_model_len)
         self.counters = EngineCounters()
         self._seeds = random.Random(config.model.seed)
         self._eos_ids = set(model_config.eos_token_ids) | set(tokenizer.eos_token_ids)
@@ -234,8 +240,8 @@ class LLMEngine:
         """Run one scheduler step; return outputs of requests that progressed."""
         if self._schedule is not None:
             self._follow_schedule()
-        schedule = self.scheduler.schedule()
-        rejected = [self._finish_output(r, "rejected") for r in self.scheduler.pop_rejected()]
+        schedule, expired = self.core.begin()
+        rejected = [self._finish_output(r, "rejected") for r in expired]
         if schedule.is_empty:
             return rejected
         started = time.perf_counter()
@@ -243,15 +249,19 @@ class LLMEngine:
         padding = (Padding(schedule.pad_rows, self.config.scheduler.padding_mode)
                    if schedule.pad_rows else None)
         results = iter(self.executor.execute(items, padding))
-        sampled = [(span.request, next(results)) for span in schedule.spans if span.sample]
-        self.scheduler.commit(schedule, [(r, res.token_id) for r, res in sampled])
+        sampled = {span.request.request_id: (span.request, next(results))
+                   for span in schedule.spans if span.sample}
         elapsed = time.perf_counter() - started
-        self.scheduler.record_step(schedule.num_tokens, len(schedule.spans), elapsed)
+        progressed, finished = self.core.complete(
+            schedule, [(r, res.token_id) for r, res in sampled.values()], elapsed,
+            stop=lambda request, _: self._take_sample(request, sampled[request.request_id][1]))
         self.counters.steps += 1
         self.counters.computed_tokens += schedule.num_tokens
         self.counters.slot_tokens += schedule.num_slots  # padding included
         self.counters.busy_seconds += elapsed
-        return rejected + [self._process_sample(request, result) for request, result in sampled]
+        done = set(map(id, finished))
+        return rejected + [self._finish_output(r, _FINISH_REASONS[r.status]) if id(r) in done
+                           else self._output(r, finished=False) for r in progressed]
 
     def stats(self) -> EngineStats:
         """A snapshot for metrics; call it from the thread that steps the engine."""
@@ -284,35 +294,30 @@ class LLMEngine:
         return BatchItem(request.request_id, request.token_ids, span.start, span.num_tokens,
                          self.scheduler.kv.block_tables[request.request_id], sampling)
 
-    def _process_sample(self, request: Request, result: SampleResult) -> RequestOutput:
+    def _take_sample(self, request: Request, result: SampleResult) -> RequestStatus | None:
+        """The engine core's stop check: record the sampled token's time,
+        logprobs and text; FINISHED_STOPPED at an EOS, a stop token or a stop
+        string (the core finishes by length otherwise)."""
         state: RequestState = request.payload
         params = state.params
         token_id = result.token_id
-        now = self.clock()
         if state.first_token_time is None:
-            state.first_token_time = now
+            state.first_token_time = self.clock()
         self.counters.generation_tokens += 1
         if state.logprobs is not None:
             state.logprobs.append(TokenLogprob(token_id, result.logprob, result.top_logprobs or []))
-        finish = None
         if not params.ignore_eos and token_id in self._eos_ids:
-            finish, state.stop_reason = "stop", None
-        elif token_id in params.stop_token_ids:
-            finish, state.stop_reason = "stop", token_id
-        else:
-            delta, stopped = state.detokenizer.add_token(token_id)
-            state.pending_text.append(delta)
-            if stopped:
-                finish, state.stop_reason = "stop", state.detokenizer.stop_reason
-        if finish is None and (request.num_output_tokens >= params.max_tokens
-                               or request.num_tokens >= self.max_model_len):
-            finish = "length"
-        if finish is not None:
-            status = (RequestStatus.FINISHED_STOPPED if finish == "stop"
-                      else RequestStatus.FINISHED_LENGTH)
-            self.scheduler.finish_request(request, status)
-            return self._finish_output(request, finish)
-        return self._output(request, finished=False)
+            state.stop_reason = None
+            return RequestStatus.FINISHED_STOPPED
+        if token_id in params.stop_token_ids:
+            state.stop_reason = token_id
+            return RequestStatus.FINISHED_STOPPED
+        delta, stopped = state.detokenizer.add_token(token_id)
+        state.pending_text.append(delta)
+        if stopped:
+            state.stop_reason = state.detokenizer.stop_reason
+            return RequestStatus.FINISHED_STOPPED
+        return None
 
     def _finish_output(self, request: Request, reason: str) -> RequestOutput:
         state: RequestState = request.payload

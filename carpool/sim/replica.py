@@ -1,12 +1,13 @@
 """One simulated replica: carpool's own ``Scheduler`` with a cost model in
 place of the model.
 
-The replica does what ``LLMEngine.step`` and its loop do, in virtual time:
-requests that arrived while a step ran are added at the next step
-boundary, a step's tokens are committed when its cost-model time is up,
-and a request finishes when it has generated its output length (every
-request runs with ignore_eos, as in the benchmark). Runs of identical
-decode steps can be applied in one go (``carpool.scheduler.fast_forward``)
+The replica drives the engine core ``LLMEngine.step`` drives
+(``carpool.scheduler.core.EngineCore``), in virtual time: requests that
+arrived while a step ran are added at the next step boundary, a step is
+begun at a boundary and completed when its cost-model time is up, and a
+request finishes when it has generated its output length (every request
+runs with ignore_eos, as in the benchmark: no stop check). Runs of
+identical decode steps are applied in one go (``EngineCore.fast_forward``)
 with the same result as stepping through them.
 """
 from __future__ import annotations
@@ -15,8 +16,9 @@ import enum
 import math
 
 from carpool.config import EngineConfig
-from carpool.scheduler import RejectedError, Request, RequestStatus, Scheduler
-from carpool.scheduler.fast_forward import apply_decode_steps, decode_run_limit, horizon
+from carpool.scheduler import RejectedError, Request, Scheduler
+from carpool.scheduler.core import EngineCore
+from carpool.scheduler.fast_forward import horizon
 from carpool.scheduler.step import SchedulerOutput
 from carpool.sim.costs import CostModel, StepShape
 from carpool.workload.stats import FAILED, OK, REJECTED, RequestRecord
@@ -102,6 +104,8 @@ class SimReplica:
         self.clock = clock
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, clock,
                                    config.controller)
+        # No context limit here: a request longer than max_model_len fails on arrival.
+        self.core = EngineCore(self.scheduler)
         self.max_model_len = max_model_len
         self.fast_forward = fast_forward
         self.token_times = token_times
@@ -152,8 +156,8 @@ class SimReplica:
             self._add(request, record, now)
         if self.fast_forward and self._plan_run(now):
             return
-        output = self.scheduler.schedule()
-        self._reject_expired()
+        output, expired = self.core.begin()
+        self._reject(expired)
         if not output.is_empty:
             self._output, self._seconds = output, self.cost.step_seconds(step_shape(output))
             self._set(State.STEP, now + self._seconds)
@@ -192,28 +196,23 @@ class SimReplica:
         record.status, record.reason, record.finished = status, reason, now
         self.outstanding -= 1
 
-    def _reject_expired(self) -> None:
-        for request in self.scheduler.pop_rejected():
+    def _reject(self, expired: list[Request]) -> None:
+        for request in expired:
             record = self._records.pop(request.request_id)
             self._done(record, REJECTED, self.clock.now, request.reject_reason or "shed")
 
     # -- one step ------------------------------------------------------------------
 
     def _commit(self, now: float) -> None:
-        output, scheduler = self._output, self.scheduler
-        self._output = None
-        sampled = [span.request for span in output.spans if span.sample]
-        scheduler.commit(output, [(request, SAMPLED_TOKEN) for request in sampled])
-        scheduler.record_step(output.num_tokens, len(output.spans), self._seconds)
+        output, self._output = self._output, None
+        sampled = [(span.request, SAMPLED_TOKEN) for span in output.spans if span.sample]
+        progressed, finished = self.core.complete(output, sampled, self._seconds)
         self.steps += 1
-        for request in sampled:
-            if request.status != RequestStatus.RUNNING:
-                continue
-            if self.token_times:
+        if self.token_times:
+            for request in progressed:
                 self._records[request.request_id].chunk_times.append(now)
-            if request.num_output_tokens >= request.max_tokens:
-                scheduler.finish_request(request, RequestStatus.FINISHED_LENGTH)
-                self._finish(request, now)
+        for request in finished:
+            self._finish(request, now)
 
     def _finish(self, request: Request, now: float) -> None:
         record = self._records.pop(request.request_id)
@@ -229,7 +228,7 @@ class SimReplica:
         (at least two steps); its steps' times are priced one by one, as
         stepping would."""
         scheduler = self.scheduler
-        limit = decode_run_limit(scheduler, self._run_steps)
+        limit = self.core.decode_run_limit(self._run_steps)
         if limit < 2:
             return False
         latest = horizon(scheduler)
@@ -271,11 +270,9 @@ class SimReplica:
         if self.token_times:
             for request in self.scheduler.running:
                 self._records[request.request_id].chunk_times.extend(ends)
-        order = apply_decode_steps(self.scheduler, seconds, ends, self.clock.set, SAMPLED_TOKEN)
+        finished = self.core.fast_forward(seconds, ends, self.clock.set, SAMPLED_TOKEN)
         self.steps += steps
         self.fast_forwarded_steps += steps
         self._run = ([], [])
-        for request in order:
-            if request.num_output_tokens >= request.max_tokens:
-                self.scheduler.finish_request(request, RequestStatus.FINISHED_LENGTH)
-                self._finish(request, ends[-1])
+        for request in finished:
+            self._finish(request, ends[-1])

@@ -1,0 +1,90 @@
+"""The engine core: one step of serving, shared by the live engine and the
+simulated replica.
+
+A step is ``begin`` (schedule, and hand out what expired while waiting),
+the executor running the batch (the live engine's model, or the
+simulator's cost model on a virtual clock), then ``complete`` (commit the
+computed tokens and the sampled ones, feed the online cost model, finish
+what reached its length). ``fast_forward`` applies a run of identical
+decode steps in one go with the same effects. What differs between the two
+drivers stays with them: the live engine checks stop tokens and strings
+(the ``stop`` hook of ``complete``) and streams text, the simulator keeps
+per-request records. Pure Python; time comes from the scheduler's clock.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from carpool.scheduler.fast_forward import apply_decode_steps, decode_run_limit
+from carpool.scheduler.request import Request, RequestStatus
+from carpool.scheduler.scheduler import Scheduler
+from carpool.scheduler.step import SchedulerOutput
+
+# A stop check: given a request that just sampled ``token_id``, the status
+# to finish it with (e.g. FINISHED_STOPPED), or None to go on.
+StopCheck = Callable[[Request, int], "RequestStatus | None"]
+
+
+class EngineCore:
+    """A scheduler and the rules of a step; see the module docstring.
+
+    ``max_model_len`` (None: no limit) finishes a request whose tokens fill
+    the context, as ``max_tokens`` does.
+    """
+
+    def __init__(self, scheduler: Scheduler, max_model_len: int | None = None) -> None:
+        self.scheduler = scheduler
+        self.max_model_len = max_model_len
+
+    def begin(self) -> tuple[SchedulerOutput, list[Request]]:
+        """This step's batch, and the requests rejected since the last step
+        (expired in the queue: the driver reports them)."""
+        output = self.scheduler.schedule()
+        return output, self.scheduler.pop_rejected()
+
+    def complete(self, output: SchedulerOutput, sampled: Sequence[tuple[Request, int]],
+                 seconds: float, stop: StopCheck | None = None,
+                 ) -> tuple[list[Request], list[Request]]:
+        """Commit ``output`` (which took ``seconds``) with the ``sampled``
+        tokens. Returns (progressed: the sampled requests still running when
+        the step ended, in batch order; finished: those of them that ended
+        now, by ``stop`` first, else by length)."""
+        scheduler = self.scheduler
+        scheduler.commit(output, sampled)
+        scheduler.record_step(output.num_tokens, len(output.spans), seconds)
+        progressed, finished = [], []
+        running, length = RequestStatus.RUNNING, RequestStatus.FINISHED_LENGTH
+        max_len = self.max_model_len
+        for request, token_id in sampled:  # on every step's path: kept lean
+            if request.status is not running:
+                continue  # aborted while the step ran
+            progressed.append(request)
+            status = stop(request, token_id) if stop is not None else None
+            if status is None and (request.num_output_tokens >= request.max_tokens or (
+                    max_len is not None and request.num_tokens >= max_len)):
+                status = length
+            if status is not None:
+                scheduler.finish_request(request, status)
+                finished.append(request)
+        return progressed, finished
+
+    def decode_run_limit(self, most: int | None = None) -> int:
+        """How many identical decode steps ``fast_forward`` may apply now."""
+        return decode_run_limit(self.scheduler, most)
+
+    def fast_forward(self, seconds: Sequence[float], step_ends: Sequence[float],
+                     set_time: Callable[[float], None], token_id: int) -> list[Request]:
+        """Apply ``len(seconds)`` decode steps (at most ``decode_run_limit``)
+        sampling ``token_id``; finish and return, in the order the steps
+        visited them, the requests that reached their length. Only for
+        drivers without a stop check (every step samples the same token)."""
+        order = apply_decode_steps(self.scheduler, seconds, step_ends, set_time, token_id)
+        finished = [request for request in order if self._at_length(request)]
+        for request in finished:
+            self.scheduler.finish_request(request, RequestStatus.FINISHED_LENGTH)
+        return finished
+
+    def _at_length(self, request: Request) -> bool:
+        return (request.num_output_tokens >= request.max_tokens
+                or (self.max_model_len is not None
+                    and request.num_tokens >= self.max_model_len))
