@@ -2,7 +2,7 @@
 # The simulator's output on the workloads refactors must not change, for a
 # before/after diff (issue 15's constraint):
 #
-#   scripts/sim_identity.sh OUT_DIR            # five runs, a few seconds each
+#   scripts/sim_identity.sh OUT_DIR            # six runs, a few seconds each
 #   SCALE=1 scripts/sim_identity.sh OUT_DIR    # and the README's scale command, timed
 #
 # then `python scripts/sim_identity.py OLD_DIR NEW_DIR` compares them (wall
@@ -23,6 +23,8 @@ sim azure-conv-no-fast-forward --workload azure-conv --arrival trace --token-sca
   --time-scale 4 --num-requests 500 --no-fast-forward
 sim sharegpt-cpu-profile --workload sharegpt --arrival poisson --rate 2 --token-scale 0.125 \
   --num-requests 400
+sim sharegpt-dynamic-padded --workload sharegpt --arrival poisson --rate 2 --token-scale 0.125 \
+  --num-requests 300 --batching dynamic --preferred-batch-size 8 --max-wait 0.05 --padding left
 if [[ -n "${SCALE:-}" ]]; then
   start=$(date +%s.%N)
   sim scale --hardware h100-sxm --model-shape llama-3-8b --replicas 10 --workload azure-conv \

@@ -18,10 +18,10 @@ from carpool.config import EngineConfig
 from carpool.engine.detokenizer import IncrementalDetokenizer
 from carpool.engine.outputs import RequestOutput, TokenLogprob
 from carpool.engine.stats import LONG_PROMPT_TOKENS, EngineCounters, EngineStats
-from carpool.executor.base import BatchItem, Executor, Padding
+from carpool.executor.base import Executor, batch_items, step_padding
 from carpool.model.sampler import SampleResult, SamplingRow
 from carpool.sampling_params import SamplingParams
-from carpool.scheduler import Request, RequestStatus, ScheduledSpan, Scheduler
+from carpool.scheduler import Request, RequestStatus, Scheduler
 from carpool.scheduler.core import EngineCore
 from carpool.scheduler.live_settings import apply_live_settings
 
@@ -245,9 +245,8 @@ class LLMEngine:
         if schedule.is_empty:
             return rejected
         started = time.perf_counter()
-        items = [self._batch_item(span) for span in schedule.spans]
-        padding = (Padding(schedule.pad_rows, self.config.scheduler.padding_mode)
-                   if schedule.pad_rows else None)
+        items = batch_items(schedule.spans, self.scheduler.kv.block_tables, self._sampling_row)
+        padding = step_padding(schedule.pad_rows, self.config.scheduler.padding_mode)
         results = iter(self.executor.execute(items, padding))
         sampled = {span.request.request_id: (span.request, next(results))
                    for span in schedule.spans if span.sample}
@@ -284,15 +283,11 @@ class LLMEngine:
             slo=self.slo.as_dict() if self.slo is not None else None,
             predictions=_predictions(scheduler), **_decisions(scheduler))
 
-    def _batch_item(self, span: ScheduledSpan) -> BatchItem:
-        request = span.request
+    @staticmethod
+    def _sampling_row(request: Request) -> SamplingRow:
         state: RequestState = request.payload
-        sampling = None
-        if span.sample:
-            sampling = SamplingRow(state.params, state.seed, request.num_output_tokens,
-                                   request.prompt_token_ids, request.output_token_ids)
-        return BatchItem(request.request_id, request.token_ids, span.start, span.num_tokens,
-                         self.scheduler.kv.block_tables[request.request_id], sampling)
+        return SamplingRow(state.params, state.seed, request.num_output_tokens,
+                           request.prompt_token_ids, request.output_token_ids)
 
     def _take_sample(self, request: Request, result: SampleResult) -> RequestStatus | None:
         """The engine core's stop check: record the sampled token's time,

@@ -1,14 +1,16 @@
 """The executor interface: run one scheduled step, return sampled tokens.
 
-The live engine runs a scheduled step through an ``Executor`` (``TorchExecutor``:
-the real model). The simulator shares the scheduler but still drives it with
-its own replica loop and a cost model (``carpool/sim/replica.py``), not
-through this interface (yet: one engine core for both is the plan).
+Both drivers of the engine core (``carpool.scheduler.core``) run a scheduled
+step through an ``Executor``: the live engine through ``TorchExecutor`` (the
+real model), the simulated replica through ``CostModelExecutor``
+(``carpool/sim/executor.py``: prices the step with a cost model, samples a
+fixed token). ``batch_items`` and ``step_padding`` turn the scheduler's
+output into this interface's arguments for either. Pure Python.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,3 +79,23 @@ class Executor(ABC):
         """Run one batch, ragged or (``padding`` given) padded to a rectangle;
         return one sample result per item whose ``sampling`` is set, in item
         order."""
+
+
+def batch_items(spans: Sequence[Any], block_tables: Mapping[str, Sequence[int]],
+                sampling_row: Callable[[Any], Any]) -> list[BatchItem]:
+    """The executor's items for a step's scheduled spans (the scheduler's
+    ``ScheduledSpan``: ``request``, ``start``, ``num_tokens``, ``sample``),
+    in order; ``sampling_row(request)`` gives the row of a span that samples."""
+    items = []
+    for span in spans:
+        request = span.request
+        items.append(BatchItem(request.request_id, request.token_ids, span.start,
+                               span.num_tokens, block_tables[request.request_id],
+                               sampling_row(request) if span.sample else None))
+    return items
+
+
+def step_padding(pad_rows: int, align: str) -> Padding | None:
+    """The ``Padding`` of a step the scheduler shaped as ``pad_rows`` rows
+    (0: a ragged step, None)."""
+    return Padding(pad_rows, align) if pad_rows else None

@@ -134,3 +134,22 @@ class BatchGate:
             if len(bucket) >= self.preferred or any(self._overdue(r, now) for r in bucket):
                 return bucket[:self.max_size]
         return []
+
+
+class GateHook:
+    """Static / dynamic batching's step hook (a ``Scheduler.step_hooks``
+    entry): form the next request-level batch from the waiting requests a
+    session does not hold back, once the batch in flight has left."""
+
+    def __init__(self, gate: BatchGate) -> None:
+        self.gate = gate
+
+    def before_step(self, now: float, scheduler) -> None:
+        gate = self.gate
+        if gate.in_flight:
+            return
+        sessions = scheduler.sessions
+        batch = gate.next_batch(
+            (r for r in scheduler.waiting if not sessions.is_blocked(r)), now)
+        if batch and scheduler.controller is not None:
+            scheduler.controller.observe_step(now, len(batch) / gate.preferred, 0)

@@ -34,7 +34,7 @@ from carpool.scheduler.controller import AdaptiveController, LiveKnobs
 from carpool.scheduler.invariants import check_invariants
 from carpool.scheduler.kv_manager import KVCacheManager
 from carpool.scheduler.queues import make_queue
-from carpool.scheduler.regimes import BatchGate
+from carpool.scheduler.regimes import BatchGate, GateHook
 from carpool.scheduler.request import Request, RequestStatus
 from carpool.scheduler.sessions import SessionStats, SessionTracker
 from carpool.scheduler.step import (
@@ -92,7 +92,7 @@ class Scheduler:
         # does not act at all, so fast-forward cannot skip it unawares.
         self.step_hooks: tuple = tuple(hook for hook in (
             self.overload, self.controller,
-            _GateHook(self.gate) if self.gate is not None else None) if hook is not None)
+            GateHook(self.gate) if self.gate is not None else None) if hook is not None)
         self.expiries = ExpiryQueue()
         self.sessions = SessionTracker(self.kv.pool, config.session_ttl)
         self._rejected: list[Request] = []  # expired, not yet handed out by pop_rejected
@@ -431,21 +431,3 @@ class Scheduler:
     def check_invariants(self) -> None:
         """Bookkeeping consistency, for tests."""
         check_invariants(self)
-
-
-class _GateHook:
-    """Static / dynamic batching's step hook: form the next request-level
-    batch from the waiting requests a session does not hold back, once the
-    batch in flight has left."""
-
-    def __init__(self, gate: BatchGate) -> None:
-        self.gate = gate
-
-    def before_step(self, now: float, scheduler: Scheduler) -> None:
-        gate = self.gate
-        if gate.in_flight:
-            return
-        batch = gate.next_batch(
-            (r for r in scheduler.waiting if scheduler._not_session_blocked(r)), now)
-        if batch and scheduler.controller is not None:
-            scheduler.controller.observe_step(now, len(batch) / gate.preferred, 0)

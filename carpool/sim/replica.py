@@ -1,8 +1,9 @@
-"""One simulated replica: carpool's own ``Scheduler`` with a cost model in
-place of the model.
+"""One simulated replica: carpool's own ``Scheduler`` with a cost-model
+executor (``carpool.sim.executor.CostModelExecutor``) in place of the model.
 
 The replica drives the engine core ``LLMEngine.step`` drives
-(``carpool.scheduler.core.EngineCore``), in virtual time: requests that
+(``carpool.scheduler.core.EngineCore``), and hands each step to its
+executor through the same ``Executor`` interface, in virtual time: requests that
 arrived while a step ran are added at the next step boundary, a step is
 begun at a boundary and completed when its cost-model time is up, and a
 request finishes when it has generated its output length (every request
@@ -16,11 +17,13 @@ import enum
 import math
 
 from carpool.config import EngineConfig
+from carpool.executor.base import batch_items, step_padding
 from carpool.scheduler import RejectedError, Request, Scheduler
 from carpool.scheduler.core import EngineCore
 from carpool.scheduler.fast_forward import horizon
 from carpool.scheduler.step import SchedulerOutput
-from carpool.sim.costs import CostModel, StepShape
+from carpool.sim.costs import CostModel
+from carpool.sim.executor import SAMPLED_TOKEN, CostModelExecutor
 from carpool.workload.stats import FAILED, OK, REJECTED, RequestRecord
 from carpool.workload.traces import TraceRequest
 
@@ -28,7 +31,6 @@ from carpool.workload.traces import TraceRequest
 # waiting to fill) loops without sleeping; the simulator looks again this
 # much later.
 POLL_S = 0.001
-SAMPLED_TOKEN = 0  # what every simulated step samples (content never matters)
 _FIRST_RUN, _MAX_RUN = 16, 4096  # steps planned per fast-forward run (doubling)
 
 
@@ -60,25 +62,6 @@ def prompt_token_ids(index: int, length: int, hash_ids: tuple[int, ...] = (),
     return tokens[:length]
 
 
-def step_shape(output: SchedulerOutput) -> StepShape:
-    """What the executor computes for ``output``: its ragged spans, or with
-    ``pad_rows`` the padded rectangle (every row as long as the longest
-    span, missing rows all padding)."""
-    if not output.pad_rows:
-        return StepShape.of(output.spans)
-    longest = max(span.num_tokens for span in output.spans)
-    rows = [(span.start, longest) for span in output.spans]
-    rows += [(0, longest)] * max(0, output.pad_rows - len(output.spans))
-    return StepShape.of([_Row(start, tokens) for start, tokens in rows])
-
-
-class _Row:
-    __slots__ = ("start", "num_tokens")
-
-    def __init__(self, start: int, num_tokens: int) -> None:
-        self.start, self.num_tokens = start, num_tokens
-
-
 class State(enum.Enum):
     IDLE = "idle"  # nothing to do; an arrival starts a step at once
     STEP = "step"  # one step runs until next_time
@@ -100,10 +83,11 @@ class SimReplica:
                  fast_forward: bool = True, token_times: bool = False,
                  hash_block: int = 1) -> None:
         self.index = index
-        self.cost = cost
+        self.executor = CostModelExecutor(cost, num_blocks, config.cache.block_size)
         self.clock = clock
-        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, clock,
-                                   config.controller)
+        self.scheduler = Scheduler(config.scheduler, config.cache, self.executor.num_blocks,
+                                   clock, config.controller)
+        self.padding_mode = config.scheduler.padding_mode
         # No context limit here: a request longer than max_model_len fails on arrival.
         self.core = EngineCore(self.scheduler)
         self.max_model_len = max_model_len
@@ -119,6 +103,7 @@ class SimReplica:
         self._records: dict[str, RequestRecord] = {}
         self._output: SchedulerOutput | None = None
         self._seconds = 0.0
+        self._sampled: list[tuple[Request, int]] = []  # what the step in flight sampled
         self._run: tuple[list[float], list[float]] = ([], [])  # (seconds, ends) of a RUN
         self._run_steps = _FIRST_RUN
 
@@ -159,7 +144,7 @@ class SimReplica:
         output, expired = self.core.begin()
         self._reject(expired)
         if not output.is_empty:
-            self._output, self._seconds = output, self.cost.step_seconds(step_shape(output))
+            self._execute(output)
             self._set(State.STEP, now + self._seconds)
         elif self.scheduler.has_unfinished:
             self._set(State.POLL, now + POLL_S)
@@ -203,9 +188,18 @@ class SimReplica:
 
     # -- one step ------------------------------------------------------------------
 
+    def _execute(self, output: SchedulerOutput) -> None:
+        """Hand the step to the executor, as the live engine does; it ends
+        ``_seconds`` (its price) later."""
+        executor = self.executor
+        items = batch_items(output.spans, self.scheduler.kv.block_tables, _samples)
+        tokens = iter(executor.execute(items, step_padding(output.pad_rows, self.padding_mode)))
+        self._output, self._seconds = output, executor.last_step_seconds
+        self._sampled = [(span.request, next(tokens)) for span in output.spans if span.sample]
+
     def _commit(self, now: float) -> None:
         output, self._output = self._output, None
-        sampled = [(span.request, SAMPLED_TOKEN) for span in output.spans if span.sample]
+        sampled, self._sampled = self._sampled, []
         progressed, finished = self.core.complete(output, sampled, self._seconds)
         self.steps += 1
         if self.token_times:
@@ -235,7 +229,7 @@ class SimReplica:
         latest = math.inf if latest is None else latest
         running = len(scheduler.running)
         context = sum(r.num_computed_tokens + 1 for r in scheduler.running)
-        price = self.cost.decode_step_seconds
+        price = self.executor.decode_step_seconds
         seconds: list[float] = []
         ends: list[float] = []
         start = now
@@ -276,3 +270,8 @@ class SimReplica:
         self._run = ([], [])
         for request in finished:
             self._finish(request, ends[-1])
+
+
+def _samples(request: Request) -> bool:
+    """The simulator's sampling row: only whether a span samples matters."""
+    return True
