@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from carpool.machine import machine_identity
 from carpool.sim.costs import StepShape, load_cost_model, save_cost_model
 from carpool.sim.fitted import FittedCostModel, fit
 
@@ -72,6 +73,7 @@ def test_profile_measures_the_tiny_model_and_writes_a_fit(tiny_model_dir, tmp_pa
     assert result.returncode == 0, result.stderr
     model = load_cost_model(out)
     assert model.kind == "measured" and all(c >= 0 for c in model.coefficients)
+    assert model.meta["machine"] == machine_identity()
     labels = [p["label"] for p in model.meta["points"]]
     assert "prefill 32" in labels and "mixed b=4 ctx=32 + chunk 24" in labels
     mixed = model.meta["points"][labels.index("mixed b=4 ctx=32 + chunk 24")]["shape"]

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 
 from carpool.config import EngineConfig
-from carpool.sim.command import available_cpus
+from carpool.machine import available_cpus, machine_identity
 from carpool.sim.costs import StepShape, save_cost_model
 from carpool.sim.fitted import FittedCostModel, fit
 
@@ -193,6 +193,7 @@ def _meta(engine, config: EngineConfig, args: argparse.Namespace) -> dict:
         "hardware": {"machine": platform.machine(), "processor": platform.processor(),
                      "cpus": available_cpus(), "torch": torch.__version__,
                      "device": str(getattr(engine.executor, "device", "cpu"))},
+        "machine": machine_identity(str(getattr(engine.executor, "device", "cpu"))),
         "model": config.model.model or "default (SmolLM2-135M-Instruct)",
         "dtype": str(engine.executor.dtype).replace("torch.", ""),
         "kv_bytes_per_token": _kv_bytes_per_token(engine),
