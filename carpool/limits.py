@@ -52,8 +52,10 @@ def _number(value: float) -> str:
 
 # Sampling (OpenAI's ranges where OpenAI has one).
 MAX_TOKENS = Bound(1)
-# Wider than OpenAI's 2, as vLLM: some users sample very flat on purpose.
+# The engine takes more than OpenAI's 2, as vLLM does (some users sample
+# very flat on purpose); the OpenAI-compatible API keeps OpenAI's range.
 TEMPERATURE = Bound(0.0, 100.0)
+API_TEMPERATURE = Bound(0.0, 2.0)
 TOP_P = Bound(0.0, 1.0, lo_open=True)
 TOP_K = Bound(-1)  # -1 and 0: off
 MIN_P = Bound(0.0, 1.0)

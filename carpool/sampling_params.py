@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 
 from carpool import limits
 
-MAX_LOGPROBS = int(limits.LOGPROBS.hi)
 # Temperatures below this sample greedily (as vLLM): dividing logits by a
 # temperature that rounds to zero in float32 would give inf/NaN probabilities.
 GREEDY_TEMPERATURE = 1e-5

@@ -28,7 +28,8 @@ from carpool.workload.traces import (
     excerpt_path,
     has_arrivals,
     load_trace,
-    traces_dir,
+    trace_dirs,
+    whole_trace,
 )
 
 # Seconds of each timed trace kept; sized so tests' windows fit (Azure conv
@@ -55,10 +56,15 @@ def _excerpt_lines(name: str, source: Path) -> tuple[list[str], dict]:
 
 
 def main(argv: list[str]) -> int:
-    source_dir = Path(argv[0]) if argv else traces_dir()
     manifest = {}
     for name, (relative, _, _) in TRACE_FILES.items():
-        source = source_dir / relative
+        # each whole trace from wherever carpool finds it (a cache may hold some only)
+        source = Path(argv[0]) / relative if argv else whole_trace(name)
+        if source is None or not source.is_file():
+            searched = source or ", ".join(map(str, trace_dirs()))
+            print(f"{name}: no whole trace found (searched {searched}); "
+                  f"`carpool traces download {name}` fetches it", file=sys.stderr)
+            return 1
         digest = hashlib.sha256(source.read_bytes()).hexdigest()
         if digest != UPSTREAM[name].sha256:
             print(f"{source}: sha256 {digest} is not the pinned {UPSTREAM[name].sha256}",
@@ -77,8 +83,13 @@ def main(argv: list[str]) -> int:
               f"{target.stat().st_size:,} bytes")
     (EXCERPTS_DIR / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
     (EXCERPTS_DIR / LICENCE_DIR).mkdir(exist_ok=True)
-    for source in {s.licence_file for s in UPSTREAM.values()}:
-        shutil.copyfile(source_dir / LICENCE_DIR / source, EXCERPTS_DIR / LICENCE_DIR / source)
+    folders = [Path(argv[0])] if argv else trace_dirs()
+    licences = next((d / LICENCE_DIR for d in folders if (d / LICENCE_DIR).is_dir()), None)
+    if licences is None:  # e.g. traces from the download cache: the packaged texts stay
+        print(f"no {LICENCE_DIR}/ beside the traces; the packaged licence texts are kept",
+              file=sys.stderr)
+    for source in {s.licence_file for s in UPSTREAM.values()} if licences else ():
+        shutil.copyfile(licences / source, EXCERPTS_DIR / LICENCE_DIR / source)
     (EXCERPTS_DIR / "README.md").write_text(_readme(manifest))
     return 0
 

@@ -60,3 +60,18 @@ def test_fast_forward_finishes_what_reached_its_length():
     finished = core.fast_forward(times, [0.02, 0.03], lambda t: None, 7)
     assert finished == [requests[0]] and requests[0].num_output_tokens == 3
     assert [r.num_output_tokens for r in requests[1:]] == [3, 3]
+
+
+def test_fast_forward_stops_where_the_context_fills():
+    """A run never decodes past ``max_model_len``: it ends with the step that
+    fills the context, and that request finishes by length, as stepping does."""
+    core = _core(max_model_len=8)
+    short, roomy = Request("short", [1, 2, 3, 4, 5], 20, 0.0), Request("roomy", [1, 2], 20, 0.0)
+    core.scheduler.add_request(short)
+    core.scheduler.add_request(roomy)
+    _step(core)  # prefills; short now holds 6 tokens
+    assert core.decode_run_limit() == 2  # tokens 7 and 8
+    assert core.decode_run_limit(most=1) == 1
+    finished = core.fast_forward([0.01, 0.01], [0.02, 0.03], lambda t: None, 7)
+    assert finished == [short] and short.status == RequestStatus.FINISHED_LENGTH
+    assert short.num_tokens == 8 and roomy.status == RequestStatus.RUNNING

@@ -13,7 +13,6 @@ from carpool.server.protocol import ChatCompletionRequest, CompletionRequest
 
 # (field, its bound, a value inside, values outside)
 SAMPLING = [
-    ("temperature", limits.TEMPERATURE, 0.7, [-0.1, limits.TEMPERATURE.hi + 1]),
     ("top_p", limits.TOP_P, 0.5, [0.0, 1.01]),
     ("min_p", limits.MIN_P, 0.5, [-0.1, 1.1]),
     ("repetition_penalty", limits.REPETITION_PENALTY, 1.1, [0.001, 11.0]),
@@ -37,9 +36,26 @@ def test_http_model_and_sampling_params_agree(name, bound, inside, outside):
             SamplingParams(**{name: value})
 
 
+def test_temperature_keeps_openais_range_over_http_and_more_offline():
+    """OpenAI's API (and carpool's before the limits moved) answers 400 above
+    2; the engine, as vLLM's, samples up to 100."""
+    CompletionRequest(prompt="x", temperature=limits.API_TEMPERATURE.hi)
+    SamplingParams(temperature=limits.TEMPERATURE.hi)
+    for value in (-0.1, 2.5):
+        with pytest.raises(ValidationError):
+            CompletionRequest(prompt="x", temperature=value)
+        with pytest.raises(ValidationError):
+            ChatCompletionRequest(messages=[{"role": "user", "content": "x"}],
+                                  temperature=value)
+    SamplingParams(temperature=2.5)
+    for value in (-0.1, limits.TEMPERATURE.hi + 1):
+        with pytest.raises(ValueError, match="temperature"):
+            SamplingParams(temperature=value)
+
+
 def test_the_openapi_schema_states_the_limits():
     schema = CompletionRequest.model_json_schema()["properties"]
-    assert schema["temperature"]["maximum"] == limits.TEMPERATURE.hi
+    assert schema["temperature"]["maximum"] == limits.API_TEMPERATURE.hi == 2.0
     assert schema["top_p"]["exclusiveMinimum"] == 0.0
     assert schema["session_id"]["anyOf"][0]["maxLength"] == limits.MAX_SESSION_ID_CHARS
     chat = ChatCompletionRequest.model_json_schema()["properties"]

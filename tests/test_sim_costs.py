@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from carpool.machine import machine_identity
 from carpool.sim.costs import StepShape, load_cost_model, save_cost_model
 from carpool.sim.fitted import FittedCostModel, fit
 
@@ -72,6 +73,7 @@ def test_profile_measures_the_tiny_model_and_writes_a_fit(tiny_model_dir, tmp_pa
     assert result.returncode == 0, result.stderr
     model = load_cost_model(out)
     assert model.kind == "measured" and all(c >= 0 for c in model.coefficients)
+    assert model.meta["machine"] == machine_identity()
     labels = [p["label"] for p in model.meta["points"]]
     assert "prefill 32" in labels and "mixed b=4 ctx=32 + chunk 24" in labels
     mixed = model.meta["points"][labels.index("mixed b=4 ctx=32 + chunk 24")]["shape"]
@@ -79,3 +81,29 @@ def test_profile_measures_the_tiny_model_and_writes_a_fit(tiny_model_dir, tmp_pa
     assert model.meta["fit"]["steps"] > len(labels) and model.meta["hardware"]["cpus"] >= 1
     assert model.step_seconds(StepShape(0, 4, 200, 4)) > 0
     assert "fit over" in result.stdout
+
+
+def test_a_mixed_point_measures_the_step_it_is_named_after(tiny_model_dir):
+    """The late prompt joins once every prompt is in, even when they take
+    several chunks, so the point's row is its prompt beside all decodes
+    (it once joined after two steps, next to a chunk of the others)."""
+    import random
+
+    from carpool.config import EngineConfig
+    from carpool.engine.llm_engine import LLMEngine
+    from carpool.measure.costs import Scenario, ShapeRecorder, _point_row, run_scenario
+
+    engine = LLMEngine.from_config(EngineConfig.from_dict({
+        "model": str(tiny_model_dir), "attention_backend": "torch", "kv_cache_memory": "16MiB",
+        "max_num_batched_tokens": 40}))
+    recorder = ShapeRecorder(engine.executor)
+    engine.executor = recorder
+    scenario = Scenario("mixed b=4 ctx=32 + chunk 24", 4, 32, 8, late_prompt=24)
+    samples = run_scenario(engine, recorder, scenario, random.Random(0), list(range(3, 200)))
+    assert sum(shape.prefill_tokens for shape, _ in samples) == 4 * 32 + 24
+    truth = FittedCostModel((0.01, 2e-4, 5e-4, 1e-7, 3e-8))
+    row = _point_row(scenario, samples, truth)
+    assert row["steps"] == 1
+    assert (row["shape"]["prefill_tokens"], row["shape"]["decode_seqs"]) == (24, 4)
+    # a point with no step of its shape gets no row, never another step's
+    assert _point_row(Scenario("mixed", 4, 32, 8, late_prompt=7), samples, truth) is None

@@ -53,8 +53,31 @@ def test_fidelity_on_a_short_window_of_the_azure_trace(real_engine, tmp_path):
     by_name = {row.name: row for row in result.rows}
     for name in ("TTFT p50", "TPOT p50", "E2E p50"):
         assert abs(by_name[name].error) < 0.5, (name, by_name[name])
-    print(format_rows(result.rows))
+    print(format_rows(result.rows, result.busy))
     assert "cost model on the" in result.notes
+    # two real runs by default, each on a fresh scheduler: the same work, a spread beside it
+    assert len(result.more_real) == 1
+    assert result.more_real[0]["summary"]["output_tokens"] == real["output_tokens"]
+    assert all(row.spread is not None and row.spread >= 0 for row in result.rows)
+    assert "machine during the real runs" in result.notes
+    assert "busy" in result.real["machine_load"]
+
+
+def test_real_runs_give_the_mean_and_spread_and_a_busy_machine_is_not_judged():
+    def summary(scale: float) -> dict:
+        doc = {m: {"p50": 1.0 * scale, "p99": 2.0 * scale} for m in ("ttft", "tpot", "e2e")}
+        doc["output_throughput"] = 100.0
+        return doc
+
+    rows = {row.name: row for row in compare(summary(0.9), summary(1.1), [summary(1.1)])}
+    assert rows["TTFT p50"].real == pytest.approx(1.0)
+    assert rows["TTFT p50"].spread == pytest.approx(0.2) and rows["TTFT p50"].within_goal
+    assert rows["output tok/s"].spread == 0.0
+    assert compare(summary(1.0), summary(1.0))[0].spread is None  # one run: no spread
+    over = list(compare(summary(1.0), summary(1.5)))
+    assert "<- over" in format_rows(over)
+    text = format_rows(over, busy="real run 1: other processes kept 1.10 cores busy")
+    assert "<- over" not in text and "not judged against the goals" in text
 
 
 def test_compare_rows_and_goals():

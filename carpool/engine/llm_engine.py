@@ -1,8 +1,11 @@
-"""The synchronous engine core: add requests, step, abort.
+"""The synchronous live engine: add requests, step, abort.
 
-One ``step()`` = schedule (pure Python) -> execute one ragged batch ->
-commit sampled tokens -> check stop conditions -> detokenize. Not thread
-safe: ``AsyncEngine`` drives it from a single background thread.
+One ``step()`` drives the engine core (``carpool.scheduler.core``):
+``EngineCore.begin`` (schedule, pure Python) -> the executor runs the batch
+(``TorchExecutor``) -> ``EngineCore.complete``, whose stop check is this
+engine's: record the sampled token (logprobs, detokenized text) and stop
+at EOS, a stop token or a stop string; else the core finishes by length.
+Not thread safe: ``AsyncEngine`` drives it from a single background thread.
 """
 from __future__ import annotations
 

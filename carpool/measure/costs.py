@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 
 from carpool.config import EngineConfig
-from carpool.sim.command import available_cpus
+from carpool.machine import available_cpus, machine_identity
 from carpool.sim.costs import StepShape, save_cost_model
 from carpool.sim.fitted import FittedCostModel, fit
 
@@ -30,14 +30,14 @@ from carpool.sim.fitted import FittedCostModel, fit
 class Scenario:
     """Requests added together: ``count`` prompts of ``prompt_len`` tokens,
     each generating ``output_len``; with ``late_prompt`` one more request of
-    that length joins after ``late_after`` steps (a mixed step)."""
+    that length joins once all of them decode, so that the step after it is
+    the mixed step the label names (its prompt beside ``count`` decodes)."""
 
     label: str
     count: int
     prompt_len: int
     output_len: int
     late_prompt: int = 0
-    late_after: int = 2
 
 
 def grid(quick: bool, max_batch_tokens: int, max_seqs: int) -> list[Scenario]:
@@ -84,18 +84,25 @@ def run_scenario(engine, recorder: ShapeRecorder, scenario: Scenario, rng: rando
 
     for _ in range(scenario.count):
         add(scenario.prompt_len, scenario.output_len)
-    samples, steps = [], 0
+    samples, late = [], scenario.late_prompt
     while engine.has_unfinished:
-        if scenario.late_prompt and steps == scenario.late_after:
-            add(scenario.late_prompt, 1)
+        if late and _all_decoding(engine.scheduler):
+            add(late, 1)
+            late = 0
         recorder.last = None
         started = time.perf_counter()
         engine.step()
         seconds = time.perf_counter() - started
-        steps += 1
         if recorder.last is not None:
             samples.append((recorder.last, seconds))
     return samples
+
+
+def _all_decoding(scheduler) -> bool:
+    """Nothing waits and every running request has its whole prompt computed."""
+    return not scheduler.waiting and all(
+        request.num_computed_tokens >= request.num_prompt_tokens
+        for request in scheduler.running)
 
 
 def add_measure_args(parser: argparse.ArgumentParser) -> None:
@@ -148,14 +155,16 @@ def measure(engine, config: EngineConfig, args: argparse.Namespace) -> FittedCos
     finally:
         engine.executor = recorder._inner
     model = fit(samples, _meta(engine, config, args))
-    model.meta["points"] = [_point_row(s, m, model) for s, m in points]
+    rows = (_point_row(s, m, model) for s, m in points)
+    model.meta["points"] = [row for row in rows if row is not None]
     return model
 
 
 def _point_row(scenario: Scenario, measured: list[tuple[StepShape, float]],
-               model: FittedCostModel) -> dict:
+               model: FittedCostModel) -> dict | None:
     """The steps the point is named after (its prefill, its full decode
-    batch, or its mixed step): median time and median context vs the fit."""
+    batch, or its mixed step): median time and median context vs the fit;
+    None when no step had that shape (never any other step in its place)."""
     if scenario.late_prompt:
         chosen = [m for m in measured if m[0].prefill_tokens == scenario.late_prompt
                   and m[0].decode_seqs]
@@ -164,7 +173,8 @@ def _point_row(scenario: Scenario, measured: list[tuple[StepShape, float]],
     else:
         chosen = [m for m in measured if not m[0].prefill_tokens
                   and m[0].decode_seqs == scenario.count]
-    chosen = chosen or measured
+    if not chosen:
+        return None
     first = chosen[0][0]
     typical = StepShape(first.prefill_tokens, first.decode_seqs,
                         int(statistics.median(shape.context_tokens for shape, _ in chosen)),
@@ -183,6 +193,7 @@ def _meta(engine, config: EngineConfig, args: argparse.Namespace) -> dict:
         "hardware": {"machine": platform.machine(), "processor": platform.processor(),
                      "cpus": available_cpus(), "torch": torch.__version__,
                      "device": str(getattr(engine.executor, "device", "cpu"))},
+        "machine": machine_identity(str(getattr(engine.executor, "device", "cpu"))),
         "model": config.model.model or "default (SmolLM2-135M-Instruct)",
         "dtype": str(engine.executor.dtype).replace("torch.", ""),
         "kv_bytes_per_token": _kv_bytes_per_token(engine),

@@ -8,12 +8,14 @@ one-line warning.
 """
 from __future__ import annotations
 
+import hashlib
 import platform
 import sys
 import threading
 from pathlib import Path
 from types import ModuleType
 
+from carpool.machine import cpu_model_and_flags
 from carpool.paths import default_cache_dir
 
 _SOURCES = [str(Path(__file__).parent / "csrc" / name)
@@ -60,8 +62,14 @@ def _build() -> ModuleType:
 
 
 def kernel_build_dir(torch_version: str) -> Path:
-    """Where the kernels are built and cached for this torch and architecture."""
-    return default_cache_dir() / "kernels" / f"torch-{torch_version}-{platform.machine()}"
+    """Where the kernels are built and cached: one folder per torch, Python,
+    architecture and CPU (model and feature flags: the build uses
+    ``-march=native``, so a cache shared with another CPU must not load it)."""
+    model, flags = cpu_model_and_flags()
+    cpu = hashlib.sha256(" ".join([model, *sorted(flags)]).encode()).hexdigest()[:12]
+    python = f"py{sys.version_info.major}{sys.version_info.minor}"
+    return (default_cache_dir() / "kernels"
+            / f"torch-{torch_version}-{python}-{platform.machine()}-{cpu}")
 
 
 def _lock(guard) -> bool:

@@ -1,8 +1,8 @@
 """``write_report``: the HTML report of a bench-serve or bench-sweep result.
 
 The dispatcher sits above both page builders: a sweep's page links a
-report per run, so ``the sweep page builder gets this function to call rather than
-importing it (which made the two report modules import each other).
+report per run, so the sweep page builder gets this function to call rather
+than importing it (which made the two report modules import each other).
 """
 from __future__ import annotations
 

@@ -54,14 +54,12 @@ class EngineCore:
         scheduler.record_step(output.num_tokens, len(output.spans), seconds)
         progressed, finished = [], []
         running, length = RequestStatus.RUNNING, RequestStatus.FINISHED_LENGTH
-        max_len = self.max_model_len
         for request, token_id in sampled:  # on every step's path: kept lean
             if request.status is not running:
                 continue  # aborted while the step ran
             progressed.append(request)
             status = stop(request, token_id) if stop is not None else None
-            if status is None and (request.num_output_tokens >= request.max_tokens or (
-                    max_len is not None and request.num_tokens >= max_len)):
+            if status is None and self._at_length(request):
                 status = length
             if status is not None:
                 scheduler.finish_request(request, status)
@@ -69,8 +67,14 @@ class EngineCore:
         return progressed, finished
 
     def decode_run_limit(self, most: int | None = None) -> int:
-        """How many identical decode steps ``fast_forward`` may apply now."""
-        return decode_run_limit(self.scheduler, most)
+        """How many identical decode steps ``fast_forward`` may apply now:
+        the scheduler's limit, ending as well with the step in which a
+        request fills the context (``max_model_len``)."""
+        limit = decode_run_limit(self.scheduler, most)
+        if limit and self.max_model_len is not None:
+            room = min(self.max_model_len - r.num_tokens for r in self.scheduler.running)
+            limit = min(limit, max(0, room))
+        return limit
 
     def fast_forward(self, seconds: Sequence[float], step_ends: Sequence[float],
                      set_time: Callable[[float], None], token_id: int) -> list[Request]:
@@ -85,6 +89,7 @@ class EngineCore:
         return finished
 
     def _at_length(self, request: Request) -> bool:
+        """The length rule: ``max_tokens`` generated, or the context full."""
         return (request.num_output_tokens >= request.max_tokens
                 or (self.max_model_len is not None
                     and request.num_tokens >= self.max_model_len))

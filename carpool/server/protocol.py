@@ -43,7 +43,7 @@ class _SamplingFields(BaseModel):
     stop: str | list[str] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    temperature: float = Field(1.0, **limits.TEMPERATURE.field())
+    temperature: float = Field(1.0, **limits.API_TEMPERATURE.field())
     top_p: float = Field(1.0, **limits.TOP_P.field())
     top_k: StrictInt = Field(0, **limits.TOP_K.field())
     min_p: float = Field(0.0, **limits.MIN_P.field())

@@ -6,7 +6,8 @@ import argparse
 import dataclasses
 
 from carpool.config import EngineConfig
-from carpool.sim.costs import CostModel
+from carpool.machine import available_cpus
+from carpool.sim.costs import CostModel, machine_warning
 from carpool.sim.simulate import (
     ROUTING,
     SimRun,
@@ -62,15 +63,6 @@ def settings_from_args(config: EngineConfig, cost: CostModel,
                        args.workers or available_cpus()).validate()
 
 
-def available_cpus() -> int:
-    """CPUs this process may run on."""
-    import os
-
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
 def run_simulate(config: EngineConfig, args: argparse.Namespace) -> int:
     from carpool.report.html import write_outputs
     from carpool.workload.results import format_result
@@ -105,7 +97,8 @@ def simulation_result(label: str, args: argparse.Namespace, config: EngineConfig
 
     run_config = {k: v for k, v in vars(args).items()
                   if k not in ("func", "slo") and not k.startswith("engine_")}
-    run_config.update({"model": cost_label(cost), "workload": describe_workload(workload_spec(args), plan=plan),
+    run_config.update({"model": cost_label(cost),
+                       "workload": describe_workload(workload_spec(args), plan=plan),
                        "engine": dataclasses.asdict(config)})
     written = bool(getattr(args, "json", None) or getattr(args, "html", None))
     result = make_result(label, run_config, LoadRun(run.records, run.duration,
@@ -113,6 +106,7 @@ def simulation_result(label: str, args: argparse.Namespace, config: EngineConfig
                          per_request=written)
     result["simulation"] = {
         "cost_model_kind": cost.kind, "cost_model": cost.describe(),
+        "cost_model_warning": machine_warning(cost),
         "num_blocks": num_blocks, "settings": dataclasses.asdict(settings),
         "speed": run.speed(), "replicas": run.per_replica}
     return result

@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 from typing import Protocol
 
+from carpool.machine import identity_mismatch
 from carpool.sim.analytic import AnalyticCostModel
 from carpool.sim.fitted import FittedCostModel
 from carpool.sim.shapes import StepShape
@@ -35,6 +36,33 @@ class CostModel(Protocol):
         ...
 
     def describe(self) -> dict: ...
+
+
+def machine_warning(cost: CostModel) -> str | None:
+    """Why a measured ``cost`` may not describe this machine (it was
+    measured on another, or recorded none), or None. Analytic models price
+    the hardware they name on purpose: never a warning."""
+    if cost.kind != "measured":
+        return None
+    meta = getattr(cost, "meta", {}) or {}
+    differences = identity_mismatch(meta.get("machine"))
+    if not differences:
+        return None
+    where = meta.get("note") or f"measured {meta.get('created_at', 'at an unknown date')}"
+    return (f"this cost model may not describe this machine: {'; '.join(differences)}. "
+            f"It says: {where}. Step times can differ by 2x or more between machines "
+            f"of one name; run `carpool measure --out cost-model.json` here and pass "
+            f"--cost-model cost-model.json")
+
+
+def warn_if_elsewhere(cost: CostModel) -> str | None:
+    """Print ``machine_warning(cost)`` loudly to stderr; return it."""
+    import sys
+
+    warning = machine_warning(cost)
+    if warning is not None:
+        print(f"carpool: WARNING: {warning}", file=sys.stderr)
+    return warning
 
 
 def save_cost_model(model: CostModel, path: str | Path) -> Path:

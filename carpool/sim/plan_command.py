@@ -11,6 +11,7 @@ import time
 
 from carpool.config import EngineConfig
 from carpool.sim.command import add_simulation_args, cost_label, settings_from_args
+from carpool.sim.costs import machine_warning
 from carpool.sim.plan import ASSUMED_PRICE, Batching, PeakProblem, plan_peak
 from carpool.sim.simulate import add_cost_model_args, cost_model_from_args, pool_blocks
 from carpool.workload.arrivals import rescale_offsets
@@ -135,6 +136,7 @@ def _plan_header(args: argparse.Namespace, problem: PeakProblem, shaped: Workloa
     """The plan document's description of what was planned and how it was priced."""
     return {"kind": "carpool-plan", "cost_model_kind": problem.cost.kind,
             "cost_model_label": cost_label(problem.cost), "cost_model": problem.cost.describe(),
+            "cost_model_warning": machine_warning(problem.cost),
             "workload": describe_workload(shaped, plan=problem.workload),
             "inputs": {"peak_rate": problem.peak_rate, "window_s": problem.window_s,
                        "requests_per_probe": len(problem.workload), "slo": problem.slo,

@@ -314,19 +314,25 @@ def add_cost_model_args(parser: argparse.ArgumentParser) -> None:
 
 
 def cost_model_from_args(args: argparse.Namespace) -> CostModel:
-    from carpool.sim.costs import load_cost_model
+    """The cost model the flags name; a measured one from another machine
+    (or one that does not say) is warned about on stderr."""
+    from carpool.sim.costs import load_cost_model, warn_if_elsewhere
 
     if args.cost_model and (args.hardware or args.model_shape):
         raise ValueError("give either --cost-model or --hardware/--model-shape, not both")
     if args.cost_model:
-        return load_cost_model(args.cost_model)
+        cost = load_cost_model(args.cost_model)
+        warn_if_elsewhere(cost)
+        return cost
     if args.hardware or args.model_shape:
         if not (args.hardware and args.model_shape):
             raise ValueError("the analytic cost model needs both --hardware and --model-shape")
         from carpool.sim.analytic import analytic_from_names
 
         return analytic_from_names(args.hardware, args.model_shape, args.dtype_bytes)
-    return load_cost_model(DEFAULT_COST_MODEL)
+    cost = load_cost_model(DEFAULT_COST_MODEL)
+    warn_if_elsewhere(cost)
+    return cost
 
 
 def pool_blocks(config: EngineConfig, cost: CostModel, memory_set: bool) -> int:

@@ -21,6 +21,9 @@ from carpool.workload.download import (
 from carpool.workload.spec import ARRIVALS, SYNTHETIC, WorkloadSpec
 from carpool.workload.traces import TRACE_FILES, TRACES_ENV, excerpt_note, resolve_trace
 
+# The flags' defaults are the spec's: one place to change them.
+DEFAULTS = WorkloadSpec()
+
 
 def add_workload_args(parser: argparse.ArgumentParser, *, seed_flag: str = "--seed") -> None:
     """Groups "workload" and "arrivals". Dests: workload, num_requests,
@@ -29,33 +32,33 @@ def add_workload_args(parser: argparse.ArgumentParser, *, seed_flag: str = "--se
     ramp, trace_loop. ``seed_flag`` renames ``--seed`` on parsers that also take the
     engine flags (which have their own ``--seed``)."""
     group = parser.add_argument_group("workload")
-    group.add_argument("--workload", default=SYNTHETIC,
+    group.add_argument("--workload", default=DEFAULTS.workload,
                        help=f"'{SYNTHETIC}' (fixed lengths), a trace by name "
                             f"({', '.join(TRACE_FILES)}: `carpool traces list` shows the file "
                             f"each reads) or the path of such a file")
-    group.add_argument("--num-requests", type=int, default=100)
-    group.add_argument("--input-len", type=int, default=128, help="synthetic prompt tokens")
-    group.add_argument("--output-len", type=int, default=128, help="synthetic output tokens")
-    group.add_argument("--token-scale", type=float, default=1.0,
+    group.add_argument("--num-requests", type=int, default=DEFAULTS.num_requests)
+    group.add_argument("--input-len", type=int, default=DEFAULTS.input_len, help="synthetic prompt tokens")
+    group.add_argument("--output-len", type=int, default=DEFAULTS.output_len, help="synthetic output tokens")
+    group.add_argument("--token-scale", type=float, default=DEFAULTS.token_scale,
                        help="multiply trace token counts by this (e.g. 0.125 for a small "
                             "CPU model); Mooncake prefix blocks shrink by the same factor")
-    group.add_argument("--max-input-len", type=int, default=1024, help="cap on trace prompts")
-    group.add_argument("--max-output-len", type=int, default=512, help="cap on trace outputs")
-    group.add_argument("--trace-start", type=float, default=0.0,
+    group.add_argument("--max-input-len", type=int, default=DEFAULTS.max_input_len, help="cap on trace prompts")
+    group.add_argument("--max-output-len", type=int, default=DEFAULTS.max_output_len, help="cap on trace outputs")
+    group.add_argument("--trace-start", type=float, default=DEFAULTS.trace_start,
                        help="seconds into a timed trace where the replay starts")
     group.add_argument("--trace-loop", action="store_true",
                        help="a timed trace shorter than --num-requests replays back to back "
                             "(with --time-scale 0.1: ten copies at 10x the rate)")
-    group.add_argument(seed_flag, dest="workload_seed", type=int, default=0, metavar="SEED",
+    group.add_argument(seed_flag, dest="workload_seed", type=int, default=DEFAULTS.workload_seed, metavar="SEED",
                        help="seed for arrivals, sampled lengths and prompt text")
     arrivals = parser.add_argument_group("arrivals")
-    arrivals.add_argument("--arrival", choices=ARRIVALS, default="poisson",
+    arrivals.add_argument("--arrival", choices=ARRIVALS, default=DEFAULTS.arrival,
                           help="arrival process; 'trace' replays a timed trace's timestamps")
-    arrivals.add_argument("--rate", type=float, default=2.0,
+    arrivals.add_argument("--rate", type=float, default=DEFAULTS.rate,
                           help="mean requests per second (ignored by --arrival trace)")
-    arrivals.add_argument("--burstiness", type=float, default=1.0,
+    arrivals.add_argument("--burstiness", type=float, default=DEFAULTS.burstiness,
                           help="gamma shape: 1 = Poisson, < 1 burstier, > 1 smoother")
-    arrivals.add_argument("--time-scale", type=float, default=1.0,
+    arrivals.add_argument("--time-scale", type=float, default=DEFAULTS.time_scale,
                           help="multiply trace gaps by this (4 = four times slower)")
     arrivals.add_argument("--surge", action="append", default=[], type=arg_type(Surge.parse),
                           metavar="FACTORx@START+DURATION",
@@ -65,8 +68,6 @@ def add_workload_args(parser: argparse.ArgumentParser, *, seed_flag: str = "--se
                           metavar="FROMx-TOx@START+DURATION",
                           help="move the rate multiplier linearly over a window, e.g. "
                                "1x-3x@10+20 (repeatable; multiplies with surges)")
-
-
 
 
 def arg_type(parse: Callable[[str], object]) -> Callable[[str], object]:
@@ -116,11 +117,17 @@ def add_traces_args(parser: argparse.ArgumentParser) -> None:
 
 def run_traces(args: argparse.Namespace) -> int:
     if args.traces_command == "list":
+        missing = 0
         for name in TRACE_FILES:
-            path = resolve_trace(name)
+            try:
+                path = resolve_trace(name)
+            except FileNotFoundError as exc:  # $CARPOOL_TRACES without it
+                print(f"{name:<19} not found\n{'':<19} {exc}")
+                missing += 1
+                continue
             where = excerpt_note(path) or "whole trace"
             print(f"{name:<19} {path}\n{'':<19} {where}; {TRACE_FILES[name][2]}")
-        return 0
+        return 1 if missing else 0
     names = args.names or list(TRACE_FILES)
     unknown = [n for n in names if n not in UPSTREAM]
     if unknown:

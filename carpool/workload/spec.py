@@ -39,7 +39,7 @@ class WorkloadSpec:
     """What to replay: a source of lengths (``workload``: ``synthetic`` or a
     trace name or path) and an arrival process. The fields are those of the
     command-line flags of the same names (``carpool.workload.command``
-    builds one from them: `workload_spec`); the defaults are the flags'."""
+    builds one from them: `workload_spec`) and take their defaults from here."""
 
     workload: str = SYNTHETIC
     num_requests: int = 100
@@ -57,7 +57,6 @@ class WorkloadSpec:
     time_scale: float = 1.0  # multiplies trace gaps
     surge: tuple[Surge, ...] = ()
     ramp: tuple[Ramp, ...] = ()
-
 
 
 @dataclass(frozen=True)

@@ -92,6 +92,14 @@ def traces_dir() -> Path:
     return next((d for d in dirs if d.is_dir()), dirs[-1])
 
 
+def whole_trace(name: str) -> Path | None:
+    """The whole trace ``name`` (a key of `TRACE_FILES`) from the first
+    folder of `trace_dirs` holding it, or None (no excerpt in its place)."""
+    relative = TRACE_FILES[name][0]
+    return next((folder / relative for folder in trace_dirs()
+                 if (folder / relative).is_file()), None)
+
+
 def excerpt_path(name: str) -> Path:
     """The packaged excerpt of trace ``name`` (a key of `TRACE_FILES`)."""
     return EXCERPTS_DIR / (TRACE_FILES[name][0] + ".gz")
@@ -119,12 +127,11 @@ def resolve_trace(name_or_path: str | os.PathLike) -> Path:
     """
     text = str(name_or_path)
     if text in TRACE_FILES:
-        relative = TRACE_FILES[text][0]
-        for folder in trace_dirs():
-            if (folder / relative).is_file():
-                return folder / relative
+        whole = whole_trace(text)
+        if whole is not None:
+            return whole
         if os.environ.get(TRACES_ENV):
-            path = trace_dirs()[0] / relative
+            path = trace_dirs()[0] / TRACE_FILES[text][0]
             raise FileNotFoundError(
                 f"trace {text!r}: {path} not found; set ${TRACES_ENV} to the folder holding the "
                 f"traces (azure2023/, mooncake/, lengths/), unset it to use the cache or the "
