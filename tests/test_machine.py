@@ -41,7 +41,8 @@ def test_each_difference_is_named():
 
 
 def _measured(machine: dict | None) -> FittedCostModel:
-    meta = {"note": "measured on the test bench", "created_at": "2026-12-02T00:00:00Z"}
+    meta = {"note": "measured on the test bench", "created_at": "2026-12-02T00:00:00Z",
+            "kv_bytes_per_token": 23040}
     if machine is not None:
         meta["machine"] = machine
     return FittedCostModel((0.01, 1e-4, 1e-4, 1e-7, 1e-8), meta)
