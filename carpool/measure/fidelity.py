@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from carpool.config import EngineConfig
+from carpool.measure.steps import errors_by_region, format_errors_by_region, save_steps
 from carpool.workload.command import add_workload_args, workload_spec
 from carpool.workload.spec import describe_workload, mooncake_block_tokens, plan_workload
 from carpool.workload.traces import TraceRequest
@@ -68,6 +69,9 @@ def add_fidelity_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--real-runs", type=int, default=2,
                         help="real replays (each on a fresh scheduler): the real side's own "
                              "run-to-run spread is printed beside the errors (default 2)")
+    parser.add_argument("--steps-out", default=None, metavar="FILE",
+                        help="write the real runs' steps (shape and seconds, gzipped JSON "
+                             "lines) here, for judging a cost model offline")
     parser.add_argument("--check", action="store_true",
                         help="exit 1 unless every error is within the goal (p50 10%%, p99 "
                              "15%%, throughput 10%%) and the machine was quiet")
@@ -186,7 +190,10 @@ def fidelity(engine, config: EngineConfig, cost, args: argparse.Namespace) -> Fi
     busy = "; ".join(f"real run {i + 1}: {load['why']}" for i, load in enumerate(loads)
                      if load is not None and load["busy"])
     lengths = ", ".join(f"{doc['duration_s']:.1f}" for doc in real_docs)
-    notes = (f"{step_error_line(steps, cost)}\nreal runs {lengths} s, {len(steps)} steps; "
+    if getattr(args, "steps_out", None):
+        save_steps(steps, args.steps_out)
+    notes = (f"{step_error_line(steps, cost)}\n"
+             f"{format_errors_by_region(errors_by_region(steps, cost))}\nreal runs {lengths} s, {len(steps)} steps; "
              f"simulated in {sim.wall_seconds:.2f} s, {sim.steps} steps (cost model: "
              f"{cost.kind}); {_load_line(loads)}")
     rows = compare(real_docs[0]["summary"], sim_doc["summary"],

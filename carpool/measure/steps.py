@@ -1,0 +1,80 @@
+"""Real step timings as data: record them, read them back, and say how well
+a cost model prices them by step kind and batch region.
+
+``carpool fidelity --steps-out FILE`` writes the steps of its real replays
+(gzipped JSON lines: the ``StepShape`` fields and ``seconds``); tests and
+``carpool measure`` can then judge a cost model's form on the shapes real
+traffic produces, with no live timing.
+"""
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import json
+import statistics
+from pathlib import Path
+
+from carpool.sim.shapes import StepShape
+
+# Batch regions (sequences in the step) the error is reported by.
+SEQ_REGIONS = ((1, 1), (2, 4), (5, 16), (17, 64), (65, None))
+
+
+def step_kind(shape: StepShape) -> str:
+    """``decode`` (no prompt tokens), ``prefill`` (no decodes) or ``mixed``."""
+    if not shape.prefill_tokens:
+        return "decode"
+    return "mixed" if shape.decode_seqs else "prefill"
+
+
+def seq_region(shape: StepShape) -> str:
+    for low, high in SEQ_REGIONS:
+        if shape.seqs >= low and (high is None or shape.seqs <= high):
+            return (f"{low}" if low == high else f"{low}+" if high is None
+                    else f"{low}-{high}") + " seqs"
+    return "0 seqs"
+
+
+def save_steps(samples: list[tuple[StepShape, float]], path: str | Path) -> Path:
+    """Write (shape, seconds) samples as gzipped JSON lines."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with gzip.open(path, "wt", encoding="utf-8") as f:
+        for shape, seconds in samples:
+            f.write(json.dumps({**dataclasses.asdict(shape), "seconds": seconds}) + "\n")
+    return path
+
+
+def load_steps(path: str | Path) -> list[tuple[StepShape, float]]:
+    """Samples written by ``save_steps``."""
+    names = [f.name for f in dataclasses.fields(StepShape)]
+    out = []
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        for line in f:
+            row = json.loads(line)
+            out.append((StepShape(**{name: int(row[name]) for name in names}),
+                        float(row["seconds"])))
+    return out
+
+
+def errors_by_region(samples: list[tuple[StepShape, float]], cost) -> dict[str, dict]:
+    """{"<kind>, <region>": {"steps", "median", "p90_abs"}} of the relative
+    error predicted / measured - 1, over the kind and batch regions present."""
+    groups: dict[str, list[float]] = {}
+    for shape, seconds in samples:
+        key = f"{step_kind(shape)}, {seq_region(shape)}"
+        groups.setdefault(key, []).append(cost.step_seconds(shape) / seconds - 1)
+    out = {}
+    for key in sorted(groups):
+        errors = sorted(groups[key])
+        absolute = sorted(abs(e) for e in errors)
+        out[key] = {"steps": len(errors), "median": statistics.median(errors),
+                    "p90_abs": absolute[min(len(absolute) - 1, int(len(absolute) * 0.9))]}
+    return out
+
+
+def format_errors_by_region(table: dict[str, dict]) -> str:
+    lines = [f"{'step kind, batch':<26}{'steps':>7}{'median':>9}{'p90 |err|':>11}"]
+    lines += [f"{key:<26}{row['steps']:>7}{row['median']:>+9.1%}{row['p90_abs']:>11.1%}"
+              for key, row in table.items()]
+    return "\n".join(lines)
