@@ -56,8 +56,9 @@ def machine_identity(device: str = "cpu") -> dict:
     CPUs this process may use, the architecture, torch's version and the
     device a model runs on."""
     model, flags = cpu_model_and_flags()
-    return {"cpu_model": model, "isa": [f for f in ISA_FLAGS if f in flags], "cpus": available_cpus(),
-            "arch": platform.machine(), "torch": _version("torch"), "device": device}
+    return {"cpu_model": model, "isa": [f for f in ISA_FLAGS if f in flags],
+            "cpus": available_cpus(), "arch": platform.machine(), "torch": _version("torch"),
+            "device": device}
 
 
 def identity_mismatch(recorded: dict | None, current: dict | None = None) -> list[str]:

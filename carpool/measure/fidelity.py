@@ -26,7 +26,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from carpool.config import EngineConfig
-from carpool.measure.steps import errors_by_region, format_errors_by_region, save_steps
+from carpool.measure.steps import (
+    errors_by_region,
+    format_errors_by_region,
+    save_steps,
+    step_error_line,
+)
 from carpool.workload.command import add_workload_args, workload_spec
 from carpool.workload.spec import describe_workload, mooncake_block_tokens, plan_workload
 from carpool.workload.traces import TraceRequest
@@ -192,8 +197,9 @@ def fidelity(engine, config: EngineConfig, cost, args: argparse.Namespace) -> Fi
     lengths = ", ".join(f"{doc['duration_s']:.1f}" for doc in real_docs)
     if getattr(args, "steps_out", None):
         save_steps(steps, args.steps_out)
-    notes = (f"{step_error_line(steps, cost)}\n"
-             f"{format_errors_by_region(errors_by_region(steps, cost))}\nreal runs {lengths} s, {len(steps)} steps; "
+    by_region = format_errors_by_region(errors_by_region(steps, cost))
+    notes = (f"{step_error_line(steps, cost)}\n{by_region}\n"
+             f"real runs {lengths} s, {len(steps)} steps; "
              f"simulated in {sim.wall_seconds:.2f} s, {sim.steps} steps (cost model: "
              f"{cost.kind}); {_load_line(loads)}")
     rows = compare(real_docs[0]["summary"], sim_doc["summary"],
@@ -246,24 +252,3 @@ def _time_steps(engine) -> list:
 
     engine.step = timed_step
     return samples
-
-
-def step_error_line(samples: list, cost) -> str:
-    """How well the cost model priced the real steps: median and p90 of
-    |predicted / measured - 1|, and the total of each (the busy time)."""
-    if not samples:
-        return "no steps ran"
-    errors = sorted(abs(cost.step_seconds(shape) / seconds - 1) for shape, seconds in samples)
-    measured = sum(seconds for _, seconds in samples)
-    predicted = sum(cost.step_seconds(shape) for shape, _ in samples)
-    by_kind = {}
-    for shape, seconds in samples:
-        kind = ("decode" if not shape.prefill_tokens
-                else "mixed" if shape.decode_seqs else "prefill")
-        by_kind.setdefault(kind, []).append(cost.step_seconds(shape) / seconds - 1)
-    kinds = ", ".join(f"{kind} {statistics.median(errs):+.1%} ({len(errs)})"
-                      for kind, errs in sorted(by_kind.items()))
-    return (f"cost model on the {len(samples)} real steps: |error| median "
-            f"{errors[len(errors) // 2]:.1%}, p90 {errors[int(len(errors) * 0.9)]:.1%}; median "
-            f"error by kind: {kinds}; busy time measured {measured:.1f} s, predicted "
-            f"{predicted:.1f} s")

@@ -1,10 +1,11 @@
 """Real step timings as data: record them, read them back, and say how well
 a cost model prices them by step kind and batch region.
 
-``carpool fidelity --steps-out FILE`` writes the steps of its real replays
-(gzipped JSON lines: the ``StepShape`` fields and ``seconds``); tests and
-``carpool measure`` can then judge a cost model's form on the shapes real
-traffic produces, with no live timing.
+``carpool fidelity`` prints both summaries of its real steps
+(``step_error_line``, ``errors_by_region``) and with ``--steps-out FILE``
+writes them (gzipped JSON lines: the ``StepShape`` fields and ``seconds``),
+so that tests can judge a cost model's form on the shapes real traffic
+produces, with no live timing (tests/test_measure_steps.py).
 """
 from __future__ import annotations
 
@@ -78,3 +79,23 @@ def format_errors_by_region(table: dict[str, dict]) -> str:
     lines += [f"{key:<26}{row['steps']:>7}{row['median']:>+9.1%}{row['p90_abs']:>11.1%}"
               for key, row in table.items()]
     return "\n".join(lines)
+
+
+def step_error_line(samples: list[tuple[StepShape, float]], cost) -> str:
+    """How well ``cost`` priced the steps: median and p90 of |predicted /
+    measured - 1|, the median error by kind, and the total of each (the busy
+    time)."""
+    if not samples:
+        return "no steps ran"
+    predicted = [cost.step_seconds(shape) for shape, _ in samples]
+    errors = [p / seconds - 1 for p, (_, seconds) in zip(predicted, samples)]
+    absolute = sorted(abs(e) for e in errors)
+    by_kind: dict[str, list[float]] = {}
+    for (shape, _), error in zip(samples, errors):
+        by_kind.setdefault(step_kind(shape), []).append(error)
+    kinds = ", ".join(f"{kind} {statistics.median(errs):+.1%} ({len(errs)})"
+                      for kind, errs in sorted(by_kind.items()))
+    return (f"cost model on the {len(samples)} real steps: |error| median "
+            f"{absolute[len(absolute) // 2]:.1%}, p90 {absolute[int(len(absolute) * 0.9)]:.1%}; "
+            f"median error by kind: {kinds}; busy time measured "
+            f"{sum(seconds for _, seconds in samples):.1f} s, predicted {sum(predicted):.1f} s")

@@ -37,19 +37,24 @@ def add_workload_args(parser: argparse.ArgumentParser, *, seed_flag: str = "--se
                             f"({', '.join(TRACE_FILES)}: `carpool traces list` shows the file "
                             f"each reads) or the path of such a file")
     group.add_argument("--num-requests", type=int, default=DEFAULTS.num_requests)
-    group.add_argument("--input-len", type=int, default=DEFAULTS.input_len, help="synthetic prompt tokens")
-    group.add_argument("--output-len", type=int, default=DEFAULTS.output_len, help="synthetic output tokens")
+    group.add_argument("--input-len", type=int, default=DEFAULTS.input_len,
+                       help="synthetic prompt tokens")
+    group.add_argument("--output-len", type=int, default=DEFAULTS.output_len,
+                       help="synthetic output tokens")
     group.add_argument("--token-scale", type=float, default=DEFAULTS.token_scale,
                        help="multiply trace token counts by this (e.g. 0.125 for a small "
                             "CPU model); Mooncake prefix blocks shrink by the same factor")
-    group.add_argument("--max-input-len", type=int, default=DEFAULTS.max_input_len, help="cap on trace prompts")
-    group.add_argument("--max-output-len", type=int, default=DEFAULTS.max_output_len, help="cap on trace outputs")
+    group.add_argument("--max-input-len", type=int, default=DEFAULTS.max_input_len,
+                       help="cap on trace prompts")
+    group.add_argument("--max-output-len", type=int, default=DEFAULTS.max_output_len,
+                       help="cap on trace outputs")
     group.add_argument("--trace-start", type=float, default=DEFAULTS.trace_start,
                        help="seconds into a timed trace where the replay starts")
     group.add_argument("--trace-loop", action="store_true",
                        help="a timed trace shorter than --num-requests replays back to back "
                             "(with --time-scale 0.1: ten copies at 10x the rate)")
-    group.add_argument(seed_flag, dest="workload_seed", type=int, default=DEFAULTS.workload_seed, metavar="SEED",
+    group.add_argument(seed_flag, dest="workload_seed", type=int,
+                       default=DEFAULTS.workload_seed, metavar="SEED",
                        help="seed for arrivals, sampled lengths and prompt text")
     arrivals = parser.add_argument_group("arrivals")
     arrivals.add_argument("--arrival", choices=ARRIVALS, default=DEFAULTS.arrival,
