@@ -88,26 +88,60 @@ def test_slow_tokens_cut_the_limit_once_per_cut_that_took_effect() -> None:
     tick(ctl, slow)
     assert ctl.correction.factor == 1.0  # one tick is no trend
     tick(ctl, slow)
-    assert ctl.correction.factor == pytest.approx(0.8) and ctl.knobs.max_num_seqs == 51
+    # Proportional: the middle of the band (87.5 ms) over the 110 ms seen, on
+    # the step time the limit is sized to: 0.08 s x 0.795 -> (0.0636 - 0.01) / 0.001.
+    first = 0.0875 / 0.11
+    assert ctl.correction.factor == pytest.approx(first)
+    assert ctl.knobs.max_num_seqs == int((0.08 * first - 0.01) / 0.001 + 1e-9)
     # More requests still run than the new limit allows: no second cut yet.
     for _ in range(3):
         tick(ctl, slow)
-    assert ctl.correction.factor == pytest.approx(0.8)
+    assert ctl.correction.factor == pytest.approx(first)
     for _ in range(2):
-        tick(ctl, replace(slow, running=51))  # in effect and still slow
-    assert ctl.correction.factor == pytest.approx(0.64)
+        tick(ctl, replace(slow, running=ctl.knobs.max_num_seqs))  # in effect, still slow
+    assert ctl.correction.factor == pytest.approx(first * first)
     reasons = [d.reason for d in ctl.decisions if d.knob == "latency_correction"]
     assert reasons == ["step_over_target"] * 2
-    # Well within (< TPOT_LOW, 75% of 100 ms) with demand over the limit, two ticks in a
-    # row: grow by CORRECTION_UP (1.2);
+    # Far under the band (40 ms < TPOT_LOW) with demand over the limit, two ticks
+    # in a row: grow, by at most CORRECTION_STEP's 1.2 however far under;
     # but not while the steps of right now are over the target.
     calm = replace(slow, running=ctl.knobs.max_num_seqs, recent_tpot=0.04)
     for _ in range(3):
         tick(ctl, replace(calm, step_time=0.12))
-    assert ctl.correction.factor == pytest.approx(0.64)
+    assert ctl.correction.factor == pytest.approx(first * first)
     tick(ctl, calm)
     tick(ctl, calm)
-    assert ctl.correction.factor == pytest.approx(0.768)
+    assert ctl.correction.factor == pytest.approx(first * first * 1.2)
+
+
+@pytest.mark.parametrize("overhead", [1.0, 1.3, 1.8])
+@pytest.mark.parametrize("model_bias", [1.0, 2.0])
+def test_the_limit_settles_where_felt_tokens_meet_the_target(overhead: float,
+                                                             model_bias: float) -> None:
+    """A closed loop: requests feel ``overhead`` x the engine's step (HTTP,
+    detokenizing), the steps measured feed the proven floor. The correction
+    moved the batch count by fixed +-20% on top of that floor, which is the
+    running count itself, so each move compounded (a live limit swung
+    between 11 and 24); on the step time, in proportion to the miss, the
+    limit settles in the band and stays there. ``model_bias``: the cost
+    model prices steps that many times what they take, so the floor binds."""
+    cost = linear_cost(per_token=0.001 * model_bias, fixed=0.01 * model_bias)
+    ctl = controller(cost=cost, controller_mode="balanced", tpot_target=0.1,
+                     transition_steps=1)
+    limits, tpots = [], []
+    for i in range(60):
+        running = ctl.knobs.max_num_seqs  # demand always fills the limit
+        step = 0.01 + 0.001 * running
+        felt = overhead * step
+        tick(ctl, replace(signals(now=float(i), tokens=148.0, running=running, waiting=5),
+                          recent_tpot=felt, step_time=step, step_anchor=(running, step)))
+        limits.append(ctl.knobs.max_num_seqs)
+        tpots.append(felt)
+    settled = limits[-20:]
+    assert max(settled) == min(settled), limits  # no limit cycle
+    # Within the band, or pinned at the cap / range end with tokens within it.
+    assert tpots[-1] <= 0.095 + 1e-9, (limits, tpots)
+    assert tpots[-1] >= 0.08 or limits[-1] == 64, (limits, tpots)
 
 
 def test_tokens_within_the_target_never_cut_the_limit() -> None:

@@ -7,13 +7,14 @@ windows of metrics (``live_window.Signals``) and decides:
   threshold bands plus a streak of ticks, so noisy metrics do not flap it);
 - the batching wait under request-level batching: fill < 40% -> +20%;
   TTFT p95 over target -> -30%; bounded by ``[MIN_WAIT, mode ceiling]``;
-- the latency correction (continuous batching, ``slo_policy.LimitCorrection``):
-  a factor on the feed-forward batch limit from the TPOT requests really
-  got (those finished in the fast window), down after ticks over the
-  TPOT target, up only after calm ticks while demand exceeds the
-  limit; alpha (request-level batching) moves after ticks in a row too;
-- the batch limit: continuous batching ``min(cap, by_memory, by_latency x
-  correction)``; request-level batching ``min(cap, by_memory, by_latency,
+- the latency correction (continuous batching, ``slo_policy.StepCorrection``):
+  a factor on the step time the batch limit is sized to, from the TPOT
+  requests really got (those finished in the fast window), moved in
+  proportion to their distance from the target band: down after ticks over
+  it, up only after calm ticks under it while demand exceeds the limit;
+  alpha (request-level batching) moves after ticks in a row too;
+- the batch limit: continuous batching ``min(cap, by_memory, by_latency)``
+  with by_latency sized to the step target x correction; request-level batching ``min(cap, by_memory, by_latency,
   max(preferred, peak_demand * alpha))``. by_memory = sequences whose KV
   (mean prompt + max_tokens of recent arrivals) fits the pool less
   ``memory_headroom``; by_latency = the largest decode batch whose step,
@@ -55,7 +56,7 @@ from carpool.scheduler.modes import PRESETS, ModePreset, ModeSelector
 from carpool.scheduler.slo_policy import (
     CALM_SHARE,
     LIMIT_STEP_SHARE,
-    LimitCorrection,
+    StepCorrection,
     early_tick_cause,
     latency_limit,
     proven_limit,
@@ -95,7 +96,7 @@ class AdaptiveController:
         self.alpha = ALPHA_START  # request-level batching only
         self._alpha_streak = (0, 0)  # (direction +1 / -1, ticks in a row asking for it)
         self._budget_calm = 0  # ticks in a row with steps well within target (a cut budget)
-        self.correction = LimitCorrection(config.hysteresis_ticks)  # continuous only
+        self.correction = StepCorrection(config.hysteresis_ticks)  # continuous only
         self.decisions: deque[Decision] = deque(maxlen=200)
         self.decision_counts: Counter[tuple[str, str]] = Counter()
         self.ticks = 0
@@ -297,15 +298,15 @@ class AdaptiveController:
             usable = self.num_blocks * (1.0 - self.config.memory_headroom)
             terms["by_memory"] = max(1, int(usable // blocks_each))
         target = self.config.tpot_target
-        step_limit = None if target is None else target * LIMIT_STEP_SHARE
+        factor = 1.0 if self.request_level else self.correction.factor
+        step_limit = None if target is None else target * LIMIT_STEP_SHARE * factor
         if step_limit is not None and self.cost_model.ready:
             ratio = None if self.request_level else s.prefill_ratio
             budget = self.base.max_num_batched_tokens
             feed = latency_limit(self.cost_model, step_limit, cap, ratio, budget)
             if not self.request_level:
                 feed = max(feed, proven_limit(s.step_anchor, step_limit))
-            factor = 1.0 if self.request_level else self.correction.factor
-            terms["by_latency"] = max(1, int(feed * factor))
+            terms["by_latency"] = max(1, feed)
         if self.request_level:
             peak = max(self.demand.values(s.now), default=0.0)
             terms["by_demand"] = max(preset.preferred_batch_size, math.ceil(peak * self.alpha))

@@ -14,18 +14,24 @@ at arrival (``shedding``), so admitted requests keep their targets.
   average (prompt tokens per output token of recent arrivals), up to the
   step's token budget; the limit is the largest ``n`` the online cost model
   puts within the step target with that load.
-- ``LimitCorrection``: the feedback term. The cost model only sees the
+- ``StepCorrection``: the feedback term. The cost model only sees the
   model's compute; detokenizing, streaming and the HTTP server share the
   machine too, so the steps a request feels are longer. The correction
-  multiplies the feed-forward limit: down after ``hold`` ticks in a row with
-  the mean TPOT of the requests that just finished (fast window) over the
-  step target, up after
-  ``hold`` ticks in a row well under it while demand exceeds the limit, and
-  never down again until the previous cut is in effect (running <= limit):
-  a lower limit never preempts, so it takes a while to show, and cutting
-  again meanwhile would overshoot. The streaks and the dead band between
-  the two thresholds keep alternating signals (or one burst of prefills)
-  from moving the knobs back and forth.
+  multiplies the *step time* the limit is sized to (both the cost model's
+  limit and the measured floor of ``proven_limit``), not the batch count:
+  a factor on the count compounded with the floor (the floor is the
+  running count itself, so 0.8 x it cut the limit again every tick and 1.2
+  x it grew it again) and swung a live limit between 11 and 24. A request's
+  TPOT is about proportional to the step time, so the move is
+  proportional too: the factor x (the middle of the band / the TPOT seen),
+  within ``CORRECTION_STEP`` per move; down after ``hold`` ticks in a row
+  with the mean TPOT of the requests that just finished (fast window) over
+  the band, up after ``hold`` ticks in a row under it while demand exceeds
+  the limit, and never down again until the previous cut is in effect
+  (running <= limit): a lower limit never preempts, so it takes a while to
+  show, and cutting again meanwhile would overshoot. The streaks and the
+  band keep alternating signals (or one burst of prefills) from moving the
+  knobs back and forth.
 - ``early_tick_cause``: events that bring the next tick forward.
 
 Pure Python; times come from the caller.
@@ -41,9 +47,11 @@ from carpool.scheduler.cost_model import StepCostModel
 # smaller one in latency mode (light load) bit just as a surge arrived,
 # shedding arrivals while the mode was still switching.
 LIMIT_STEP_SHARE = 0.8
+# The factor on the step time the limit is sized to. Above 1 too: the
+# steady-state estimate spreads prefill over every step, and steps without
+# a chunk are cheaper, so the mean TPOT can sit well under the step it sizes.
 CORRECTION_RANGE = (0.25, 2.0)
-CORRECTION_DOWN = 0.8  # on a tick with steps over the target
-CORRECTION_UP = 1.2  # after ``hold`` calm ticks with demand over the limit
+CORRECTION_STEP = (0.7, 1.2)  # the most one move cuts or grows the factor by
 CALM_SHARE = 0.7  # steps under this share of the step target are "well within"
 # The band the correction keeps the mean TPOT of finished requests in, as
 # shares of the TPOT target: cut above TPOT_HIGH, grow below TPOT_LOW while
@@ -92,8 +100,9 @@ def proven_limit(anchor: tuple[float, float] | None, step_seconds: float) -> int
     return int(anchor[0])
 
 
-class LimitCorrection:
-    """Feedback factor on the batch limit from the step times requests feel."""
+class StepCorrection:
+    """Feedback factor on the step time the batch limit is sized to, from
+    the time per token requests feel."""
 
     def __init__(self, hold: int = 2) -> None:
         self.hold = hold
@@ -125,7 +134,7 @@ class LimitCorrection:
             self._slow += 1
             if self._slow < self.hold:  # a transient (a burst of prefills) is no trend
                 return None
-            new = max(low, self.factor * CORRECTION_DOWN)
+            new = max(low, self.factor * _proportional_move(step_time, step_target))
             cause = (f"steps {step_time * 1000:.0f} ms > {TPOT_HIGH:.0%} of target "
                      f"{step_target * 1000:.0f} ms with {running} running ({self.hold} ticks)")
         elif (step_time < TPOT_LOW * step_target and demand_over_limit
@@ -134,7 +143,7 @@ class LimitCorrection:
             self._calm += 1
             if self._calm < self.hold:
                 return None
-            new = min(high, self.factor * CORRECTION_UP)
+            new = min(high, self.factor * _proportional_move(step_time, step_target))
             cause = (f"steps {step_time * 1000:.0f} ms < {TPOT_LOW:.0%} of "
                      f"{step_target * 1000:.0f} ms while demand exceeds the limit "
                      f"({self.hold} ticks)")
@@ -146,6 +155,15 @@ class LimitCorrection:
             return None
         self.factor = new
         return cause
+
+
+def _proportional_move(step_time: float, step_target: float) -> float:
+    """What brings a TPOT about proportional to the step time to the middle
+    of the band, within ``CORRECTION_STEP``: small moves near the band, so
+    one move does not jump over it (fixed +-20% moves crossed it and back)."""
+    middle = (TPOT_LOW + TPOT_HIGH) / 2 * step_target
+    low, high = CORRECTION_STEP
+    return min(high, max(low, middle / step_time))
 
 
 def early_tick_cause(*, waiting: int, running: int, limit: int, waiting_at_tick: int,
