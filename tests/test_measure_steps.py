@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from carpool.executor.shapes import StepShape
 from carpool.measure.steps import (
     errors_by_region,
     format_errors_by_region,
@@ -15,7 +16,6 @@ from carpool.measure.steps import (
     step_kind,
 )
 from carpool.sim.fitted import FittedCostModel, fit
-from carpool.sim.shapes import StepShape
 
 # Recorded by `carpool fidelity ... --real-runs 1 --steps-out FILE` (the README's
 # Azure conv window, default model, bf16, 2-core AVX-512 AMD EPYC, 2026-12-02).

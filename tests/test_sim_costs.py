@@ -66,8 +66,8 @@ def test_cost_models_import_no_torch():
 
 def test_profile_measures_the_tiny_model_and_writes_a_fit(tiny_model_dir, tmp_path):
     out = tmp_path / "cm.json"
-    result = subprocess.run([sys.executable, "-m", "carpool.cli", "measure", "--quick",
-                             "--repeats", "1", "--model", str(tiny_model_dir),
+    result = subprocess.run([sys.executable, "-m", "carpool.cli", "measure", "--grid",
+                             "smoke", "--repeats", "1", "--model", str(tiny_model_dir),
                              "--attention-backend", "torch", "--out", str(out)],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr

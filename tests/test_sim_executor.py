@@ -8,10 +8,10 @@ from sim_helpers import ConstantCost
 
 from carpool.config import EngineConfig
 from carpool.executor.base import BatchItem, Executor, Padding, batch_items, step_padding
+from carpool.executor.shapes import StepShape
 from carpool.scheduler import Request
 from carpool.sim.executor import SAMPLED_TOKEN, CostModelExecutor, batch_shape
 from carpool.sim.replica import SimReplica, VirtualClock
-from carpool.sim.shapes import StepShape
 from carpool.workload.stats import OK, RequestRecord
 from carpool.workload.traces import TraceRequest
 

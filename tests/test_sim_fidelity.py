@@ -30,7 +30,7 @@ def test_fidelity_on_a_short_window_of_the_azure_trace(real_engine, tmp_path):
     from carpool.measure.costs import measure
 
     engine, config = real_engine
-    profile = measure(engine, config, argparse.Namespace(quick=True, repeats=1,
+    profile = measure(engine, config, argparse.Namespace(grid="smoke", repeats=1,
                                                          measure_seed=0))
     assert not engine.has_unfinished and engine.executor.__class__.__name__ == "TorchExecutor"
     parser = argparse.ArgumentParser()
@@ -48,7 +48,7 @@ def test_fidelity_on_a_short_window_of_the_azure_trace(real_engine, tmp_path):
     assert result.simulated["simulation"]["cost_model_kind"] == "measured"
     for doc in (result.real, result.simulated):  # compare's legend reads the scales
         assert doc["config"]["workload"]["token_scale"] == 0.03
-    # A quick grid and ten requests on a shared machine: a loose bound that
+    # A smoke grid and ten requests on a shared machine: a loose bound that
     # still fails if the simulator's timing were off by a step or more.
     by_name = {row.name: row for row in result.rows}
     for name in ("TTFT p50", "TPOT p50", "E2E p50"):

@@ -44,6 +44,7 @@ class _Add:
     deadline: float | None
     max_wait: float | None = None
     cache_salt: str | None = None
+    arrival_time: float | None = None  # engine clock, when the caller handed it over
 
 
 class RequestStream:
@@ -158,8 +159,11 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise ValueError(f"duplicate request id {request_id!r}")
             self._streams[request_id] = stream
+            # Stamped now, not when the engine thread takes it between two
+            # steps: the wait for the step in flight is part of its TTFT, so
+            # admission must predict it and the learned margin must see it.
             self._adds.append(_Add(request_id, prompt, params, priority, session_id, deadline,
-                                   max_wait, cache_salt))
+                                   max_wait, cache_salt, self.engine.clock()))
             self._wake.notify()
         try:
             accepted = await stream.queue.get()  # None, or why it was refused
@@ -233,7 +237,8 @@ class AsyncEngine:
                 self.engine.add_request(add.prompt, add.params, request_id=add.request_id,
                                         priority=add.priority, session_id=add.session_id,
                                         deadline=add.deadline, max_wait=add.max_wait,
-                                        cache_salt=add.cache_salt)
+                                        cache_salt=add.cache_salt,
+                                        arrival_time=add.arrival_time)
             except (ValueError, RejectedError) as exc:
                 self._send(add.request_id, exc, final=True)
             else:

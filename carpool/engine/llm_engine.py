@@ -21,7 +21,9 @@ from carpool.config import EngineConfig
 from carpool.engine.detokenizer import IncrementalDetokenizer
 from carpool.engine.outputs import RequestOutput, TokenLogprob
 from carpool.engine.stats import LONG_PROMPT_TOKENS, EngineCounters, EngineStats
+from carpool.engine.step_log import StepLog
 from carpool.executor.base import Executor, batch_items, step_padding
+from carpool.executor.shapes import StepShape
 from carpool.model.sampler import SampleResult, SamplingRow
 from carpool.sampling_params import SamplingParams
 from carpool.scheduler import Request, RequestStatus, Scheduler
@@ -115,6 +117,7 @@ class LLMEngine:
         # The step's rules, shared with the simulator (carpool.scheduler.core).
         self.core = EngineCore(self.scheduler, max_model_len)
         self.counters = EngineCounters()
+        self.step_log = StepLog()  # recent steps' shapes and wall times (GET /carpool/steps)
         self._seeds = random.Random(config.model.seed)
         self._eos_ids = set(model_config.eos_token_ids) | set(tokenizer.eos_token_ids)
         self._next_id = 0
@@ -241,6 +244,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; return outputs of requests that progressed."""
+        begun = time.perf_counter()
         if self._schedule is not None:
             self._follow_schedule()
         schedule, expired = self.core.begin()
@@ -262,8 +266,11 @@ class LLMEngine:
         self.counters.slot_tokens += schedule.num_slots  # padding included
         self.counters.busy_seconds += elapsed
         done = set(map(id, finished))
-        return rejected + [self._finish_output(r, _FINISH_REASONS[r.status]) if id(r) in done
-                           else self._output(r, finished=False) for r in progressed]
+        outputs = rejected + [self._finish_output(r, _FINISH_REASONS[r.status]) if id(r) in done
+                              else self._output(r, finished=False) for r in progressed]
+        if padding is None:  # a padded step costs its rectangle, not its ragged shape
+            self.step_log.record(StepShape.of(items), time.perf_counter() - begun, begun)
+        return outputs
 
     def stats(self) -> EngineStats:
         """A snapshot for metrics; call it from the thread that steps the engine."""

@@ -12,6 +12,7 @@ cache hit shortens a step.
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import random
 import statistics
@@ -21,6 +22,7 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 
 from carpool.config import EngineConfig
+from carpool.engine.step_log import kv_bytes_per_token
 from carpool.machine import available_cpus, machine_identity
 from carpool.sim.costs import StepShape, save_cost_model
 from carpool.sim.fitted import FittedCostModel, fit
@@ -40,10 +42,22 @@ class Scenario:
     late_prompt: int = 0
 
 
-def grid(quick: bool, max_batch_tokens: int, max_seqs: int) -> list[Scenario]:
-    """Prefill chunks, decode batches x contexts, mixed steps (within the engine's limits)."""
-    if quick:
+GRIDS = ("smoke", "quick", "full")
+
+
+def grid(size: str, max_batch_tokens: int, max_seqs: int) -> list[Scenario]:
+    """Prefill chunks, decode batches x contexts, mixed steps (within the
+    engine's limits). ``full`` (~5 min for the default model on a 2-core
+    CPU); ``quick`` (~1 min) keeps every kind and the corners of the
+    full grid's batch x context range, so the fit is not extrapolated
+    where real traffic goes; ``smoke`` (seconds: tests; a poor fit)."""
+    if size not in GRIDS:
+        raise ValueError(f"grid must be one of {', '.join(GRIDS)}, got {size!r}")
+    if size == "smoke":
         prefills, batches, contexts, mixed = [8, 32], [1, 4], [16, 48], [(4, 32, 24)]
+    elif size == "quick":
+        prefills, batches, contexts = [64, 256, 512], [1, 8, 32], [64, 512]
+        mixed = [(8, 256, 128), (32, 32, 256)]
     else:
         prefills = [16, 64, 256, 512, 1024]
         batches, contexts = [1, 4, 16, 64], [64, 256, 1024]
@@ -107,15 +121,27 @@ def _all_decoding(scheduler) -> bool:
 
 def add_measure_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="cost-model.json", help="where to write the fit")
-    parser.add_argument("--quick", action="store_true",
-                        help="a small grid (seconds, for a smoke test; a poor fit)")
+    parser.add_argument("--grid", choices=GRIDS, default="full",
+                        help="full (~5 min for the default model on 2 cores), quick "
+                             "(~1 min, every step kind) or smoke (seconds, a poor fit)")
+    parser.add_argument("--quick", dest="grid", action="store_const", const="quick",
+                        help="the same as --grid quick")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each grid point")
     parser.add_argument("--measure-seed", type=int, default=0)
+    parser.add_argument("--from", dest="from_url", metavar="URL",
+                        help="fit on the steps a live carpool server ran (its GET "
+                             "/carpool/steps; an operator key) instead of running a grid")
+    parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                        help="with --from: the server's key (default $OPENAI_API_KEY)")
+    parser.add_argument("--steps-limit", type=int, default=None, metavar="N",
+                        help="with --from: only the server's last N steps")
 
 
 def run_measure(config: EngineConfig, args: argparse.Namespace) -> int:
     from carpool.engine.llm_engine import LLMEngine
 
+    if getattr(args, "from_url", None):
+        return _measure_from_server(args)
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     config.scheduler.batching = "continuous"
@@ -126,8 +152,20 @@ def run_measure(config: EngineConfig, args: argparse.Namespace) -> int:
     return 0
 
 
+def _measure_from_server(args: argparse.Namespace) -> int:
+    from carpool.measure.live import fetch_steps, fit_live, format_live_fit
+
+    document = fetch_steps(args.from_url, args.api_key, args.steps_limit)
+    model, notes = fit_live(document, args.from_url)
+    save_cost_model(model, args.out)
+    print(format_cost_model(model))
+    print(format_live_fit(model, notes))
+    print(f"wrote {args.out}")
+    return 0
+
+
 def measure(engine, config: EngineConfig, args: argparse.Namespace) -> FittedCostModel:
-    """Run the grid (``args.quick``, ``args.repeats``, ``args.measure_seed``)
+    """Run the grid (``args.grid``, ``args.repeats``, ``args.measure_seed``)
     on a loaded continuous-batching engine and fit; the engine is left as it
     was (drained, its executor unwrapped)."""
     from tqdm import tqdm
@@ -139,7 +177,7 @@ def measure(engine, config: EngineConfig, args: argparse.Namespace) -> FittedCos
         special = set(engine.tokenizer.all_special_ids)
         vocab = [t for t in range(engine.model_config.vocab_size) if t not in special]
         kv_tokens = engine.scheduler.kv.stats().num_blocks * config.cache.block_size
-        scenarios = [s for s in grid(args.quick, config.scheduler.max_num_batched_tokens,
+        scenarios = [s for s in grid(args.grid, config.scheduler.max_num_batched_tokens,
                                      config.scheduler.max_num_seqs)
                      if s.count * (s.prompt_len + s.output_len) <= kv_tokens]  # no preemption
         run_scenario(engine, recorder, Scenario("warm-up", 2, 16, 4), rng, vocab)
@@ -196,19 +234,11 @@ def _meta(engine, config: EngineConfig, args: argparse.Namespace) -> dict:
         "machine": machine_identity(str(getattr(engine.executor, "device", "cpu"))),
         "model": config.model.model or "default (SmolLM2-135M-Instruct)",
         "dtype": str(engine.executor.dtype).replace("torch.", ""),
-        "kv_bytes_per_token": _kv_bytes_per_token(engine),
+        "kv_bytes_per_token": kv_bytes_per_token(engine),
         "max_model_len": engine.max_model_len,
         "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
         "max_num_seqs": config.scheduler.max_num_seqs,
-        "grid": "quick" if args.quick else "full", "repeats": args.repeats}
-
-
-def _kv_bytes_per_token(engine) -> int:
-    """K and V of every layer for one token, in the engine's dtype (what
-    the simulator sizes a pool from ``--kv-cache-memory`` with)."""
-    config = engine.model_config
-    return (2 * config.num_layers * config.num_kv_heads * config.head_dim
-            * engine.executor.dtype.itemsize)
+        "grid": args.grid, "repeats": args.repeats}
 
 
 def format_cost_model(model: FittedCostModel) -> str:

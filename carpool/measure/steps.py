@@ -15,7 +15,7 @@ import json
 import statistics
 from pathlib import Path
 
-from carpool.sim.shapes import StepShape
+from carpool.executor.shapes import StepShape
 
 # Batch regions (sequences in the step) the error is reported by.
 SEQ_REGIONS = ((1, 1), (2, 4), (5, 16), (17, 64), (65, None))

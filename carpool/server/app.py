@@ -12,8 +12,9 @@ from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 
 import carpool
+from carpool.engine.step_log import STEP_LOG_CAPACITY, steps_document
 from carpool.server.auth import ANONYMOUS, KeyRing
-from carpool.server.errors import APIError
+from carpool.server.errors import APIError, bad_request
 from carpool.server.middleware import GuardMiddleware
 from carpool.server.openapi import install_openapi, json_body
 from carpool.server.prepare import check_chars, encode_text, invalid_body
@@ -166,6 +167,19 @@ def _add_info_routes(app: FastAPI, serving: OpenAIServing) -> None:
     async def metrics() -> Response:
         return Response(generate_latest(ctx.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/carpool/steps", openapi_extra={"parameters": [{
+        "name": "limit", "in": "query", "required": False,
+        "schema": {"type": "integer", "minimum": 1, "maximum": STEP_LOG_CAPACITY},
+        "description": "the most recent steps to return (default: all kept)"}]})
+    async def steps(request: Request) -> JSONResponse:
+        """The engine's recent steps (shape, wall seconds, start), for
+        ``carpool measure --from``; operators only: they show everyone's load."""
+        if not _principal(request).operator:
+            raise APIError(403, "the step log is for operator keys (operator: true in the "
+                                "keys file)", code="forbidden")
+        limit = _step_limit(request.query_params.get("limit"))
+        return JSONResponse(await ctx.prep.run(steps_document, ctx.engine.engine, limit))
+
     @app.get("/carpool/policy")
     async def policy() -> JSONResponse:
         stats, rates = ctx.metrics.snapshot()
@@ -191,6 +205,14 @@ def health_problem(ctx: ServerContext) -> str | None:
     if stalled > ctx.config.stall_timeout:
         return f"the engine made no progress for {stalled:.0f} s"
     return None
+
+
+def _step_limit(text: str | None) -> int:
+    if text is None:
+        return STEP_LOG_CAPACITY
+    if not text.isdigit() or not 1 <= int(text) <= STEP_LOG_CAPACITY:
+        raise bad_request(f"limit must be an integer from 1 to {STEP_LOG_CAPACITY}", "limit")
+    return int(text)
 
 
 def _finite(values: dict[str, float]) -> dict[str, float | None]:

@@ -11,6 +11,7 @@ The keys file (``--api-keys FILE``, YAML or JSON)::
       - key: sk-ops-...          # or key_env: NAME, read from the environment
         tenant: ops
         max_priority: high       # high | normal | low (default normal)
+        operator: true           # may read the server's step log (GET /carpool/steps)
       - key: sk-team-a-...
         tenant: team-a
         share_prefix_cache: true # reuse cached prefixes with other sharing tenants
@@ -38,6 +39,9 @@ class Principal:
     tenant: str
     max_priority: int = PRIORITY_CLASSES["normal"]  # the best class it may claim
     share_prefix_cache: bool = False
+    # May read what spans tenants: the step log's shapes and timings of
+    # everyone's requests (GET /carpool/steps).
+    operator: bool = False
 
     def clamp_priority(self, requested: int) -> int:
         """``requested`` moved into [this key's best class, low]."""
@@ -45,8 +49,9 @@ class Principal:
 
 
 # A server without keys, or with the one ``--api-key``: every caller is the
-# same tenant, and nobody may claim more than normal priority.
-ANONYMOUS = Principal("default")
+# same tenant (so the operator too), and nobody may claim more than normal
+# priority.
+ANONYMOUS = Principal("default", operator=True)
 
 
 class KeyRing:
@@ -96,7 +101,8 @@ def read_keys_file(path: str | Path) -> dict[str, Principal]:
         where = f"{path}: keys[{index}]"
         if not isinstance(entry, dict):
             raise ValueError(f"{where}: expected a mapping")
-        unknown = set(entry) - {"key", "key_env", "tenant", "max_priority", "share_prefix_cache"}
+        unknown = set(entry) - {"key", "key_env", "tenant", "max_priority", "share_prefix_cache",
+                                "operator"}
         if unknown:
             raise ValueError(f"{where}: unknown fields {sorted(unknown)}")
         key = _entry_key(entry, where)
@@ -108,8 +114,11 @@ def read_keys_file(path: str | Path) -> dict[str, Principal]:
             raise ValueError(f"{where}: max_priority must be one of {sorted(PRIORITY_CLASSES)}")
         if key in keys:
             raise ValueError(f"{where}: the same key appears twice")
-        keys[key] = Principal(tenant, PRIORITY_CLASSES[level],
-                              bool(entry.get("share_prefix_cache", False)))
+        flags = {name: entry.get(name, False) for name in ("share_prefix_cache", "operator")}
+        wrong = [name for name, value in flags.items() if not isinstance(value, bool)]
+        if wrong:
+            raise ValueError(f"{where}: {', '.join(wrong)} must be true or false")
+        keys[key] = Principal(tenant, PRIORITY_CLASSES[level], **flags)
     return keys
 
 

@@ -33,7 +33,7 @@ import types
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from carpool.sim.shapes import StepShape
+from carpool.executor.shapes import StepShape
 
 if TYPE_CHECKING:
     from carpool.model.config import ModelConfig

@@ -14,10 +14,10 @@ import json
 from pathlib import Path
 from typing import Protocol
 
+from carpool.executor.shapes import StepShape
 from carpool.machine import identity_mismatch
 from carpool.sim.analytic import AnalyticCostModel
 from carpool.sim.fitted import FittedCostModel
-from carpool.sim.shapes import StepShape
 
 COST_MODEL_KIND = "carpool-cost-model"
 COST_MODEL_VERSION = 1

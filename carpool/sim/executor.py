@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from carpool.executor.base import BatchItem, Executor, Padding
+from carpool.executor.shapes import StepShape
 from carpool.sim.costs import CostModel
-from carpool.sim.shapes import StepShape
 
 SAMPLED_TOKEN = 0  # what every simulated step samples
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from carpool.sim.shapes import StepShape
+from carpool.executor.shapes import StepShape
 
 FEATURES = ("step", "tokens", "seqs", "context_tokens", "attention_pairs")
 FORM = ("seconds = c0 + c1*tokens + c2*seqs + c3*context_tokens + c4*attention_pairs "

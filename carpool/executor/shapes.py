@@ -1,7 +1,10 @@
 """What one step computes, as the simulator's cost models price it.
 
-Its own module so the cost models (``analytic``, ``fitted``) and the
-loader that picks one (``costs``) import it without importing each other.
+Beside the executor interface, since both sides of it use the shape: the
+live engine logs the shape and wall time of every step it runs
+(``carpool.engine.step_log``), and the simulator's cost models (``analytic``,
+``fitted``) price it; its own module, so they import it without importing
+each other. Pure Python.
 """
 from __future__ import annotations
 
@@ -39,9 +42,13 @@ class StepShape:
         ``num_tokens``: the scheduler's spans, the executor's batch items). A
         one-token span counts as a decode: a one-token prompt chunk costs
         the same."""
-        decodes = sum(1 for span in spans if span.num_tokens == 1)
-        total = sum(span.num_tokens for span in spans)
-        return cls(prefill_tokens=total - decodes, decode_seqs=decodes,
-                   context_tokens=sum(span.start + span.num_tokens for span in spans),
-                   seqs=len(spans), attention_pairs=sum(
-                       span.num_tokens * (span.start + span.num_tokens) for span in spans))
+        decodes = total = context = pairs = 0
+        for span in spans:  # one pass: the live engine shapes every step it runs
+            tokens = span.num_tokens
+            after = span.start + tokens
+            decodes += tokens == 1
+            total += tokens
+            context += after
+            pairs += tokens * after
+        return cls(prefill_tokens=total - decodes, decode_seqs=decodes, context_tokens=context,
+                   seqs=len(spans), attention_pairs=pairs)

@@ -1,0 +1,88 @@
+"""The live engine's recent steps: what each computed and how long it took.
+
+Every step ``LLMEngine.step`` runs on a ragged batch is logged here: its
+``StepShape`` (what the simulator's cost models price), its whole wall time
+(scheduling, the model and detokenizing, as ``carpool measure`` times a
+step) and when it began. A bounded ring, so a long-running server holds
+the last ``capacity`` steps and no more. ``GET /carpool/steps`` serves it
+and ``carpool measure --from URL`` fits the simulator's cost model on it:
+the shapes real traffic produces, timed on the machine serving it, right
+now (a profile measured an hour earlier had drifted by 25-70%).
+
+Written by the engine thread, read by the HTTP server's: a lock keeps a
+read from seeing the ring mid-append.
+"""
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import asdict, dataclass
+
+from carpool.executor.shapes import StepShape
+
+STEP_LOG_CAPACITY = 8192  # steps kept (~1 MB as JSON; minutes of a busy server)
+
+
+@dataclass(frozen=True)
+class LoggedStep:
+    """One step: its shape, its wall seconds, and its start on the engine's
+    clock (monotonic seconds; only differences mean anything)."""
+
+    shape: StepShape
+    seconds: float
+    started: float
+
+    def as_dict(self) -> dict:
+        return {**asdict(self.shape), "seconds": self.seconds, "started": self.started}
+
+
+class StepLog:
+    """A thread-safe ring of the last ``capacity`` steps, and a count of all."""
+
+    def __init__(self, capacity: int = STEP_LOG_CAPACITY) -> None:
+        if capacity < 1:
+            raise ValueError(f"step log capacity must be >= 1, got {capacity}")
+        self._steps: deque[LoggedStep] = deque(maxlen=capacity)
+        self._lock = threading.Lock()
+        self.total = 0  # steps ever logged (those beyond the ring were dropped)
+
+    def record(self, shape: StepShape, seconds: float, started: float) -> None:
+        with self._lock:
+            self._steps.append(LoggedStep(shape, seconds, started))
+            self.total += 1
+
+    def snapshot(self, limit: int | None = None) -> tuple[list[LoggedStep], int]:
+        """(the last ``limit`` logged steps, oldest first; steps ever logged)."""
+        with self._lock:
+            steps = list(self._steps)
+            total = self.total
+        if limit is not None:
+            steps = steps[-limit:] if limit > 0 else []
+        return steps, total
+
+
+def kv_bytes_per_token(engine) -> int:
+    """K and V of every layer for one token, in the engine's dtype (what
+    the simulator sizes a pool from ``--kv-cache-memory`` with)."""
+    config = engine.model_config
+    return (2 * config.num_layers * config.num_kv_heads * config.head_dim
+            * engine.executor.dtype.itemsize)
+
+
+def steps_document(engine, limit: int | None = None) -> dict:
+    """What ``GET /carpool/steps`` answers: the engine's last ``limit``
+    logged steps and what a cost model fitted on them must record (the
+    machine, model, dtype, KV bytes and limits ``carpool measure`` records)."""
+    from carpool.machine import machine_identity
+
+    steps, total = engine.step_log.snapshot(limit)
+    device = str(getattr(engine.executor, "device", "cpu"))
+    scheduler = engine.config.scheduler
+    return {"machine": machine_identity(device),
+            "model": engine.config.model.model or "default (SmolLM2-135M-Instruct)",
+            "dtype": str(engine.executor.dtype).replace("torch.", ""),
+            "kv_bytes_per_token": kv_bytes_per_token(engine),
+            "max_model_len": engine.max_model_len,
+            "max_num_batched_tokens": scheduler.max_num_batched_tokens,
+            "max_num_seqs": scheduler.max_num_seqs, "batching": scheduler.batching,
+            "total_steps": total, "steps": [step.as_dict() for step in steps]}
