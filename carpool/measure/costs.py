@@ -23,6 +23,7 @@ from datetime import datetime, timezone
 
 from carpool.config import EngineConfig
 from carpool.engine.step_log import kv_bytes_per_token
+from carpool.measure.steps import save_steps
 from carpool.machine import available_cpus, machine_identity
 from carpool.sim.costs import StepShape, save_cost_model
 from carpool.sim.fitted import FittedCostModel, fit
@@ -128,6 +129,9 @@ def add_measure_args(parser: argparse.ArgumentParser) -> None:
                         help="the same as --grid quick")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each grid point")
     parser.add_argument("--measure-seed", type=int, default=0)
+    parser.add_argument("--steps-out", metavar="FILE",
+                        help="also write the measured steps (shape and seconds, gzipped "
+                             "JSON lines), for judging a fit offline")
     parser.add_argument("--from", dest="from_url", metavar="URL",
                         help="fit on the steps a live carpool server ran (its GET "
                              "/carpool/steps; an operator key) instead of running a grid")
@@ -192,6 +196,8 @@ def measure(engine, config: EngineConfig, args: argparse.Namespace) -> FittedCos
         points = list(zip(scenarios, measured))
     finally:
         engine.executor = recorder._inner
+    if getattr(args, "steps_out", None):
+        save_steps(samples, args.steps_out)
     model = fit(samples, _meta(engine, config, args))
     rows = (_point_row(s, m, model) for s, m in points)
     model.meta["points"] = [row for row in rows if row is not None]
