@@ -23,9 +23,10 @@ from datetime import datetime, timezone
 
 from carpool.config import EngineConfig
 from carpool.engine.step_log import kv_bytes_per_token
-from carpool.measure.steps import save_steps
+from carpool.executor.shapes import StepShape
 from carpool.machine import available_cpus, machine_identity
-from carpool.sim.costs import StepShape, save_cost_model
+from carpool.measure.steps import save_steps
+from carpool.sim.costs import save_cost_model
 from carpool.sim.fitted import FittedCostModel, fit
 
 
