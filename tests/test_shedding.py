@@ -108,8 +108,7 @@ def _try(scheduler: Scheduler, name: str, priority: int = 0, prompt: int = 4):
 @pytest.mark.parametrize("remaining, admitted", [(50, {"high", "normal"}), (65, {"high"}),
                                                  (80, set())])
 def test_lower_classes_are_shed_first_as_the_predicted_wait_grows(remaining, admitted):
-    # The first slot frees after `remaining` decode steps of 14 ms (0.70 / 0.91 / 1.12 s),
-    # plus the step in flight when it came (14 ms).
+    # The first slot frees after `remaining` decode steps of 14 ms (0.70 / 0.91 / 1.12 s).
     seen = set()
     for name, priority in [("low", 1), ("normal", 0), ("high", -1)]:
         scheduler = _adaptive(remaining)
@@ -124,7 +123,7 @@ def test_lower_classes_are_shed_first_as_the_predicted_wait_grows(remaining, adm
 def test_a_request_waiting_for_a_slot_still_needs_its_prefill_after_it():
     """The first slot frees after 50 decode steps of 14 ms (0.70 s); a
     60-token prompt then takes a step of 0.01 + 0.001 x (60 + 3 decodes) s
-    (73 ms) to its first token: 0.70 + 0.014 in flight + 0.073 = 0.787 s.
+    (73 ms) to its first token: 0.70 + 0.073 = 0.773 s.
     Before, the prediction was the larger of the two, 0.714 s, a prefill step
     early whenever a request waited for a slot."""
     scheduler = _adaptive(50)
@@ -136,14 +135,25 @@ def test_a_request_waiting_for_a_slot_still_needs_its_prefill_after_it():
     scheduler.admission.ttft_target = 0.77 / 0.85  # the normal class may use 0.77 s
     error = _try(scheduler, "late", prompt=60)
     assert error is not None and error.reason == "predicted_ttft_miss"
-    assert _try(scheduler, "short", prompt=4) is None  # 0.70 + 0.014 + 0.017 = 0.73 s
+    assert _try(scheduler, "short", prompt=4) is None  # 0.70 + 0.017 = 0.72 s
+
+
+def test_the_servers_time_to_hand_a_first_token_over_counts_against_the_target():
+    """The TTFT target is what the client sees: a server that takes 0.1 s to
+    hand first tokens over (``AsyncEngine.delivery``) has 0.1 s less."""
+    for lag, admitted in ((0.0, True), (0.1, False)):
+        scheduler = _adaptive(50)  # the first slot frees after 0.70 s; 0.72 s to a token
+        scheduler.admission.ttft_target = 0.80 / 0.85  # the normal class may use 0.80 s
+        scheduler.admission.delivery_lag = lag
+        error = _try(scheduler, "a")
+        assert (error is None) == admitted, (lag, error)
 
 
 def test_retry_after_is_the_time_over_the_allowance_not_the_whole_wait():
     scheduler = _adaptive(250)  # the first slot frees in 250 x 14 ms = 3.5 s
     error = _try(scheduler, "late")
     assert error.reason == "predicted_ttft_miss"
-    # 3.5 s + 14 ms in flight - 0.85 s allowed = 2.66 s -> 3 s; the whole wait says 4 s.
+    # 3.5 s + 17 ms prefill - 0.85 s allowed = 2.67 s -> 3 s; the whole wait says 4 s.
     assert error.retry_after == 3.0
     assert "0.85 s its priority class is allowed" in str(error)
 

@@ -248,3 +248,35 @@ def test_a_request_is_stamped_when_it_arrives_not_when_the_step_in_flight_ends(
     finally:
         streamer.shutdown()
     assert arrival - sent < 0.1, (sent, arrival)
+
+
+def test_delivery_lag_is_the_90th_percentile_of_recent_first_tokens() -> None:
+    from carpool.engine.async_engine import DeliveryLag
+
+    lag = DeliveryLag(window=10)
+    assert lag.seconds == 0.0
+    for value in [0.01] * 8 + [0.5, -1.0]:  # a negative (clock noise) counts as 0
+        lag.observe(value)
+    assert lag.seconds == pytest.approx(0.01)
+    for value in [0.2] * 10:
+        lag.observe(value)
+    assert lag.seconds == pytest.approx(0.2)  # only the last ten count
+
+
+def test_a_server_stamps_a_request_when_it_received_it(engine) -> None:
+    """``received_at`` (before the HTTP server parsed and tokenized it)
+    moves the arrival back: that time is in the client's TTFT too."""
+    import asyncio
+    import time
+
+    from carpool.sampling_params import SamplingParams
+
+    async def run() -> tuple[float, float]:
+        received = time.monotonic() - 0.5
+        stream = await engine.add_request("hi", SamplingParams(max_tokens=1),
+                                          received_at=received)
+        outputs = [out async for out in stream]
+        return engine.engine.clock() - 0.5, outputs[-1].arrival_time
+
+    expected, arrival = asyncio.run(run())
+    assert arrival == pytest.approx(expected, abs=0.1)

@@ -47,6 +47,24 @@ class _Add:
     arrival_time: float | None = None  # engine clock, when the caller handed it over
 
 
+class DeliveryLag:
+    """How long first tokens wait, once the engine made them, until the event
+    loop takes them (the GIL, the loop's other work): part of the TTFT a
+    client sees that the engine's own TTFT misses, so admission adds it
+    (``AdmissionControl.delivery_lag``). ``seconds`` is the 90th percentile
+    of the last ``window`` first tokens; written by the loop thread, read as
+    one float by the engine thread."""
+
+    def __init__(self, window: int = 64) -> None:
+        self._lags: deque[float] = deque(maxlen=window)
+        self.seconds = 0.0
+
+    def observe(self, lag: float) -> None:
+        self._lags.append(max(0.0, lag))
+        ordered = sorted(self._lags)
+        self.seconds = ordered[int(0.9 * (len(ordered) - 1))]
+
+
 class RequestStream:
     """The outputs of one queued request, as an async iterator.
 
@@ -61,6 +79,7 @@ class RequestStream:
         self.request_id = request_id
         self._stream = stream
         self._done = False
+        self._first_seen = False
 
     def __aiter__(self) -> "RequestStream":
         return self
@@ -76,6 +95,9 @@ class RequestStream:
         if isinstance(item, BaseException):
             self._done = True  # the engine dropped the request (failure or shutdown)
             raise item
+        if not self._first_seen and item.token_ids and item.first_token_time is not None:
+            self._first_seen = True
+            self.engine.delivery.observe(self.engine.engine.clock() - item.first_token_time)
         if item.finished:
             self._done = True
         return item
@@ -123,6 +145,7 @@ class AsyncEngine:
         self._stopping = False
         self.error: BaseException | None = None
         self.stats: EngineStats = engine.stats()
+        self.delivery = DeliveryLag()
         self.last_progress = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="carpool-engine", daemon=True)
         self._thread.start()
@@ -140,13 +163,15 @@ class AsyncEngine:
                           request_id: str | None = None, priority: int = 0,
                           session_id: str | None = None, deadline: float | None = None,
                           max_wait: float | None = None, cache_salt: str | None = None,
-                          ) -> RequestStream:
+                          received_at: float | None = None) -> RequestStream:
         """Validate and queue; raises ``ValueError`` at once for bad input and
         ``RejectedError`` when admission control turns the request away.
 
         Cancelled while waiting for the engine to accept it (the engine
         thread may be in the middle of a long step), the request is aborted:
         once queued, a request ends only by finishing or by an abort.
+        ``received_at`` (``time.monotonic()``) is when the caller got it (an
+        HTTP server: before parsing and tokenizing); its arrival is then.
         """
         if self.error is not None:
             raise EngineDeadError(f"engine loop failed: {self.error!r}")
@@ -159,11 +184,15 @@ class AsyncEngine:
             if request_id in self._streams:
                 raise ValueError(f"duplicate request id {request_id!r}")
             self._streams[request_id] = stream
-            # Stamped now, not when the engine thread takes it between two
-            # steps: the wait for the step in flight is part of its TTFT, so
-            # admission must predict it and the learned margin must see it.
+            # Stamped when it came, not when the engine thread takes it between
+            # two steps: the wait for the step in flight (and the server's
+            # parsing and tokenizing) is part of its TTFT, so admission must
+            # predict it and the learned margin must see it.
+            arrival = self.engine.clock()
+            if received_at is not None:
+                arrival -= max(0.0, time.monotonic() - received_at)
             self._adds.append(_Add(request_id, prompt, params, priority, session_id, deadline,
-                                   max_wait, cache_salt, self.engine.clock()))
+                                   max_wait, cache_salt, arrival))
             self._wake.notify()
         try:
             accepted = await stream.queue.get()  # None, or why it was refused
@@ -208,6 +237,7 @@ class AsyncEngine:
                         break
                     adds, self._adds = self._adds, []
                     aborts = [self._aborts.popleft() for _ in range(len(self._aborts))]
+                self.engine.scheduler.admission.delivery_lag = self.delivery.seconds
                 self._admit(adds)
                 for request_id in aborts:
                     output = self.engine.abort_request(request_id)

@@ -42,7 +42,8 @@ def _predictions(scheduler) -> dict:
     coef = admission.cost_model.coefficients
     cost = None if coef is None else dict(zip(("fixed_s", "per_token_s", "per_seq_s"), coef))
     return {"step_cost": cost,
-            "ttft_error_factor": admission.prediction_error.factor(scheduler.clock())}
+            "ttft_error_factor": admission.prediction_error.factor(scheduler.clock()),
+            "first_token_delivery_s": admission.delivery_lag}
 
 
 def _knobs(scheduler: Scheduler) -> dict[str, float]:

@@ -202,6 +202,10 @@ class AdmissionControl:
         # their first token is predicted later than their share of this.
         self.ttft_target = ttft_target
         self.prediction_error = PredictionError(max_age=MARGIN_MAX_AGE)
+        # Seconds a server takes to hand a first token to its client after the
+        # engine made it (set by ``AsyncEngine``; 0 for the offline engine and
+        # the simulator): the TTFT target is what the client sees.
+        self.delivery_lag = 0.0
         self.departures = DepartureRate()
         self.cost_model = StepCostModel()
         self.busy = BusyWindow()
@@ -267,6 +271,7 @@ class AdmissionControl:
         # learns. (Once it was stamped at the step boundary and a whole mean
         # step was added for that wait: half a step too much on average,
         # which shed 8-11% of a calm phase the plain server kept in its SLO.)
+        delay += self.delivery_lag
         budget = self.knobs.max_num_batched_tokens
         alone = predict_first_token_delay(self.cost_model, 0, request.num_prompt_tokens, 0,
                                           budget)

@@ -104,15 +104,17 @@ def _add_generation_routes(app: FastAPI, serving: OpenAIServing) -> None:
 
     @app.post("/v1/completions", openapi_extra=json_body(CompletionRequest))
     async def completions(request: Request) -> Response:
+        received = time.monotonic()  # before parsing: the client's TTFT starts here
         body = await prep.parse(CompletionRequest, await request.body())
-        return await _until_disconnect(
-            request, serving.completions(body, request.headers, _principal(request)))
+        return await _until_disconnect(request, serving.completions(
+            body, request.headers, _principal(request), received))
 
     @app.post("/v1/chat/completions", openapi_extra=json_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
+        received = time.monotonic()
         body = await prep.parse(ChatCompletionRequest, await request.body())
-        return await _until_disconnect(
-            request, serving.chat(body, request.headers, _principal(request)))
+        return await _until_disconnect(request, serving.chat(
+            body, request.headers, _principal(request), received))
 
 
 def _add_info_routes(app: FastAPI, serving: OpenAIServing) -> None:

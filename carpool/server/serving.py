@@ -173,24 +173,27 @@ class OpenAIServing:
     # -- endpoints -------------------------------------------------------------------
 
     async def completions(self, body: CompletionRequest, headers: Mapping[str, str],
-                          principal: Principal = ANONYMOUS):
+                          principal: Principal = ANONYMOUS, received_at: float | None = None):
+        """``received_at``: ``time.monotonic()`` when the request came in."""
+        received_at = time.monotonic() if received_at is None else received_at
         call = await self.ctx.prep.run(self.prepare_completion, body)
-        return await self._generate(body, headers, principal, call)
+        return await self._generate(body, headers, principal, call, received_at)
 
     async def chat(self, body: ChatCompletionRequest, headers: Mapping[str, str],
-                   principal: Principal = ANONYMOUS):
+                   principal: Principal = ANONYMOUS, received_at: float | None = None):
+        received_at = time.monotonic() if received_at is None else received_at
         call = await self.ctx.prep.run(self.prepare_chat, body)
-        return await self._generate(body, headers, principal, call)
+        return await self._generate(body, headers, principal, call, received_at)
 
     # -- shared pipeline -----------------------------------------------------------------
 
     async def _generate(self, body: _SamplingFields, headers: Mapping[str, str],
-                        principal: Principal, call: _Call):
+                        principal: Principal, call: _Call, received_at: float):
         if self.ctx.draining:
             raise APIError(503, "the server is shutting down", code="draining")
-        received_at = time.monotonic()
         ext = extensions(body, headers, principal)
-        streams = await self._start(call.prompts, call.params, body.n, ext, call.builder.id)
+        streams = await self._start(call.prompts, call.params, body.n, ext, call.builder.id,
+                                    received_at)
         trackers = [RequestTracker(self.ctx.metrics, received_at) for _ in streams]
         merged = _merge(streams, trackers)
         builder = call.builder
@@ -209,7 +212,8 @@ class OpenAIServing:
         return JSONResponse(await _collect(first, merged, builder, len(streams), body.n))
 
     async def _start(self, prompts: list[list[int]], params: list[SamplingParams], n: int,
-                     ext: Extensions, base_id: str) -> list[RequestStream]:
+                     ext: Extensions, base_id: str, received_at: float | None = None,
+                     ) -> list[RequestStream]:
         """Queue every choice; if one is refused (or this is cancelled), abort
         those already queued before raising."""
         jobs = []
@@ -225,7 +229,7 @@ class OpenAIServing:
                 jobs.append(self.ctx.engine.add_request(
                     prompt, choice, request_id=f"{base_id}-{p * n + i}", priority=ext.priority,
                     session_id=session_id, deadline=ext.deadline, max_wait=ext.max_wait,
-                    cache_salt=ext.cache_salt))
+                    cache_salt=ext.cache_salt, received_at=received_at))
         # Each add aborts its own request if cancelled while being accepted.
         results = await asyncio.gather(*jobs, return_exceptions=True)
         failure = next((r for r in results if isinstance(r, BaseException)), None)
