@@ -96,3 +96,18 @@ def hf_reference(real_model_path: Path):
                                                  **kwargs)
     tokenizer = AutoTokenizer.from_pretrained(real_model_path.parent, **kwargs)
     return model.eval(), tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny_async_engine(tiny_model_dir):
+    """An ``AsyncEngine`` on the tiny model (torch attention, 16 MiB of KV),
+    shut down after the module."""
+    from carpool.config import EngineConfig
+    from carpool.engine.async_engine import AsyncEngine
+    from carpool.engine.llm_engine import LLMEngine
+
+    config = EngineConfig.from_dict({"model": str(tiny_model_dir), "attention_backend": "torch",
+                                     "kv_cache_memory": "16MiB"})
+    async_engine = AsyncEngine(LLMEngine.from_config(config))
+    yield async_engine
+    async_engine.shutdown()

@@ -83,3 +83,18 @@ class ServerProcess:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(30)
+
+
+def in_process_app(engine, **server_settings):
+    """The ASGI app of ``carpool serve`` on an ``AsyncEngine``, for Starlette's
+    TestClient (``server_settings``: ``ServerConfig`` fields)."""
+    from carpool.server.app import build_app
+    from carpool.server.config import ServerConfig
+    from carpool.server.metrics import Metrics
+    from carpool.server.serving import ServerContext
+
+    config = ServerConfig(**server_settings).validate()
+    metrics = Metrics("tiny", lambda: engine.stats)
+    ctx = ServerContext(engine, engine.engine.tokenizer, "tiny", engine.engine.max_model_len,
+                        config, metrics)
+    return build_app(ctx)

@@ -8,43 +8,18 @@ import pytest
 from starlette.testclient import TestClient
 
 from carpool.cli import build_parser, engine_config_from_args, server_config_from_args
-from carpool.config import EngineConfig
 from carpool.engine.stats import EngineCounters, EngineStats
-from carpool.server.config import ServerConfig
 from carpool.server.metrics import RateWindow
+from tests.server_utils import in_process_app
 
 LOCAL = "http://127.0.0.1"  # a loopback Host, as a keyless loopback server requires
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_model_dir):
-    from carpool.engine.async_engine import AsyncEngine
-    from carpool.engine.llm_engine import LLMEngine
-
-    config = EngineConfig.from_dict({"model": str(tiny_model_dir), "attention_backend": "torch",
-                                     "kv_cache_memory": "16MiB"})
-    async_engine = AsyncEngine(LLMEngine.from_config(config))
-    yield async_engine
-    async_engine.shutdown()
-
-
-def _app(engine, **server_settings):
-    from carpool.server.app import build_app
-    from carpool.server.metrics import Metrics
-    from carpool.server.serving import ServerContext
-
-    config = ServerConfig(**server_settings).validate()
-    metrics = Metrics("tiny", lambda: engine.stats)
-    ctx = ServerContext(engine, engine.engine.tokenizer, "tiny", engine.engine.max_model_len,
-                        config, metrics)
-    return build_app(ctx)
-
-
-def test_cors_is_off_unless_configured(engine):
-    with TestClient(_app(engine), base_url=LOCAL) as client:
+def test_cors_is_off_unless_configured(tiny_async_engine):
+    with TestClient(in_process_app(tiny_async_engine), base_url=LOCAL) as client:
         response = client.get("/v1/models", headers={"Origin": "https://app.example"})
         assert "access-control-allow-origin" not in response.headers
-    app = _app(engine, cors_origins=["https://app.example"], api_key="k")
+    app = in_process_app(tiny_async_engine, cors_origins=["https://app.example"], api_key="k")
     with TestClient(app, base_url=LOCAL) as client:
         preflight = client.options("/v1/chat/completions", headers={
             "Origin": "https://app.example", "Access-Control-Request-Method": "POST"})
@@ -68,8 +43,8 @@ VLLM_STYLE_NAMES = [
 ]
 
 
-def test_metrics_expose_the_vllm_style_set_and_business_metrics(engine):
-    with TestClient(_app(engine), base_url=LOCAL) as client:
+def test_metrics_expose_the_vllm_style_set_and_business_metrics(tiny_async_engine):
+    with TestClient(in_process_app(tiny_async_engine), base_url=LOCAL) as client:
         reply = client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 5,
                                                       "ignore_eos": True})
         assert reply.json()["usage"]["completion_tokens"] == 5
@@ -81,8 +56,8 @@ def test_metrics_expose_the_vllm_style_set_and_business_metrics(engine):
     assert float(ttft_count.split()[-1]) >= 1
 
 
-def test_policy_endpoint_and_extension_headers(engine):
-    with TestClient(_app(engine), base_url=LOCAL) as client:
+def test_policy_endpoint_and_extension_headers(tiny_async_engine):
+    with TestClient(in_process_app(tiny_async_engine), base_url=LOCAL) as client:
         policy = client.get("/carpool/policy").json()
         assert policy["batching"] == "continuous" and policy["knobs"]["max_num_seqs"] >= 1
         ok = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2},
@@ -96,8 +71,8 @@ def test_policy_endpoint_and_extension_headers(engine):
             assert bad.status_code == 400, (header, value)
 
 
-def test_tokenize_detokenize_round_trip(engine):
-    with TestClient(_app(engine), base_url=LOCAL) as client:
+def test_tokenize_detokenize_round_trip(tiny_async_engine):
+    with TestClient(in_process_app(tiny_async_engine), base_url=LOCAL) as client:
         tokens = client.post("/tokenize", json={"prompt": "The quick brown fox"}).json()
         assert tokens["count"] == len(tokens["tokens"]) > 0
         text = client.post("/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"]

@@ -14,8 +14,9 @@ windows of metrics (``live_window.Signals``) and decides:
   it, up only after calm ticks under it while demand exceeds the limit;
   alpha (request-level batching) moves after ticks in a row too;
 - the batch limit: continuous batching ``min(cap, by_memory, by_latency)``
-  with by_latency sized to the step target x correction; request-level batching ``min(cap, by_memory, by_latency,
-  max(preferred, peak_demand * alpha))``. by_memory = sequences whose KV
+  with by_latency sized to the step target x correction; request-level
+  batching ``min(cap, by_memory, by_latency, max(preferred, peak_demand *
+  alpha))``. by_memory = sequences whose KV
   (mean prompt + max_tokens of recent arrivals) fits the pool less
   ``memory_headroom``; by_latency = the largest decode batch whose step,
   with its steady-state share of prefill tokens, the online cost model

@@ -18,7 +18,8 @@ _ERROR = {"type": "object", "properties": {"error": {"type": "object", "properti
     "message": {"type": "string"}, "type": {"type": "string"},
     "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
 _WHY = {400: "Invalid request (body, field, Host header)", 401: "Missing or wrong API key",
-        403: "The key may not read this (operator only)", 404: "Unknown model or route", 405: "Method not allowed (see Allow)",
+        403: "The key may not read this (operator only)", 404: "Unknown model or route",
+        405: "Method not allowed (see Allow)",
         413: "Request body too large", 429: "Queue full or cannot be served in time "
         "(see Retry-After)", 431: "Request headers too large",
         503: "Draining, engine failure or unhealthy"}

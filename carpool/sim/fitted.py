@@ -5,8 +5,9 @@ c4 * attention_pairs``: a fixed cost per step (Python, scheduling, kernel
 launches), a cost per token computed (the linear layers), a cost per
 sequence (sampling, per-row bookkeeping), a cost per token of context held
 (reading the cached K/V) and a cost per query x key pair (attention scores:
-what makes a long prefill chunk grow faster than linearly). ``carpool measure`` measures the steps and fits it; the
-fit's error on the measured steps is kept with it.
+what makes a long prefill chunk grow faster than linearly). ``carpool
+measure`` measures the steps and fits it; the fit's error on the measured
+steps is kept with it.
 """
 from __future__ import annotations
 
