@@ -24,10 +24,7 @@ from carpool.profiles.schedule import (
     settings_at,
 )
 from carpool.server.config import ServerConfig
-from tests import test_server_app as server_app_tests
-
-# The module-scoped tiny AsyncEngine fixture, shared with the server app tests.
-engine = server_app_tests.engine
+from tests.server_utils import in_process_app
 
 SCENARIOS = ["chat", "code", "documents", "translate"]
 
@@ -240,18 +237,11 @@ def test_profiles_command_shows_resolved_yaml_and_the_active_window(capsys):
 
 
 def _client(engine, **server_settings) -> TestClient:
-    from carpool.server.app import build_app
-    from carpool.server.metrics import Metrics
-    from carpool.server.serving import ServerContext
-
-    config = ServerConfig(**server_settings).validate()
-    ctx = ServerContext(engine, engine.engine.tokenizer, "tiny", engine.engine.max_model_len,
-                        config, Metrics("tiny", lambda: engine.stats))
-    return TestClient(build_app(ctx), base_url="http://127.0.0.1")
+    return TestClient(in_process_app(engine, **server_settings), base_url="http://127.0.0.1")
 
 
-def test_server_rejects_prompts_over_max_prompt_chars(engine):
-    with _client(engine, max_prompt_chars=20) as client:
+def test_server_rejects_prompts_over_max_prompt_chars(tiny_async_engine):
+    with _client(tiny_async_engine, max_prompt_chars=20) as client:
         ok = client.post("/v1/completions", json={"prompt": "x" * 20, "max_tokens": 2})
         assert ok.status_code == 200, ok.text
         long = client.post("/v1/completions", json={"prompt": ["x" * 15, "y" * 6],
@@ -265,6 +255,6 @@ def test_server_rejects_prompts_over_max_prompt_chars(engine):
         chat = client.post("/v1/chat/completions", json={"max_tokens": 2, "messages": [
             {"role": "system", "content": "s" * 10}, {"role": "user", "content": "u" * 11}]})
         assert chat.status_code == 400 and chat.json()["error"]["param"] == "messages"
-    with _client(engine) as client:  # no cap by default
+    with _client(tiny_async_engine) as client:  # no cap by default
         ok = client.post("/v1/completions", json={"prompt": "x" * 500, "max_tokens": 2})
         assert ok.status_code == 200, ok.text
