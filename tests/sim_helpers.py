@@ -16,5 +16,8 @@ class ConstantCost:
     def decode_step_seconds(self, seqs: int, context_tokens: int) -> float:
         return self.seconds
 
+    def wake_seconds(self, idle_s: float) -> float:
+        return 0.0
+
     def describe(self) -> dict:
         return {"model_kind": self.kind, "constant_s": self.seconds}

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from carpool.executor.shapes import StepShape
+from carpool.executor.shapes import StepSample, StepShape
 from carpool.measure.steps import (
     errors_by_region,
     format_errors_by_region,
@@ -27,12 +27,15 @@ MEDIAN_BOUND = {"decode": 0.05, "mixed": 0.10, "prefill": 0.15}
 
 
 def test_steps_round_trip_and_are_grouped_by_kind_and_batch(tmp_path):
-    samples = [(StepShape(0, 1, 70, 1, 70), 0.02), (StepShape(128, 0, 128, 1, 16384), 0.08),
-               (StepShape(64, 20, 3000, 21, 9000), 0.05), (StepShape(0, 70, 9000, 70, 9000), 0.09)]
+    samples = [StepSample(StepShape(0, 1, 70, 1, 70), 0.02),
+               StepSample(StepShape(128, 0, 128, 1, 16384), 0.08, 1.5),
+               StepSample(StepShape(64, 20, 3000, 21, 9000), 0.05),
+               StepSample(StepShape(0, 70, 9000, 70, 9000), 0.09)]
     path = save_steps(samples, tmp_path / "s.jsonl.gz")
     assert load_steps(path) == samples
-    assert [step_kind(s) for s, _ in samples] == ["decode", "prefill", "mixed", "decode"]
-    assert [seq_region(s) for s, _ in samples] == ["1 seqs", "1 seqs", "17-64 seqs", "65+ seqs"]
+    assert [step_kind(s.shape) for s in samples] == ["decode", "prefill", "mixed", "decode"]
+    assert [seq_region(s.shape) for s in samples] == [
+        "1 seqs", "1 seqs", "17-64 seqs", "65+ seqs"]
     model = FittedCostModel((0.02, 0.0, 0.0, 0.0, 0.0))  # 20 ms for any step
     table = errors_by_region(samples, model)
     assert table["prefill, 1 seqs"]["median"] == pytest.approx(0.02 / 0.08 - 1)
@@ -45,13 +48,14 @@ def test_the_fitted_form_prices_every_kind_of_recorded_real_step():
     each kind (decode, mixed, prefill) without a bias: the shapes real
     traffic produces, not only the measurement grid's."""
     samples = load_steps(RECORDED)
-    kinds = {step_kind(shape) for shape, _ in samples}
+    kinds = {step_kind(sample.shape) for sample in samples}
     assert kinds == {"decode", "mixed", "prefill"} and len(samples) > 1000
     model = fit(samples[0::2])
     held_out = samples[1::2]
     by_kind: dict[str, list[float]] = {}
-    for shape, seconds in held_out:
-        by_kind.setdefault(step_kind(shape), []).append(model.step_seconds(shape) / seconds - 1)
+    for sample in held_out:
+        by_kind.setdefault(step_kind(sample.shape), []).append(
+            model.sample_seconds(sample) / sample.seconds - 1)
     for kind, errors in by_kind.items():
         errors.sort()
         median = errors[len(errors) // 2]

@@ -35,6 +35,33 @@ def test_fit_recovers_known_coefficients():
     assert model.meta["model"] == "x" and model.meta["fit"]["median_abs_error"] < 1e-9
 
 
+def test_fit_recovers_the_concave_token_cost_the_chunk_cost_and_the_wake_cost():
+    """The terms real steps needed (issue 16): each prefill chunk's own
+    attention, the first 64 and 256 tokens dearer than the rest, and a step
+    after an idle gap dearer than one right after another."""
+    from carpool.executor.shapes import StepSample
+
+    truth = FittedCostModel((0.02, 1.5e-4, 3e-5, 2e-6, 1e-7, 2e-3, 6e-5, 2e-5, 3e-3))
+    samples = [StepSample(s, truth.sample_seconds(StepSample(s, 0.0, idle)), idle)
+               for s in _shapes() + [StepShape(p, 0, p, 1, p * p) for p in (8, 32, 100, 512)]
+               for idle in (0.0, 0.02, 1.0)]
+    model = fit(samples)
+    assert model.coefficients == pytest.approx(truth.coefficients, rel=1e-5, abs=1e-12)
+    assert model.wake_seconds(0.0) == 0.0 and model.wake_seconds(10.0) == pytest.approx(3e-3)
+    # without the idle gaps the wake term is not guessed: it stays 0
+    assert fit([(s.shape, s.seconds) for s in samples if s.idle_s == 0]).coefficients[8] == 0
+
+
+def test_a_cost_model_file_of_the_older_form_loads_with_the_new_terms_at_0(tmp_path):
+    old = {"kind": "carpool-cost-model", "version": 1, "model_kind": "measured",
+           "coefficients": {"step": 0.02, "tokens": 1e-4, "seqs": 1e-5,
+                            "context_tokens": 1e-6, "attention_pairs": 1e-8}}
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    model = load_cost_model(tmp_path / "old.json")
+    assert model.coefficients == (0.02, 1e-4, 1e-5, 1e-6, 1e-8, 0.0, 0.0, 0.0, 0.0)
+    assert model.wake_seconds(5.0) == 0.0
+
+
 def test_fit_never_prices_work_negatively():
     # seconds fall with seqs here: ordinary least squares would give c2 < 0
     samples = [(s, 0.02 + 1e-3 * s.tokens - 5e-4 * s.seqs) for s in _shapes()]
@@ -100,7 +127,7 @@ def test_a_mixed_point_measures_the_step_it_is_named_after(tiny_model_dir):
     engine.executor = recorder
     scenario = Scenario("mixed b=4 ctx=32 + chunk 24", 4, 32, 8, late_prompt=24)
     samples = run_scenario(engine, recorder, scenario, random.Random(0), list(range(3, 200)))
-    assert sum(shape.prefill_tokens for shape, _ in samples) == 4 * 32 + 24
+    assert sum(sample.shape.prefill_tokens for sample in samples) == 4 * 32 + 24
     truth = FittedCostModel((0.01, 2e-4, 5e-4, 1e-7, 3e-8))
     row = _point_row(scenario, samples, truth)
     assert row["steps"] == 1

@@ -1,6 +1,7 @@
 """The simulator's executor: the cost model behind the ``Executor`` interface."""
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -80,3 +81,30 @@ def test_replica_runs_every_step_through_its_executor():
     assert [s.tokens for s in cost.shapes] == [20, 1, 1]
     assert replica.clock.now == pytest.approx((20 + 1 + 1) / 1000)
     assert record.status == OK and record.output_tokens == 3
+
+
+@pytest.mark.parametrize("fast_forward", [False, True])
+def test_a_step_after_idling_pays_the_wake_cost_and_back_to_back_steps_do_not(fast_forward):
+    """The measured form's wake term: a request arriving at an idle replica
+    waits for a step priced c0 + wake; the decodes that follow it, and a
+    request arriving while the replica works, pay c0 alone."""
+    from carpool.sim.fitted import FittedCostModel
+
+    cost = FittedCostModel((0.010, 0, 0, 0, 0, 0, 0, 0, 0.004))
+    replica = SimReplica(0, EngineConfig(), 64, cost, VirtualClock(), fast_forward=fast_forward)
+    records = [RequestRecord(i, at, 20, 4) for i, at in enumerate((0.0, 5.0, 5.001))]
+    pending = list(records)
+    while pending or replica.next_time is not None:
+        due = replica.next_time
+        if pending and (due is None or pending[0].scheduled <= due):
+            record = pending.pop(0)
+            replica.receive(TraceRequest(record.scheduled, 20, 4), record, record.scheduled)
+        else:
+            replica.advance(due)
+    ttft = [r.chunk_times[0] - r.scheduled for r in records]
+    # the first one arrives as the replica starts (no idle gap); the second
+    # after 5 s idle; the third joins the second's next step (no wake cost)
+    assert ttft[0] == pytest.approx(0.010)
+    assert ttft[1] == pytest.approx(0.010 + 0.004 * (1 - math.exp(-(5.0 - 0.04) / 0.1)))
+    assert ttft[2] == pytest.approx(ttft[1] - 0.001 + 0.010)
+    assert all(r.status == OK for r in records)

@@ -121,10 +121,15 @@ def test_keys_file_operator_must_be_a_bool(tmp_path) -> None:
 
 
 def _document(samples) -> dict:
-    steps = [{"prefill_tokens": s.prefill_tokens, "decode_seqs": s.decode_seqs,
-              "context_tokens": s.context_tokens, "seqs": s.seqs,
-              "attention_pairs": s.attention_pairs, "seconds": t, "started": float(i)}
-             for i, (s, t) in enumerate(samples)]
+    """A step log of ``samples``, each started after the one before ended
+    and its idle gap."""
+    steps, clock = [], 1000.0
+    for s, t, idle in samples:
+        clock += idle
+        steps.append({"prefill_tokens": s.prefill_tokens, "decode_seqs": s.decode_seqs,
+                      "context_tokens": s.context_tokens, "seqs": s.seqs,
+                      "attention_pairs": s.attention_pairs, "seconds": t, "started": clock})
+        clock += t
     return {"machine": {"cpu_model": "test cpu", "cpus": 2, "isa": [], "arch": "x86_64",
                         "torch": "2.13.0", "device": "cpu"},
             "model": "m", "dtype": "bfloat16", "kv_bytes_per_token": 1024,
@@ -149,7 +154,7 @@ def test_a_fit_on_recorded_real_steps_prices_them_by_kind() -> None:
 
 
 def test_a_log_without_a_kind_says_so_and_a_short_log_is_refused() -> None:
-    samples = [(s, t) for s, t in load_steps(DATA) if not s.prefill_tokens]
+    samples = [sample for sample in load_steps(DATA) if not sample.shape.prefill_tokens]
     _, notes = fit_live(_document(samples[:500]), "http://127.0.0.1:1")
     assert notes == [f"the log holds no {kind} steps: the fit extrapolates to them"
                      for kind in ("mixed", "prefill")]

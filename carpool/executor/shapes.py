@@ -9,6 +9,7 @@ each other. Pure Python.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 
 @dataclass(frozen=True)
@@ -52,3 +53,20 @@ class StepShape:
             pairs += tokens * after
         return cls(prefill_tokens=total - decodes, decode_seqs=decodes, context_tokens=context,
                    seqs=len(spans), attention_pairs=pairs)
+
+
+class StepSample(NamedTuple):
+    """One timed step: its shape, its wall seconds, and how long the engine
+    had been idle before it started (0 for a step right after another).
+    A step after idling costs more (carpool.sim.fitted: the wake term), so
+    the fit and every error table need the gap beside the time."""
+
+    shape: StepShape
+    seconds: float
+    idle_s: float = 0.0
+
+
+def as_samples(samples) -> list[StepSample]:
+    """``StepSample``s of timed steps given as samples or as (shape,
+    seconds[, idle_s]) tuples (tests and older callers)."""
+    return [StepSample(*sample) for sample in samples]

@@ -6,8 +6,11 @@ sizes at several context lengths, and mixed steps (decodes with a prefill
 chunk). Every step the engine runs is a sample: its shape comes from the
 batch the executor receives, its time is the whole ``LLMEngine.step()``
 wall time (scheduling and detokenizing included, as a simulated step must
-advance the clock by all of it). Prompts are random tokens, so no prefix
-cache hit shortens a step.
+advance the clock by all of it), with the idle gap before it. Prompts are
+random tokens, so no prefix cache hit shortens a step. A few prefills run
+after the engine idled (``Scenario.idle_before``): real traffic starts most
+first-token steps after a gap, and a step after idling costs more (the
+fitted form's wake term).
 """
 from __future__ import annotations
 
@@ -23,11 +26,11 @@ from datetime import datetime, timezone
 
 from carpool.config import EngineConfig
 from carpool.engine.step_log import kv_bytes_per_token
-from carpool.executor.shapes import StepShape
+from carpool.executor.shapes import StepSample, StepShape
 from carpool.machine import available_cpus, machine_identity
 from carpool.measure.steps import save_steps
 from carpool.sim.costs import save_cost_model
-from carpool.sim.fitted import FittedCostModel, fit
+from carpool.sim.fitted import FEATURES, FittedCostModel, fit
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,12 @@ class Scenario:
     prompt_len: int
     output_len: int
     late_prompt: int = 0
+    idle_before: float = 0.0  # seconds the engine idles before the requests come
+    rounds: int = 1  # times the whole scenario runs, one after another
+
+
+WAKE_IDLE_S = 0.5  # the idle gap of the wake points: the wake cost's whole (99%)
+PREFILL_ROUNDS = 3
 
 
 GRIDS = ("smoke", "quick", "full")
@@ -55,17 +64,31 @@ def grid(size: str, max_batch_tokens: int, max_seqs: int) -> list[Scenario]:
     where real traffic goes; ``smoke`` (seconds: tests; a poor fit)."""
     if size not in GRIDS:
         raise ValueError(f"grid must be one of {', '.join(GRIDS)}, got {size!r}")
+    # Prefill chunks and mixed steps where real traffic puts them (replays of
+    # the shared traces: mostly 16-150-token prompts, one or two decodes
+    # beside a chunk), and at the batch x context corners.
     if size == "smoke":
         prefills, batches, contexts, mixed = [8, 32], [1, 4], [16, 48], [(4, 32, 24)]
+        woken = [8]
     elif size == "quick":
-        prefills, batches, contexts = [64, 256, 512], [1, 8, 32], [64, 512]
-        mixed = [(8, 256, 128), (32, 32, 256)]
+        prefills, batches, contexts = [16, 32, 64, 128, 256, 512], [1, 8, 32], [64, 512]
+        mixed = [(1, 64, 32), (2, 128, 128), (1, 64, 384), (8, 256, 128), (32, 32, 256)]
+        woken = [32, 128]
     else:
-        prefills = [16, 64, 256, 512, 1024]
+        prefills = [16, 32, 64, 128, 256, 512, 1024]
         batches, contexts = [1, 4, 16, 64], [64, 256, 1024]
         # (decodes, their context, the chunk that joins them)
-        mixed = [(8, 256, 128), (16, 128, 256), (32, 32, 512), (64, 32, 256)]
-    out = [Scenario(f"prefill {t}", 1, t, 1) for t in prefills if t <= max_batch_tokens]
+        mixed = [(1, 64, 32), (2, 128, 128), (1, 64, 384), (8, 256, 128), (16, 128, 256),
+                 (32, 32, 512), (64, 32, 256)]
+        woken = [32, 128, 512]
+    # A prefill is one step: rounds of it, for as many samples as a decode
+    # point's run gives (a 3 ms effect is within one step's noise).
+    rounds = 1 if size == "smoke" else PREFILL_ROUNDS
+    out = [Scenario(f"prefill {t}", 1, t, 1, rounds=rounds)
+           for t in prefills if t <= max_batch_tokens]
+    out += [Scenario(f"prefill {t} after {WAKE_IDLE_S:g} s idle", 1, t, 1,
+                     idle_before=WAKE_IDLE_S, rounds=rounds)
+            for t in woken if t <= max_batch_tokens]
     # enough output that every member still decodes once the last prompt is in
     out += [Scenario(f"decode b={b} ctx={c}", b, c, 16 + -(-b * c // max_batch_tokens))
             for b in batches for c in contexts if b <= max_seqs]
@@ -89,28 +112,51 @@ class ShapeRecorder:
         return self._inner.execute(items, padding)
 
 
+class StepTimer:
+    """Times steps, and the gap before each since the last one ended (the
+    engine's idle time: ~20 us between steps of a busy loop)."""
+
+    def __init__(self) -> None:
+        self.last_end: float | None = None
+
+    def run(self, step):
+        """(what ``step()`` returned, its seconds, the idle seconds before it)."""
+        started = time.perf_counter()
+        idle = 0.0 if self.last_end is None else started - self.last_end
+        result = step()
+        self.last_end = time.perf_counter()
+        return result, self.last_end - started, idle
+
+
 def run_scenario(engine, recorder: ShapeRecorder, scenario: Scenario, rng: random.Random,
-                 vocab: list[int]) -> list[tuple[StepShape, float]]:
-    """Every (shape, seconds) step of one scenario, run to completion."""
+                 vocab: list[int], timer: StepTimer | None = None) -> list[StepSample]:
+    """Every timed step of one scenario, run to completion (``timer``: the
+    grid's, so that a scenario's first step knows the gap since the last)."""
     from carpool.sampling_params import SamplingParams
 
     def add(prompt_len: int, output_len: int) -> None:
         engine.add_request([rng.choice(vocab) for _ in range(prompt_len)], SamplingParams(
             max_tokens=output_len, temperature=0, ignore_eos=True))
 
-    for _ in range(scenario.count):
-        add(scenario.prompt_len, scenario.output_len)
-    samples, late = [], scenario.late_prompt
-    while engine.has_unfinished:
-        if late and _all_decoding(engine.scheduler):
-            add(late, 1)
-            late = 0
-        recorder.last = None
-        started = time.perf_counter()
-        engine.step()
-        seconds = time.perf_counter() - started
-        if recorder.last is not None:
-            samples.append((recorder.last, seconds))
+    samples: list[StepSample] = []
+    timer = timer or StepTimer()
+    for _ in range(scenario.rounds):
+        prompts = [[rng.choice(vocab) for _ in range(scenario.prompt_len)]
+                   for _ in range(scenario.count)]
+        if scenario.idle_before:
+            time.sleep(scenario.idle_before)
+        for prompt in prompts:
+            engine.add_request(prompt, SamplingParams(max_tokens=scenario.output_len,
+                                                      temperature=0, ignore_eos=True))
+        late = scenario.late_prompt
+        while engine.has_unfinished:
+            if late and _all_decoding(engine.scheduler):
+                add(late, 1)
+                late = 0
+            recorder.last = None
+            _, seconds, idle = timer.run(engine.step)
+            if recorder.last is not None:
+                samples.append(StepSample(recorder.last, seconds, idle))
     return samples
 
 
@@ -185,14 +231,15 @@ def measure(engine, config: EngineConfig, args: argparse.Namespace) -> FittedCos
         scenarios = [s for s in grid(args.grid, config.scheduler.max_num_batched_tokens,
                                      config.scheduler.max_num_seqs)
                      if s.count * (s.prompt_len + s.output_len) <= kv_tokens]  # no preemption
-        run_scenario(engine, recorder, Scenario("warm-up", 2, 16, 4), rng, vocab)
-        measured: list[list[tuple[StepShape, float]]] = [[] for _ in scenarios]
+        timer = StepTimer()
+        run_scenario(engine, recorder, Scenario("warm-up", 2, 16, 4), rng, vocab, timer)
+        measured: list[list[StepSample]] = [[] for _ in scenarios]
         # Repeats go round the whole grid rather than back to back: a shared
         # machine's speed drifts by 10-20% over tens of seconds, and each
         # point should see that drift as the simulated workload will.
         runs = [(i, s) for _ in range(args.repeats) for i, s in enumerate(scenarios)]
         for index, scenario in tqdm(runs, desc="measure", unit="run", file=sys.stderr):
-            measured[index] += run_scenario(engine, recorder, scenario, rng, vocab)
+            measured[index] += run_scenario(engine, recorder, scenario, rng, vocab, timer)
         samples = [sample for runs_of_point in measured for sample in runs_of_point]
         points = list(zip(scenarios, measured))
     finally:
@@ -205,29 +252,31 @@ def measure(engine, config: EngineConfig, args: argparse.Namespace) -> FittedCos
     return model
 
 
-def _point_row(scenario: Scenario, measured: list[tuple[StepShape, float]],
+def _point_row(scenario: Scenario, measured: list[StepSample],
                model: FittedCostModel) -> dict | None:
     """The steps the point is named after (its prefill, its full decode
-    batch, or its mixed step): median time and median context vs the fit;
-    None when no step had that shape (never any other step in its place)."""
+    batch, or its mixed step): median time, context and idle gap vs the
+    fit; None when no step had that shape (never any other step in its
+    place)."""
     if scenario.late_prompt:
-        chosen = [m for m in measured if m[0].prefill_tokens == scenario.late_prompt
-                  and m[0].decode_seqs]
+        chosen = [m for m in measured if m.shape.prefill_tokens == scenario.late_prompt
+                  and m.shape.decode_seqs]
     elif scenario.output_len == 1:
-        chosen = [m for m in measured if m[0].prefill_tokens]
+        chosen = [m for m in measured if m.shape.prefill_tokens]
     else:
-        chosen = [m for m in measured if not m[0].prefill_tokens
-                  and m[0].decode_seqs == scenario.count]
+        chosen = [m for m in measured if not m.shape.prefill_tokens
+                  and m.shape.decode_seqs == scenario.count]
     if not chosen:
         return None
-    first = chosen[0][0]
+    first = chosen[0].shape
     typical = StepShape(first.prefill_tokens, first.decode_seqs,
-                        int(statistics.median(shape.context_tokens for shape, _ in chosen)),
+                        int(statistics.median(m.shape.context_tokens for m in chosen)),
                         first.seqs,
-                        int(statistics.median(shape.attention_pairs for shape, _ in chosen)))
-    seconds = statistics.median(t for _, t in chosen)
+                        int(statistics.median(m.shape.attention_pairs for m in chosen)))
+    idle = statistics.median(m.idle_s for m in chosen)
     return {"label": scenario.label, "shape": asdict(typical), "steps": len(chosen),
-            "measured_s": seconds, "predicted_s": model.step_seconds(typical)}
+            "idle_s": idle, "measured_s": statistics.median(m.seconds for m in chosen),
+            "predicted_s": model.sample_seconds(StepSample(typical, 0.0, idle))}
 
 
 def _meta(engine, config: EngineConfig, args: argparse.Namespace) -> dict:
@@ -250,7 +299,7 @@ def _meta(engine, config: EngineConfig, args: argparse.Namespace) -> dict:
 
 def format_cost_model(model: FittedCostModel) -> str:
     meta = model.meta
-    c = dict(zip(("c0", "c1", "c2", "c3", "c4"), model.coefficients))
+    c = dict(zip(FEATURES, model.coefficients))
     lines = [f"{'point':<26} {'tokens':>6} {'seqs':>5} {'context':>8} {'measured':>9} "
              f"{'fit':>8} {'error':>6}"]
     for row in meta.get("points", []):
@@ -260,9 +309,14 @@ def format_cost_model(model: FittedCostModel) -> str:
                      f"{shape.context_tokens:>8} {row['measured_s'] * 1000:>7.1f}ms "
                      f"{row['predicted_s'] * 1000:>6.1f}ms {error:>+6.0%}")
     fit_error = meta["fit"]
-    lines.append(f"fit over {fit_error['steps']} steps: seconds = {c['c0'] * 1000:.2f}ms + "
-                 f"{c['c1'] * 1e6:.1f}us*tokens + {c['c2'] * 1e6:.1f}us*seqs + "
-                 f"{c['c3'] * 1e9:.2f}ns*context_tokens + {c['c4'] * 1e9:.3f}ns*attention_pairs;"
+    lines.append(f"fit over {fit_error['steps']} steps: seconds = {c['step'] * 1000:.2f}ms + "
+                 f"{c['tokens'] * 1e6:.1f}us*tokens + {c['seqs'] * 1e6:.1f}us*seqs + "
+                 f"{c['context_tokens'] * 1e9:.2f}ns*context_tokens + "
+                 f"{c['attention_pairs'] * 1e9:.3f}ns*attention_pairs + "
+                 f"{c['prefill_chunks'] * 1e3:.2f}ms*prefill_chunks + "
+                 f"{c['first_64_tokens'] * 1e6:.1f}us*min(tokens,64) + "
+                 f"{c['first_256_tokens'] * 1e6:.1f}us*min(tokens,256) + "
+                 f"{c['wake'] * 1e3:.2f}ms*wake(idle);"
                  f" error median "
                  f"{fit_error['median_abs_error']:.1%}, p90 {fit_error['p90_abs_error']:.1%} "
                  f"({meta['dtype']}, {meta['hardware']['cpus']} cpus)")

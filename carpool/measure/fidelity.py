@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -233,21 +232,22 @@ def _load_line(loads: list) -> str:
 
 
 def _time_steps(engine) -> list:
-    """Wrap ``engine.step`` to keep (shape, seconds) of every step that ran
-    a batch: the cost model's own error on the replayed steps."""
-    from carpool.measure.costs import ShapeRecorder
+    """Wrap ``engine.step`` to keep the timed steps (shape, seconds, idle
+    gap before) of every step that ran a batch: the cost model's own error
+    on the replayed steps."""
+    from carpool.executor.shapes import StepSample
+    from carpool.measure.costs import ShapeRecorder, StepTimer
 
     recorder = ShapeRecorder(engine.executor)
     engine.executor = recorder
     samples: list = []
-    step = engine.step
+    step, timer = engine.step, StepTimer()
 
     def timed_step():
         recorder.last = None
-        started = time.perf_counter()
-        outputs = step()
+        outputs, seconds, idle = timer.run(step)
         if recorder.last is not None:
-            samples.append((recorder.last, time.perf_counter() - started))
+            samples.append(StepSample(recorder.last, seconds, idle))
         return outputs
 
     engine.step = timed_step

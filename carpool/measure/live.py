@@ -15,7 +15,7 @@ from __future__ import annotations
 import platform
 from datetime import datetime, timezone
 
-from carpool.executor.shapes import StepShape
+from carpool.executor.shapes import StepSample, StepShape
 from carpool.measure.steps import errors_by_region, format_errors_by_region, step_kind
 from carpool.sim.fitted import FittedCostModel, fit
 
@@ -51,17 +51,24 @@ def fetch_steps(url: str, api_key: str | None, limit: int | None = None,
     return response.json()
 
 
-def samples_of(document: dict) -> list[tuple[StepShape, float]]:
-    """(shape, seconds) of every step in a step log document."""
+def samples_of(document: dict) -> list[StepSample]:
+    """The timed steps of a step log document; each one's idle gap is the
+    time from the end of the step logged before it to its own start (0 for
+    the first, or where the log has no start times)."""
     out = []
+    last_end = None
     for index, row in enumerate(document.get("steps", [])):
         try:
             shape = StepShape(**{name: int(row[name]) for name in _SHAPE_FIELDS})
             seconds = float(row["seconds"])
+            started = row.get("started")
+            started = None if started is None else float(started)
         except (KeyError, TypeError, ValueError):
             raise ValueError(f"step {index} of the log is malformed: {row!r}") from None
+        idle = 0.0 if started is None or last_end is None else max(0.0, started - last_end)
+        last_end = None if started is None else started + seconds
         if seconds > 0:
-            out.append((shape, seconds))
+            out.append(StepSample(shape, seconds, idle))
     return out
 
 
@@ -74,8 +81,8 @@ def fit_live(document: dict, url: str) -> tuple[FittedCostModel, list[str]]:
                          f"{MIN_LIVE_STEPS}: send it some traffic first (or run "
                          "`carpool measure` without --from on this machine)")
     counts = {kind: 0 for kind in KINDS}
-    for shape, _ in samples:
-        counts[step_kind(shape)] += 1
+    for sample in samples:
+        counts[step_kind(sample.shape)] += 1
     notes = [f"the log holds no {kind} steps: the fit extrapolates to them"
              for kind, count in counts.items() if not count]
     model = fit(samples, _meta(document, url, samples, counts))

@@ -3,7 +3,8 @@ a cost model prices them by step kind and batch region.
 
 ``carpool fidelity`` prints both summaries of its real steps
 (``step_error_line``, ``errors_by_region``) and with ``--steps-out FILE``
-writes them (gzipped JSON lines: the ``StepShape`` fields and ``seconds``),
+writes them (gzipped JSON lines: the ``StepShape`` fields, ``seconds`` and
+``idle_s``, the idle gap before the step; files without it read as 0),
 so that tests can judge a cost model's form on the shapes real traffic
 produces, with no live timing (tests/test_measure_steps.py).
 """
@@ -15,7 +16,7 @@ import json
 import statistics
 from pathlib import Path
 
-from carpool.executor.shapes import StepShape
+from carpool.executor.shapes import StepSample, StepShape, as_samples
 
 # Batch regions (sequences in the step) the error is reported by.
 SEQ_REGIONS = ((1, 1), (2, 4), (5, 16), (17, 64), (65, None))
@@ -36,35 +37,41 @@ def seq_region(shape: StepShape) -> str:
     return "0 seqs"
 
 
-def save_steps(samples: list[tuple[StepShape, float]], path: str | Path) -> Path:
-    """Write (shape, seconds) samples as gzipped JSON lines."""
+def predicted_seconds(cost, sample: StepSample) -> float:
+    """What ``cost`` charges for a timed step: its shape after its idle gap."""
+    return cost.step_seconds(sample.shape) + cost.wake_seconds(sample.idle_s)
+
+
+def save_steps(samples: list[StepSample], path: str | Path) -> Path:
+    """Write timed steps as gzipped JSON lines."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with gzip.open(path, "wt", encoding="utf-8") as f:
-        for shape, seconds in samples:
-            f.write(json.dumps({**dataclasses.asdict(shape), "seconds": seconds}) + "\n")
+        for shape, seconds, idle_s in as_samples(samples):
+            f.write(json.dumps({**dataclasses.asdict(shape), "seconds": seconds,
+                                "idle_s": idle_s}) + "\n")
     return path
 
 
-def load_steps(path: str | Path) -> list[tuple[StepShape, float]]:
+def load_steps(path: str | Path) -> list[StepSample]:
     """Samples written by ``save_steps``."""
     names = [f.name for f in dataclasses.fields(StepShape)]
     out = []
     with gzip.open(path, "rt", encoding="utf-8") as f:
         for line in f:
             row = json.loads(line)
-            out.append((StepShape(**{name: int(row[name]) for name in names}),
-                        float(row["seconds"])))
+            out.append(StepSample(StepShape(**{name: int(row[name]) for name in names}),
+                                  float(row["seconds"]), float(row.get("idle_s", 0.0))))
     return out
 
 
-def errors_by_region(samples: list[tuple[StepShape, float]], cost) -> dict[str, dict]:
+def errors_by_region(samples: list[StepSample], cost) -> dict[str, dict]:
     """{"<kind>, <region>": {"steps", "median", "p90_abs"}} of the relative
     error predicted / measured - 1, over the kind and batch regions present."""
     groups: dict[str, list[float]] = {}
-    for shape, seconds in samples:
-        key = f"{step_kind(shape)}, {seq_region(shape)}"
-        groups.setdefault(key, []).append(cost.step_seconds(shape) / seconds - 1)
+    for sample in as_samples(samples):
+        key = f"{step_kind(sample.shape)}, {seq_region(sample.shape)}"
+        groups.setdefault(key, []).append(predicted_seconds(cost, sample) / sample.seconds - 1)
     out = {}
     for key in sorted(groups):
         errors = sorted(groups[key])
@@ -81,21 +88,22 @@ def format_errors_by_region(table: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def step_error_line(samples: list[tuple[StepShape, float]], cost) -> str:
+def step_error_line(samples: list[StepSample], cost) -> str:
     """How well ``cost`` priced the steps: median and p90 of |predicted /
     measured - 1|, the median error by kind, and the total of each (the busy
     time)."""
     if not samples:
         return "no steps ran"
-    predicted = [cost.step_seconds(shape) for shape, _ in samples]
-    errors = [p / seconds - 1 for p, (_, seconds) in zip(predicted, samples)]
+    samples = as_samples(samples)
+    predicted = [predicted_seconds(cost, sample) for sample in samples]
+    errors = [p / sample.seconds - 1 for p, sample in zip(predicted, samples)]
     absolute = sorted(abs(e) for e in errors)
     by_kind: dict[str, list[float]] = {}
-    for (shape, _), error in zip(samples, errors):
-        by_kind.setdefault(step_kind(shape), []).append(error)
+    for sample, error in zip(samples, errors):
+        by_kind.setdefault(step_kind(sample.shape), []).append(error)
     kinds = ", ".join(f"{kind} {statistics.median(errs):+.1%} ({len(errs)})"
                       for kind, errs in sorted(by_kind.items()))
     return (f"cost model on the {len(samples)} real steps: |error| median "
             f"{absolute[len(absolute) // 2]:.1%}, p90 {absolute[int(len(absolute) * 0.9)]:.1%}; "
             f"median error by kind: {kinds}; busy time measured "
-            f"{sum(seconds for _, seconds in samples):.1f} s, predicted {sum(predicted):.1f} s")
+            f"{sum(sample.seconds for sample in samples):.1f} s, predicted {sum(predicted):.1f} s")

@@ -248,6 +248,11 @@ class AnalyticCostModel:
         all, without building the shape (the simulator's hot path)."""
         return self._seconds(seqs, seqs, context_tokens, context_tokens)
 
+    def wake_seconds(self, idle_s: float) -> float:
+        """0: hardware specs say nothing of what idling costs (a measured
+        model's wake term does)."""
+        return 0.0
+
     def _flops(self, tokens: int, seqs: int, pairs: float) -> float:
         return self._token_flops * tokens + self._pair_flops * pairs + self._seq_flops * seqs
 

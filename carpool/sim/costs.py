@@ -35,6 +35,10 @@ class CostModel(Protocol):
         context_tokens))``: a step of ``seqs`` one-token decodes."""
         ...
 
+    def wake_seconds(self, idle_s: float) -> float:
+        """What a step costs more after the engine idled ``idle_s``."""
+        ...
+
     def describe(self) -> dict: ...
 
 

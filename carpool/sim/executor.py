@@ -8,7 +8,9 @@ to the simulator, whose requests all run with ignore_eos. The price of the
 last step is ``last_step_seconds``; the simulated replica advances its
 virtual clock by it (the live engine times the step on the wall clock
 instead). ``decode_step_seconds`` prices the steps of a fast-forwarded
-decode run exactly as ``execute`` would price them one by one.
+decode run exactly as ``execute`` would price them one by one;
+``wake_seconds`` what a step costs more after an idle gap (the replica
+knows the gap, the batch does not).
 """
 from __future__ import annotations
 
@@ -40,6 +42,10 @@ class CostModelExecutor(Executor):
         """The price of a step of ``seqs`` one-token decodes attending to
         ``context_tokens`` in all (what ``execute`` charges for it)."""
         return self.cost.decode_step_seconds(seqs, context_tokens)
+
+    def wake_seconds(self, idle_s: float) -> float:
+        """What a step costs more after the replica idled ``idle_s``."""
+        return self.cost.wake_seconds(idle_s)
 
 
 def batch_shape(items: Sequence[BatchItem], padding: Padding | None = None) -> StepShape:

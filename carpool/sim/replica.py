@@ -103,6 +103,7 @@ class SimReplica:
         self._records: dict[str, RequestRecord] = {}
         self._output: SchedulerOutput | None = None
         self._seconds = 0.0
+        self._last_end = 0.0  # when the last step ended: a step later than it woke the engine
         self._sampled: list[tuple[Request, int]] = []  # what the step in flight sampled
         self._run: tuple[list[float], list[float]] = ([], [])  # (seconds, ends) of a RUN
         self._run_steps = _FIRST_RUN
@@ -144,8 +145,9 @@ class SimReplica:
         output, expired = self.core.begin()
         self._reject(expired)
         if not output.is_empty:
-            self._execute(output)
-            self._set(State.STEP, now + self._seconds)
+            self._execute(output, idle_s=now - self._last_end)
+            self._last_end = now + self._seconds
+            self._set(State.STEP, self._last_end)
         elif self.scheduler.has_unfinished:
             self._set(State.POLL, now + POLL_S)
         else:
@@ -188,13 +190,15 @@ class SimReplica:
 
     # -- one step ------------------------------------------------------------------
 
-    def _execute(self, output: SchedulerOutput) -> None:
+    def _execute(self, output: SchedulerOutput, idle_s: float) -> None:
         """Hand the step to the executor, as the live engine does; it ends
-        ``_seconds`` (its price) later."""
+        ``_seconds`` (its price, and the wake cost after ``idle_s`` idle)
+        later."""
         executor = self.executor
         items = batch_items(output.spans, self.scheduler.kv.block_tables, _samples)
         tokens = iter(executor.execute(items, step_padding(output.pad_rows, self.padding_mode)))
-        self._output, self._seconds = output, executor.last_step_seconds
+        self._output = output
+        self._seconds = executor.last_step_seconds + executor.wake_seconds(idle_s)
         self._sampled = [(span.request, next(tokens)) for span in output.spans if span.sample]
 
     def _commit(self, now: float) -> None:
@@ -268,6 +272,7 @@ class SimReplica:
         self.steps += steps
         self.fast_forwarded_steps += steps
         self._run = ([], [])
+        self._last_end = ends[-1]
         for request in finished:
             self._finish(request, ends[-1])
 
