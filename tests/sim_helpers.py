@@ -16,7 +16,7 @@ class ConstantCost:
     def decode_step_seconds(self, seqs: int, context_tokens: int) -> float:
         return self.seconds
 
-    def wake_seconds(self, idle_s: float) -> float:
+    def extra_seconds(self, tokens: int, idle_s: float, new_shape: bool) -> float:
         return 0.0
 
     def describe(self) -> dict:

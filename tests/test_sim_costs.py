@@ -35,21 +35,37 @@ def test_fit_recovers_known_coefficients():
     assert model.meta["model"] == "x" and model.meta["fit"]["median_abs_error"] < 1e-9
 
 
-def test_fit_recovers_the_concave_token_cost_the_chunk_cost_and_the_wake_cost():
+def test_fit_recovers_the_chunk_concave_token_wake_and_new_shape_costs():
     """The terms real steps needed (issue 16): each prefill chunk's own
-    attention, the first 64 and 256 tokens dearer than the rest, and a step
-    after an idle gap dearer than one right after another."""
+    attention, the first 64 and 256 tokens dearer than the rest, a step
+    after an idle gap dearer than one right after another, and a step whose
+    token count is new to the process dearer than a repeat."""
     from carpool.executor.shapes import StepSample
 
-    truth = FittedCostModel((0.02, 1.5e-4, 3e-5, 2e-6, 1e-7, 2e-3, 6e-5, 2e-5, 3e-3))
-    samples = [StepSample(s, truth.sample_seconds(StepSample(s, 0.0, idle)), idle)
+    truth = FittedCostModel((0.02, 1.5e-4, 3e-5, 2e-6, 1e-7, 2e-3, 6e-5, 2e-5, 3e-3,
+                             2e-3, 1e-4))
+    samples = [StepSample(s, truth.sample_seconds(StepSample(s, 0.0, idle, new)), idle, new)
                for s in _shapes() + [StepShape(p, 0, p, 1, p * p) for p in (8, 32, 100, 512)]
-               for idle in (0.0, 0.02, 1.0)]
+               for idle in (0.0, 0.02, 1.0) for new in (False, True)]
     model = fit(samples)
     assert model.coefficients == pytest.approx(truth.coefficients, rel=1e-5, abs=1e-12)
-    assert model.wake_seconds(0.0) == 0.0 and model.wake_seconds(10.0) == pytest.approx(3e-3)
-    # without the idle gaps the wake term is not guessed: it stays 0
-    assert fit([(s.shape, s.seconds) for s in samples if s.idle_s == 0]).coefficients[8] == 0
+    assert model.extra_seconds(100, 0.0, False) == 0.0
+    assert model.extra_seconds(100, 10.0, False) == pytest.approx(3e-3)
+    assert model.extra_seconds(100, 0.0, True) == pytest.approx(2e-3 + 100 * 1e-4)
+    # without idle gaps or new shapes those terms are not guessed: they stay 0
+    plain = fit([(s.shape, s.seconds) for s in samples if s.idle_s == 0 and not s.new_shape])
+    assert plain.coefficients[8:] == (0.0, 0.0, 0.0)
+
+
+def test_shape_memory_says_new_once_and_forgets_the_least_recently_run():
+    from carpool.executor.shapes import ShapeMemory
+
+    memory = ShapeMemory(capacity=2)
+    # 9 pushes 7 out (5 ran since), then 7 pushes 5 out
+    assert [memory.see(t) for t in (5, 5, 7, 5, 9, 7, 5)] == [
+        True, False, True, False, True, True, True]
+    with pytest.raises(ValueError):
+        ShapeMemory(0)
 
 
 def test_a_cost_model_file_of_the_older_form_loads_with_the_new_terms_at_0(tmp_path):
@@ -58,8 +74,8 @@ def test_a_cost_model_file_of_the_older_form_loads_with_the_new_terms_at_0(tmp_p
                             "context_tokens": 1e-6, "attention_pairs": 1e-8}}
     (tmp_path / "old.json").write_text(json.dumps(old))
     model = load_cost_model(tmp_path / "old.json")
-    assert model.coefficients == (0.02, 1e-4, 1e-5, 1e-6, 1e-8, 0.0, 0.0, 0.0, 0.0)
-    assert model.wake_seconds(5.0) == 0.0
+    assert model.coefficients == (0.02, 1e-4, 1e-5, 1e-6, 1e-8) + (0.0,) * 6
+    assert model.extra_seconds(64, 5.0, True) == 0.0
 
 
 def test_fit_never_prices_work_negatively():

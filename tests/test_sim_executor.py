@@ -108,3 +108,21 @@ def test_a_step_after_idling_pays_the_wake_cost_and_back_to_back_steps_do_not(fa
     assert ttft[1] == pytest.approx(0.010 + 0.004 * (1 - math.exp(-(5.0 - 0.04) / 0.1)))
     assert ttft[2] == pytest.approx(ttft[1] - 0.001 + 0.010)
     assert all(r.status == OK for r in records)
+
+
+def test_a_token_count_new_to_the_replica_costs_more_once():
+    """The measured form's new-shape term, as the live process pays it: the
+    first step of a token count builds its kernels, a repeat does not."""
+    from carpool.sim.fitted import FittedCostModel
+
+    cost = FittedCostModel((0.010,) + (0.0,) * 8 + (0.002, 1e-4))
+    executor = CostModelExecutor(cost, num_blocks=32, block_size=16)
+    prices = []
+    for _ in range(2):
+        executor.execute([_item(0, 30)])
+        prices.append(executor.last_step_seconds)
+    assert prices == pytest.approx([0.010 + 0.002 + 30e-4, 0.010])
+    assert executor.decode_step_seconds(3, 90) == pytest.approx(0.010 + 0.002 + 3e-4)
+    assert executor.decode_step_seconds(3, 93) == pytest.approx(0.010)
+    executor.execute([_item(0, 2), _item(5, 1)])  # 3 tokens: a count it has run
+    assert executor.last_step_seconds == pytest.approx(0.010)

@@ -102,7 +102,11 @@ def test_the_step_log_is_served_to_operators_only(tiny_async_engine, tmp_path) -
         assert document["total_steps"] >= 3 and len(document["steps"]) >= 3
         assert document["machine"]["cpus"] >= 1 and document["kv_bytes_per_token"] > 0
         assert {"prefill_tokens", "decode_seqs", "context_tokens", "seqs", "attention_pairs",
-                "seconds", "started"} <= set(document["steps"][-1])
+                "seconds", "started", "new_shape"} <= set(document["steps"][-1])
+        # one request: a prompt, then decodes of one token each; a token count
+        # is new the first time the process runs it, never again
+        decodes = [step for step in document["steps"] if step["prefill_tokens"] == 0]
+        assert len(decodes) >= 2 and not any(step["new_shape"] for step in decodes[1:])
         assert len(client.get("/carpool/steps?limit=2", headers=ops).json()["steps"]) == 2
         for bad in ("0", "-1", "x", "100000"):
             wrong = client.get(f"/carpool/steps?limit={bad}", headers=ops)
@@ -124,11 +128,12 @@ def _document(samples) -> dict:
     """A step log of ``samples``, each started after the one before ended
     and its idle gap."""
     steps, clock = [], 1000.0
-    for s, t, idle in samples:
+    for s, t, idle, new in samples:
         clock += idle
         steps.append({"prefill_tokens": s.prefill_tokens, "decode_seqs": s.decode_seqs,
                       "context_tokens": s.context_tokens, "seqs": s.seqs,
-                      "attention_pairs": s.attention_pairs, "seconds": t, "started": clock})
+                      "attention_pairs": s.attention_pairs, "seconds": t, "started": clock,
+                      "new_shape": new})
         clock += t
     return {"machine": {"cpu_model": "test cpu", "cpus": 2, "isa": [], "arch": "x86_64",
                         "torch": "2.13.0", "device": "cpu"},

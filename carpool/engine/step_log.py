@@ -18,22 +18,26 @@ import threading
 from collections import deque
 from dataclasses import asdict, dataclass
 
-from carpool.executor.shapes import StepShape
+from carpool.executor.shapes import ShapeMemory, StepShape
 
 STEP_LOG_CAPACITY = 8192  # steps kept (~1 MB as JSON; minutes of a busy server)
 
 
 @dataclass(frozen=True)
 class LoggedStep:
-    """One step: its shape, its wall seconds, and its start on the engine's
-    clock (monotonic seconds; only differences mean anything)."""
+    """One step: its shape, its wall seconds, its start on the engine's
+    clock (monotonic seconds; only differences mean anything), and whether
+    its token count was new to the process (``ShapeMemory``: it then paid
+    for building matrix kernels)."""
 
     shape: StepShape
     seconds: float
     started: float
+    new_shape: bool = False
 
     def as_dict(self) -> dict:
-        return {**asdict(self.shape), "seconds": self.seconds, "started": self.started}
+        return {**asdict(self.shape), "seconds": self.seconds, "started": self.started,
+                "new_shape": self.new_shape}
 
 
 class StepLog:
@@ -45,10 +49,12 @@ class StepLog:
         self._steps: deque[LoggedStep] = deque(maxlen=capacity)
         self._lock = threading.Lock()
         self.total = 0  # steps ever logged (those beyond the ring were dropped)
+        self._shapes = ShapeMemory()
 
     def record(self, shape: StepShape, seconds: float, started: float) -> None:
         with self._lock:
-            self._steps.append(LoggedStep(shape, seconds, started))
+            new = self._shapes.see(shape.tokens)
+            self._steps.append(LoggedStep(shape, seconds, started, new))
             self.total += 1
 
     def snapshot(self, limit: int | None = None) -> tuple[list[LoggedStep], int]:

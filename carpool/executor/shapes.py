@@ -8,6 +8,7 @@ each other. Pure Python.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -56,17 +57,52 @@ class StepShape:
 
 
 class StepSample(NamedTuple):
-    """One timed step: its shape, its wall seconds, and how long the engine
-    had been idle before it started (0 for a step right after another).
-    A step after idling costs more (carpool.sim.fitted: the wake term), so
-    the fit and every error table need the gap beside the time."""
+    """One timed step: its shape, its wall seconds, how long the engine had
+    been idle before it started (0 for a step right after another), and
+    whether its token count was new to the process (``ShapeMemory``). Both
+    make a step cost more (carpool.sim.fitted: the wake and new-shape
+    terms), so the fit and every error table need them beside the time."""
 
     shape: StepShape
     seconds: float
     idle_s: float = 0.0
+    new_shape: bool = False
 
 
 def as_samples(samples) -> list[StepSample]:
     """``StepSample``s of timed steps given as samples or as (shape,
-    seconds[, idle_s]) tuples (tests and older callers)."""
+    seconds[, idle_s[, new_shape]]) tuples (tests and older callers)."""
     return [StepSample(*sample) for sample in samples]
+
+
+SHAPE_MEMORY_TOKEN_COUNTS = 128
+
+
+class ShapeMemory:
+    """The token counts of the steps a process ran lately, least recently
+    run first out.
+
+    Why: the CPU matrix kernels (oneDNN) build a kernel per matrix shape on
+    first use and keep 1,024 of them; a step whose token count (the rows of
+    every linear layer) is new pays for ~8 of them, measured 5-18 ms on a
+    2-core CPU for the default model (+12-30% of the step), then nothing
+    the next time. 128 token counts x ~8 shapes fill that cache: the
+    approximation the live engine, the grid and the simulator all use.
+    """
+
+    def __init__(self, capacity: int = SHAPE_MEMORY_TOKEN_COUNTS) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self._seen: OrderedDict[int, None] = OrderedDict()
+
+    def see(self, tokens: int) -> bool:
+        """Record a step of ``tokens``; whether that count was new."""
+        seen = self._seen
+        if tokens in seen:
+            seen.move_to_end(tokens)
+            return False
+        seen[tokens] = None
+        if len(seen) > self.capacity:
+            seen.popitem(last=False)
+        return True

@@ -26,7 +26,7 @@ from datetime import datetime, timezone
 
 from carpool.config import EngineConfig
 from carpool.engine.step_log import kv_bytes_per_token
-from carpool.executor.shapes import StepSample, StepShape
+from carpool.executor.shapes import ShapeMemory, StepSample, StepShape
 from carpool.machine import available_cpus, machine_identity
 from carpool.measure.steps import save_steps
 from carpool.sim.costs import save_cost_model
@@ -113,19 +113,28 @@ class ShapeRecorder:
 
 
 class StepTimer:
-    """Times steps, and the gap before each since the last one ended (the
-    engine's idle time: ~20 us between steps of a busy loop)."""
+    """Times the steps of one engine process: each one's seconds, the gap
+    before it since the last one ended (the engine's idle time: ~20 us
+    between steps of a busy loop) and whether its token count was new to
+    the process (a ``ShapeMemory`` over every step it timed)."""
 
     def __init__(self) -> None:
         self.last_end: float | None = None
+        self.shapes = ShapeMemory()
 
-    def run(self, step):
-        """(what ``step()`` returned, its seconds, the idle seconds before it)."""
+    def run(self, step, recorder: ShapeRecorder):
+        """(what ``step()`` returned, its ``StepSample`` or None when it ran
+        no batch); ``recorder`` wraps the engine's executor."""
+        recorder.last = None
         started = time.perf_counter()
         idle = 0.0 if self.last_end is None else started - self.last_end
         result = step()
         self.last_end = time.perf_counter()
-        return result, self.last_end - started, idle
+        shape = recorder.last
+        if shape is None:
+            return result, None
+        return result, StepSample(shape, self.last_end - started, idle,
+                                  self.shapes.see(shape.tokens))
 
 
 def run_scenario(engine, recorder: ShapeRecorder, scenario: Scenario, rng: random.Random,
@@ -153,10 +162,9 @@ def run_scenario(engine, recorder: ShapeRecorder, scenario: Scenario, rng: rando
             if late and _all_decoding(engine.scheduler):
                 add(late, 1)
                 late = 0
-            recorder.last = None
-            _, seconds, idle = timer.run(engine.step)
-            if recorder.last is not None:
-                samples.append(StepSample(recorder.last, seconds, idle))
+            _, sample = timer.run(engine.step, recorder)
+            if sample is not None:
+                samples.append(sample)
     return samples
 
 
@@ -316,7 +324,8 @@ def format_cost_model(model: FittedCostModel) -> str:
                  f"{c['prefill_chunks'] * 1e3:.2f}ms*prefill_chunks + "
                  f"{c['first_64_tokens'] * 1e6:.1f}us*min(tokens,64) + "
                  f"{c['first_256_tokens'] * 1e6:.1f}us*min(tokens,256) + "
-                 f"{c['wake'] * 1e3:.2f}ms*wake(idle);"
+                 f"{c['wake'] * 1e3:.2f}ms*wake(idle) + new shape*({c['new_shape'] * 1e3:.2f}ms + "
+                 f"{c['new_shape_tokens'] * 1e6:.1f}us*tokens);"
                  f" error median "
                  f"{fit_error['median_abs_error']:.1%}, p90 {fit_error['p90_abs_error']:.1%} "
                  f"({meta['dtype']}, {meta['hardware']['cpus']} cpus)")

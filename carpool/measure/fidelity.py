@@ -157,6 +157,7 @@ def fidelity(engine, config: EngineConfig, cost, args: argparse.Namespace) -> Fi
     side's own spread), then in the simulator with ``cost`` and the
     engine's pool size; compare."""
     from carpool.bench.regimes import encode_workload, warm_up
+    from carpool.measure.costs import StepTimer
     from carpool.sim.command import cost_label
     from carpool.sim.costs import machine_warning
     from carpool.sim.simulate import SimSettings, simulate
@@ -169,12 +170,15 @@ def fidelity(engine, config: EngineConfig, cost, args: argparse.Namespace) -> Fi
                      if not k.startswith("engine_") and k != "func"},
                   "workload": describe_workload(spec)}
     runs = max(1, getattr(args, "real_runs", 1))
+    timer = StepTimer()
+    for tokens in (min(16, len(workload[0].prompt_token_ids)), 1):
+        timer.shapes.see(tokens)  # the warm-up's prefill and decodes ran these
     real_docs, steps, loads = [], [], []
     for run in range(runs):
         print(f"replaying {len(workload)} requests on the real engine "
               f"({offsets[-1]:.0f} s of arrivals; real run {run + 1} of {runs})...")
         replayed, run_steps, load = _real_run(engine if run == 0 else engine.renewed(),
-                                              workload, offsets)
+                                              workload, offsets, timer)
         doc = make_result(f"real engine (in-process replay {run + 1})", run_config,
                           LoadRun(replayed.records, replayed.seconds), {})
         doc["machine_load"] = load
@@ -206,13 +210,13 @@ def fidelity(engine, config: EngineConfig, cost, args: argparse.Namespace) -> Fi
     return FidelityResult(rows, real_docs[0], sim_doc, notes, real_docs[1:], busy or None)
 
 
-def _real_run(engine, workload, offsets):
-    """One timed replay on ``engine``: (its result, its steps' (shape,
-    seconds), what else the machine ran meanwhile)."""
+def _real_run(engine, workload, offsets, timer):
+    """One timed replay on ``engine``: (its result, its timed steps, what
+    else the machine ran meanwhile)."""
     from carpool.bench.regimes import replay
     from carpool.machine import MachineLoad
 
-    steps = _time_steps(engine)
+    steps = _time_steps(engine, timer)
     load = MachineLoad()
     try:
         replayed = replay(engine, workload, offsets)
@@ -231,23 +235,23 @@ def _load_line(loads: list) -> str:
             + ", ".join(f"{load['steal_share']:.1%}" for load in known))
 
 
-def _time_steps(engine) -> list:
+def _time_steps(engine, timer) -> list:
     """Wrap ``engine.step`` to keep the timed steps (shape, seconds, idle
-    gap before) of every step that ran a batch: the cost model's own error
-    on the replayed steps."""
-    from carpool.executor.shapes import StepSample
-    from carpool.measure.costs import ShapeRecorder, StepTimer
+    gap before, new token count) of every step that ran a batch: the cost
+    model's own error on the replayed steps. One timer for every real run:
+    they share the process, so a token count one run met is not new to the
+    next."""
+    from carpool.measure.costs import ShapeRecorder
 
     recorder = ShapeRecorder(engine.executor)
     engine.executor = recorder
     samples: list = []
-    step, timer = engine.step, StepTimer()
+    step = engine.step
 
     def timed_step():
-        recorder.last = None
-        outputs, seconds, idle = timer.run(step)
-        if recorder.last is not None:
-            samples.append(StepSample(recorder.last, seconds, idle))
+        outputs, sample = timer.run(step, recorder)
+        if sample is not None:
+            samples.append(sample)
         return outputs
 
     engine.step = timed_step

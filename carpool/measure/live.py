@@ -54,7 +54,8 @@ def fetch_steps(url: str, api_key: str | None, limit: int | None = None,
 def samples_of(document: dict) -> list[StepSample]:
     """The timed steps of a step log document; each one's idle gap is the
     time from the end of the step logged before it to its own start (0 for
-    the first, or where the log has no start times)."""
+    the first, or where the log has no start times); ``new_shape`` as the
+    server logged it (false where it did not)."""
     out = []
     last_end = None
     for index, row in enumerate(document.get("steps", [])):
@@ -63,12 +64,13 @@ def samples_of(document: dict) -> list[StepSample]:
             seconds = float(row["seconds"])
             started = row.get("started")
             started = None if started is None else float(started)
+            new_shape = bool(row.get("new_shape", False))
         except (KeyError, TypeError, ValueError):
             raise ValueError(f"step {index} of the log is malformed: {row!r}") from None
         idle = 0.0 if started is None or last_end is None else max(0.0, started - last_end)
         last_end = None if started is None else started + seconds
         if seconds > 0:
-            out.append(StepSample(shape, seconds, idle))
+            out.append(StepSample(shape, seconds, idle, new_shape))
     return out
 
 

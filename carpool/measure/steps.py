@@ -4,7 +4,8 @@ a cost model prices them by step kind and batch region.
 ``carpool fidelity`` prints both summaries of its real steps
 (``step_error_line``, ``errors_by_region``) and with ``--steps-out FILE``
 writes them (gzipped JSON lines: the ``StepShape`` fields, ``seconds`` and
-``idle_s``, the idle gap before the step; files without it read as 0),
+``idle_s``, the idle gap before the step, and ``new_shape``; files without
+them read as 0 and false),
 so that tests can judge a cost model's form on the shapes real traffic
 produces, with no live timing (tests/test_measure_steps.py).
 """
@@ -39,7 +40,8 @@ def seq_region(shape: StepShape) -> str:
 
 def predicted_seconds(cost, sample: StepSample) -> float:
     """What ``cost`` charges for a timed step: its shape after its idle gap."""
-    return cost.step_seconds(sample.shape) + cost.wake_seconds(sample.idle_s)
+    return cost.step_seconds(sample.shape) + cost.extra_seconds(
+        sample.shape.tokens, sample.idle_s, sample.new_shape)
 
 
 def save_steps(samples: list[StepSample], path: str | Path) -> Path:
@@ -47,9 +49,9 @@ def save_steps(samples: list[StepSample], path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with gzip.open(path, "wt", encoding="utf-8") as f:
-        for shape, seconds, idle_s in as_samples(samples):
+        for shape, seconds, idle_s, new_shape in as_samples(samples):
             f.write(json.dumps({**dataclasses.asdict(shape), "seconds": seconds,
-                                "idle_s": idle_s}) + "\n")
+                                "idle_s": idle_s, "new_shape": new_shape}) + "\n")
     return path
 
 
@@ -61,7 +63,8 @@ def load_steps(path: str | Path) -> list[StepSample]:
         for line in f:
             row = json.loads(line)
             out.append(StepSample(StepShape(**{name: int(row[name]) for name in names}),
-                                  float(row["seconds"]), float(row.get("idle_s", 0.0))))
+                                  float(row["seconds"]), float(row.get("idle_s", 0.0)),
+                                  bool(row.get("new_shape", False))))
     return out
 
 

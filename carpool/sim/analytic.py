@@ -248,9 +248,9 @@ class AnalyticCostModel:
         all, without building the shape (the simulator's hot path)."""
         return self._seconds(seqs, seqs, context_tokens, context_tokens)
 
-    def wake_seconds(self, idle_s: float) -> float:
-        """0: hardware specs say nothing of what idling costs (a measured
-        model's wake term does)."""
+    def extra_seconds(self, tokens: int, idle_s: float, new_shape: bool) -> float:
+        """0: hardware specs say nothing of what idling or a new shape costs
+        (a measured model's terms do)."""
         return 0.0
 
     def _flops(self, tokens: int, seqs: int, pairs: float) -> float:

@@ -35,8 +35,10 @@ class CostModel(Protocol):
         context_tokens))``: a step of ``seqs`` one-token decodes."""
         ...
 
-    def wake_seconds(self, idle_s: float) -> float:
-        """What a step costs more after the engine idled ``idle_s``."""
+    def extra_seconds(self, tokens: int, idle_s: float, new_shape: bool) -> float:
+        """What a step of ``tokens`` costs more in its circumstances: after
+        the engine idled ``idle_s``, and when its token count is new to the
+        process (``carpool.executor.shapes.ShapeMemory``)."""
         ...
 
     def describe(self) -> dict: ...

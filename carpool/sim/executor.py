@@ -8,16 +8,18 @@ to the simulator, whose requests all run with ignore_eos. The price of the
 last step is ``last_step_seconds``; the simulated replica advances its
 virtual clock by it (the live engine times the step on the wall clock
 instead). ``decode_step_seconds`` prices the steps of a fast-forwarded
-decode run exactly as ``execute`` would price them one by one;
-``wake_seconds`` what a step costs more after an idle gap (the replica
-knows the gap, the batch does not).
+decode run exactly as ``execute`` would price them one by one. Both add
+the new-shape cost to a step whose token count the executor's
+``ShapeMemory`` lacks, as the live process pays it; ``wake_seconds`` is
+what a step costs more after an idle gap (the replica knows the gap, the
+batch does not).
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 from carpool.executor.base import BatchItem, Executor, Padding
-from carpool.executor.shapes import StepShape
+from carpool.executor.shapes import ShapeMemory, StepShape
 from carpool.sim.costs import CostModel
 
 SAMPLED_TOKEN = 0  # what every simulated step samples
@@ -31,21 +33,28 @@ class CostModelExecutor(Executor):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.last_step_seconds = 0.0
+        self.shapes = ShapeMemory()
 
     def execute(self, items: Sequence[BatchItem], padding: Padding | None = None) -> list[int]:
         """Price the step (``last_step_seconds``); one ``SAMPLED_TOKEN`` per
         item that samples, in item order."""
-        self.last_step_seconds = self.cost.step_seconds(batch_shape(items, padding))
+        shape = batch_shape(items, padding)
+        self.last_step_seconds = self.cost.step_seconds(shape) + self._new_shape_seconds(
+            shape.tokens)
         return [SAMPLED_TOKEN for item in items if item.sampling is not None]
 
     def decode_step_seconds(self, seqs: int, context_tokens: int) -> float:
         """The price of a step of ``seqs`` one-token decodes attending to
         ``context_tokens`` in all (what ``execute`` charges for it)."""
-        return self.cost.decode_step_seconds(seqs, context_tokens)
+        return self.cost.decode_step_seconds(seqs, context_tokens) + self._new_shape_seconds(
+            seqs)
 
     def wake_seconds(self, idle_s: float) -> float:
         """What a step costs more after the replica idled ``idle_s``."""
-        return self.cost.wake_seconds(idle_s)
+        return self.cost.extra_seconds(0, idle_s, False)
+
+    def _new_shape_seconds(self, tokens: int) -> float:
+        return self.cost.extra_seconds(tokens, 0.0, True) if self.shapes.see(tokens) else 0.0
 
 
 def batch_shape(items: Sequence[BatchItem], padding: Padding | None = None) -> StepShape:

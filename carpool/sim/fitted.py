@@ -2,7 +2,7 @@
 
 Form: ``seconds = c0 + c1*tokens + c2*seqs + c3*context_tokens +
 c4*attention_pairs + c5*prefill_chunks + c6*min(tokens, 64) +
-c7*min(tokens, 256) + c8*wake(idle)``:
+c7*min(tokens, 256) + c8*wake(idle) + new_shape*(c9 + c10*tokens)``:
 
 - c0, a fixed cost per step (Python, scheduling, kernel launches; the
   weights read once);
@@ -22,6 +22,9 @@ c7*min(tokens, 256) + c8*wake(idle)``:
   after ~0.05 s), ``wake(idle) = 1 - exp(-idle / WAKE_TAU_S)``. Real traffic
   starts most of its first-token steps after an idle gap, a grid run back to
   back never does: without the term a fit priced real prefills 10-14% low.
+- c9 and c10, a step whose token count is new to the process
+  (``carpool.executor.shapes.ShapeMemory``: the matrix kernels are built
+  per shape on first use): measured 5-18 ms more, growing with the tokens.
 
 ``carpool measure`` measures the steps and fits it; the fit's error on the
 measured steps is kept with it. Files from before the last four terms load
@@ -36,13 +39,13 @@ from dataclasses import dataclass, field
 from carpool.executor.shapes import StepSample, StepShape, as_samples
 
 FEATURES = ("step", "tokens", "seqs", "context_tokens", "attention_pairs", "prefill_chunks",
-            "first_64_tokens", "first_256_tokens", "wake")
+            "first_64_tokens", "first_256_tokens", "wake", "new_shape", "new_shape_tokens")
 _OPTIONAL = FEATURES[5:]  # absent from files fitted before them: 0
 KNOTS = (64, 256)
 WAKE_TAU_S = 0.1  # idle seconds for the wake cost to reach 63% of its whole
 FORM = ("seconds = c0 + c1*tokens + c2*seqs + c3*context_tokens + c4*attention_pairs "
         "+ c5*prefill_chunks + c6*min(tokens,64) + c7*min(tokens,256) "
-        f"+ c8*(1-exp(-idle/{WAKE_TAU_S}s)) "
+        f"+ c8*(1-exp(-idle/{WAKE_TAU_S}s)) + new_shape*(c9 + c10*tokens) "
         "(least squares of the relative error, coefficients >= 0)")
 
 
@@ -51,11 +54,14 @@ def wake_fraction(idle_s: float) -> float:
     return 1.0 - math.exp(-idle_s / WAKE_TAU_S) if idle_s > 0 else 0.0
 
 
-def features(shape: StepShape, idle_s: float = 0.0) -> tuple[float, ...]:
+def features(sample: StepSample) -> tuple[float, ...]:
+    shape = sample.shape
     tokens = shape.tokens
+    new = 1.0 if sample.new_shape else 0.0
     return (1.0, float(tokens), float(shape.seqs), float(shape.context_tokens),
             float(shape.attention_pairs), float(shape.seqs - shape.decode_seqs),
-            float(min(tokens, KNOTS[0])), float(min(tokens, KNOTS[1])), wake_fraction(idle_s))
+            float(min(tokens, KNOTS[0])), float(min(tokens, KNOTS[1])),
+            wake_fraction(sample.idle_s), new, new * tokens)
 
 
 @dataclass
@@ -83,17 +89,21 @@ class FittedCostModel:
         all, without building the shape (the simulator's hot path)."""
         return self._seconds(seqs, seqs, context_tokens, context_tokens, 0)
 
-    def wake_seconds(self, idle_s: float) -> float:
-        """What a step costs more when the engine idled ``idle_s`` before it."""
-        return self.coefficients[8] * wake_fraction(idle_s)
+    def extra_seconds(self, tokens: int, idle_s: float, new_shape: bool) -> float:
+        """What a step of ``tokens`` costs more after ``idle_s`` idle and
+        when its token count is new to the process."""
+        c8, c9, c10 = self.coefficients[8:]
+        extra = c8 * wake_fraction(idle_s) if idle_s > 0 else 0.0
+        return extra + (c9 + c10 * tokens if new_shape else 0.0)
 
     def sample_seconds(self, sample: StepSample) -> float:
-        """The price of a timed step: its shape after its idle gap."""
-        return self.step_seconds(sample.shape) + self.wake_seconds(sample.idle_s)
+        """The price of a timed step in its circumstances."""
+        return self.step_seconds(sample.shape) + self.extra_seconds(
+            sample.shape.tokens, sample.idle_s, sample.new_shape)
 
     def _seconds(self, tokens: int, seqs: int, context_tokens: int, pairs: int,
                  chunks: int) -> float:
-        c0, c1, c2, c3, c4, c5, c6, c7, _ = self.coefficients
+        c0, c1, c2, c3, c4, c5, c6, c7 = self.coefficients[:8]
         return (c0 + c1 * tokens + c2 * seqs + c3 * context_tokens + c4 * pairs + c5 * chunks
                 + c6 * min(tokens, KNOTS[0]) + c7 * min(tokens, KNOTS[1]))
 
@@ -126,7 +136,7 @@ def fit(samples: Sequence[tuple], meta: dict | None = None) -> FittedCostModel:
     timed = as_samples(samples)
     if len(timed) < len(FEATURES):
         raise ValueError(f"need at least {len(FEATURES)} steps to fit, got {len(timed)}")
-    x = np.array([features(s.shape, s.idle_s) for s in timed])
+    x = np.array([features(s) for s in timed])
     y = np.array([s.seconds for s in timed])
     weight = 1.0 / np.maximum(y, 1e-9)
     active = [i for i in range(len(FEATURES)) if np.ptp(x[:, i]) > 0 or i == 0]
