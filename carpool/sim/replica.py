@@ -63,10 +63,10 @@ def prompt_token_ids(index: int, length: int, hash_ids: tuple[int, ...] = (),
 
 
 class State(enum.Enum):
-    IDLE = "idle"  # nothing to do; an arrival starts a step at once
+    IDLE = "idle"  # nothing to do; an arrival makes a boundary at once
     STEP = "step"  # one step runs until next_time
     RUN = "run"  # a planned run of decode steps ends at next_time (cut short by an arrival)
-    BOUNDARY = "boundary"  # a cut run: the next step boundary is at next_time
+    BOUNDARY = "boundary"  # the next step boundary is at next_time (a cut run, an arrival)
     POLL = "poll"  # work it cannot schedule yet; looks again at next_time
 
 
@@ -117,7 +117,10 @@ class SimReplica:
         self._inbox.append((request, record))
         self.outstanding += 1
         if self.state in (State.IDLE, State.POLL):
-            self._boundary(now)
+            # A boundary now, after every arrival of this same instant (the
+            # event loop delivers arrivals first): a burst's requests share
+            # the first step, as the live engine's inbox holds them all.
+            self._set(State.BOUNDARY, now)
             return True
         if self.state == State.RUN:
             return self._cut_run(now)
