@@ -143,24 +143,25 @@ def run_scenario(engine, recorder: ShapeRecorder, scenario: Scenario, rng: rando
     grid's, so that a scenario's first step knows the gap since the last)."""
     from carpool.sampling_params import SamplingParams
 
-    def add(prompt_len: int, output_len: int) -> None:
-        engine.add_request([rng.choice(vocab) for _ in range(prompt_len)], SamplingParams(
-            max_tokens=output_len, temperature=0, ignore_eos=True))
+    def prompt(length: int) -> list[int]:
+        return [rng.choice(vocab) for _ in range(length)]
+
+    def add(prompt_ids: list[int], output_len: int) -> None:
+        engine.add_request(prompt_ids, SamplingParams(max_tokens=output_len, temperature=0,
+                                                      ignore_eos=True))
 
     samples: list[StepSample] = []
     timer = timer or StepTimer()
     for _ in range(scenario.rounds):
-        prompts = [[rng.choice(vocab) for _ in range(scenario.prompt_len)]
-                   for _ in range(scenario.count)]
-        if scenario.idle_before:
+        prompts = [prompt(scenario.prompt_len) for _ in range(scenario.count)]
+        if scenario.idle_before:  # the engine idles, as between real arrivals
             time.sleep(scenario.idle_before)
-        for prompt in prompts:
-            engine.add_request(prompt, SamplingParams(max_tokens=scenario.output_len,
-                                                      temperature=0, ignore_eos=True))
+        for prompt_ids in prompts:
+            add(prompt_ids, scenario.output_len)
         late = scenario.late_prompt
         while engine.has_unfinished:
             if late and _all_decoding(engine.scheduler):
-                add(late, 1)
+                add(prompt(late), 1)
                 late = 0
             _, sample = timer.run(engine.step, recorder)
             if sample is not None:

@@ -93,8 +93,7 @@ class FittedCostModel:
         """What a step of ``tokens`` costs more after ``idle_s`` idle and
         when its token count is new to the process."""
         c8, c9, c10 = self.coefficients[8:]
-        extra = c8 * wake_fraction(idle_s) if idle_s > 0 else 0.0
-        return extra + (c9 + c10 * tokens if new_shape else 0.0)
+        return c8 * wake_fraction(idle_s) + (c9 + c10 * tokens if new_shape else 0.0)
 
     def sample_seconds(self, sample: StepSample) -> float:
         """The price of a timed step in its circumstances."""
