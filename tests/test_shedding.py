@@ -149,6 +149,28 @@ def test_the_servers_time_to_hand_a_first_token_over_counts_against_the_target()
         assert (error is None) == admitted, (lag, error)
 
 
+def test_an_arrival_may_not_push_the_first_token_of_its_step_mates_past_their_allowance():
+    """Arrivals taken at one boundary share the next step. "first" waited
+    0.2 s for the step in flight and is due by 0.25 s; alone beside the 4
+    decodes its step is 0.01 + 0.001 x 28 = 38 ms (0.238 s). "second" (24
+    tokens) would be on time itself (62 ms), but would make that step 62 ms
+    and "first" 0.262 s late; before, each was checked with its own prompt
+    only and both were admitted. A 4-token one still fits (0.242 s)."""
+    scheduler = _adaptive(50)
+    scheduler.config.max_num_seqs = scheduler.knobs.max_num_seqs = 8  # free slots
+    scheduler.admission.ttft_target = 0.25 / 0.85  # the normal class may use 0.25 s
+    scheduler.clock.now = 0.2
+    first = Request("first", [7] * 24, 4, arrival_time=0.0)
+    scheduler.add_request(first)
+    assert first.predicted_ttft == pytest.approx(0.238, abs=1e-3)
+    error = _try(scheduler, "second", prompt=24)
+    assert error is not None and error.reason == "predicted_ttft_miss"
+    assert "share the next step" in str(error)
+    assert _try(scheduler, "small", prompt=4) is None
+    # Its step mate's prediction now counts the step it shares.
+    assert first.predicted_ttft == pytest.approx(0.242, abs=1e-3)
+
+
 def test_retry_after_is_the_time_over_the_allowance_not_the_whole_wait():
     scheduler = _adaptive(250)  # the first slot frees in 250 x 14 ms = 3.5 s
     error = _try(scheduler, "late")

@@ -4,8 +4,6 @@ Pure Python; every time is a value of the scheduler's injected clock.
 """
 from __future__ import annotations
 
-import heapq
-import itertools
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -21,6 +19,7 @@ from carpool.scheduler.overload import (
 from carpool.scheduler.request import Request
 from carpool.scheduler.shedding import (
     PredictionError,
+    first_broken_promise,
     predict_first_token_delay,
     predict_slot_delay,
     ttft_allowance,
@@ -40,7 +39,6 @@ RATE_WINDOW = 30.0
 # A single departure a few milliseconds into a busy period says little;
 # rates are measured over at least this many seconds.
 MIN_RATE_SPAN = 1.0
-_MIN_COMPACT = 64
 
 
 class RejectedError(Exception):
@@ -120,61 +118,6 @@ class DepartureRate:
     def _prune(self, busy: float) -> None:
         while self._stamps and self._stamps[0] < busy - RATE_WINDOW:
             self._stamps.popleft()
-
-
-class ExpiryQueue:
-    """Waiting requests that carry a deadline or queue timeout, soonest first.
-
-    Entries are never removed eagerly: a request that got scheduled,
-    finished or aborted leaves a stale entry that is dropped when it
-    reaches the top, or in a compaction once stale entries dominate, so
-    each step costs O(1) when nothing expires.
-    """
-
-    def __init__(self) -> None:
-        self._heap: list[tuple[float, int, str, Request]] = []
-        self._seq = itertools.count()
-        self._compact_at = _MIN_COMPACT
-
-    def __len__(self) -> int:
-        return len(self._heap)
-
-    def add(self, request: Request, queue_timeout: float | None) -> None:
-        """Track ``request`` if it has a deadline or a queue timeout applies.
-
-        The earlier of the two wins; on a tie the reason is ``"deadline"``.
-        """
-        candidates = []
-        if request.deadline is not None:
-            candidates.append((request.deadline, 0, "deadline"))
-        if queue_timeout is not None:
-            candidates.append((request.arrival_time + queue_timeout, 1, "queue_timeout"))
-        if candidates:
-            expiry, _, reason = min(candidates)
-            heapq.heappush(self._heap, (expiry, next(self._seq), reason, request))
-
-    def pop_expired(self, now: float) -> list[tuple[Request, str]]:
-        """Entries whose expiry time is strictly before ``now``, earliest first.
-
-        The caller decides which are still waiting; the others are stale.
-        """
-        expired = []
-        while self._heap and self._heap[0][0] < now:
-            _, _, reason, request = heapq.heappop(self._heap)
-            expired.append((request, reason))
-        return expired
-
-    def compact(self, is_live: Callable[[Request], bool]) -> None:
-        """Drop stale entries when the heap has doubled since the last compaction.
-
-        A compaction of n entries happens only after n/2 pushes, so the
-        cost is amortised O(1) per request.
-        """
-        if len(self._heap) < self._compact_at:
-            return
-        self._heap = [entry for entry in self._heap if is_live(entry[3])]
-        heapq.heapify(self._heap)
-        self._compact_at = max(_MIN_COMPACT, 2 * len(self._heap))
 
 
 class AdmissionControl:
@@ -263,8 +206,8 @@ class AdmissionControl:
     def _check_ttft_target(self, request: Request, now: float, waiting,
                            running: Sequence[Request]) -> None:
         delay = self._predict(request, now, waiting, running)
-        if delay is None or self._first_in_line(request, waiting, running):
-            return  # next in line for a free slot: as soon as any server could
+        if delay is None:
+            return
         # Both drivers stamp a request when it arrives, not when the engine
         # takes it between two steps, so the wait for the step in flight is
         # in ``delay`` as it was (now - arrival) and in the TTFTs the margin
@@ -278,12 +221,51 @@ class AdmissionControl:
         reference = predict_first_token_delay(self.cost_model, 0, CALIBRATION_PROMPT_TOKENS, 0,
                                               budget)
         allowed = ttft_allowance(self.ttft_target, request.priority, alone, reference)
-        if delay > allowed:
+        # Next in line for a free slot: as soon as any server could. Turning
+        # it away helps nobody (and admitting it keeps the margin learning).
+        if delay > allowed and not self._first_in_line(request, waiting, running):
             # The minimum needed: the work ahead must drain by the excess.
             self._reject("predicted_ttft_miss", delay - allowed, (
                 f"the request would get its first token in ~{delay:.2f} s, over the "
                 f"{allowed:.2f} s its priority class is allowed of the TTFT target "
                 f"{self.ttft_target:.2f} s; retry in ~{math.ceil(delay - allowed):.0f} s"))
+        self._check_shared_step(request, now, waiting, running)
+        request.first_token_due = request.arrival_time + allowed
+
+    def _check_shared_step(self, request: Request, now: float, waiting,
+                           running: Sequence[Request]) -> None:
+        """When ``request`` would start in the next step beside requests
+        still waiting for their first token, reject it if the step its
+        prompt lengthens breaks one of their promises (``first_broken_promise``);
+        else re-predict their first tokens with it in their step, so the
+        margin learns the cost model's error, not this step's growth."""
+        ahead_tokens, ahead, holding = self._ahead(request, waiting, running)
+        prefilling = [r for r in running if r.num_pending_tokens > 1]
+        decoding = sum(1 for r in running if r.num_pending_tokens == 1)
+        budget = self.knobs.max_num_batched_tokens
+        tokens = ahead_tokens + sum(r.num_pending_tokens for r in prefilling)
+        tokens += request.num_prompt_tokens
+        if (tokens > budget - min(decoding, budget - 1)
+                or ahead + 1 > self.knobs.max_num_seqs - len(holding)):
+            return  # not one shared step: full steps ahead are priced full already
+        waiting_ahead = waiting if self.config.policy != "priority" else [
+            r for r in waiting if r.priority <= request.priority]
+        members = [r for r in (*waiting_ahead, *prefilling) if r.first_token_due is not None]
+        if not members:
+            return
+        step = self.cost_model.predict(decoding + tokens, decoding + len(members) + 1)
+        broken = first_broken_promise(members, now, step, self.delivery_lag,
+                                      lambda predicted: self.prediction_error.margin(
+                                          now, predicted))
+        if broken is not None:
+            _, late = broken
+            self._reject("predicted_ttft_miss", late, (
+                f"the request would share the next step with requests ahead of it and "
+                f"make their first tokens ~{late:.2f} s later than the TTFT target "
+                f"{self.ttft_target:.2f} s allows; retry in ~{math.ceil(late):.0f} s"))
+        for member in members:
+            member.predicted_ttft = max(member.predicted_ttft or 0.0,
+                                        now - member.arrival_time + step)
 
     def _check_deadline(self, request: Request, now: float, waiting,
                         running: Sequence[Request]) -> None:

@@ -1,7 +1,9 @@
-"""Waiting queues: FIFO lanes merged by arrival or by aged priority. Pure Python."""
+"""Waiting queues: FIFO lanes merged by arrival or by aged priority, and the
+expiry heap of deadlines and queue timeouts. Pure Python."""
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -10,6 +12,8 @@ from carpool.scheduler.request import Request
 
 # (base priority, or 0 under FCFS; whether the prompt is long)
 LaneKey = tuple[int, bool]
+# An expiry heap compacts once it holds at least this many entries.
+_MIN_COMPACT = 64
 
 
 def is_long_prompt(request: Request, threshold: int | None) -> bool:
@@ -184,3 +188,58 @@ def make_queue(policy: str, clock: Callable[[], float], aging_interval: float | 
     """The waiting queue for a scheduling policy (``fcfs`` or ``priority``)."""
     return LaneQueue(clock, by_priority=policy == "priority", aging_interval=aging_interval,
                      long_threshold=long_threshold)
+
+
+class ExpiryQueue:
+    """Waiting requests that carry a deadline or queue timeout, soonest first.
+
+    Entries are never removed eagerly: a request that got scheduled,
+    finished or aborted leaves a stale entry that is dropped when it
+    reaches the top, or in a compaction once stale entries dominate, so
+    each step costs O(1) when nothing expires.
+    """
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, str, Request]] = []
+        self._seq = itertools.count()
+        self._compact_at = _MIN_COMPACT
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def add(self, request: Request, queue_timeout: float | None) -> None:
+        """Track ``request`` if it has a deadline or a queue timeout applies.
+
+        The earlier of the two wins; on a tie the reason is ``"deadline"``.
+        """
+        candidates = []
+        if request.deadline is not None:
+            candidates.append((request.deadline, 0, "deadline"))
+        if queue_timeout is not None:
+            candidates.append((request.arrival_time + queue_timeout, 1, "queue_timeout"))
+        if candidates:
+            expiry, _, reason = min(candidates)
+            heapq.heappush(self._heap, (expiry, next(self._seq), reason, request))
+
+    def pop_expired(self, now: float) -> list[tuple[Request, str]]:
+        """Entries whose expiry time is strictly before ``now``, earliest first.
+
+        The caller decides which are still waiting; the others are stale.
+        """
+        expired = []
+        while self._heap and self._heap[0][0] < now:
+            _, _, reason, request = heapq.heappop(self._heap)
+            expired.append((request, reason))
+        return expired
+
+    def compact(self, is_live: Callable[[Request], bool]) -> None:
+        """Drop stale entries when the heap has doubled since the last compaction.
+
+        A compaction of n entries happens only after n/2 pushes, so the
+        cost is amortised O(1) per request.
+        """
+        if len(self._heap) < self._compact_at:
+            return
+        self._heap = [entry for entry in self._heap if is_live(entry[3])]
+        heapq.heapify(self._heap)
+        self._compact_at = max(_MIN_COMPACT, 2 * len(self._heap))

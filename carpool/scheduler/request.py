@@ -59,6 +59,10 @@ class Request:
     first_token_time: float | None = None  # clock times of the first and latest sampled token
     last_token_time: float | None = None
     predicted_ttft: float | None = None  # admission's estimate, to learn its error
+    # Clock time by which admission promised the first token (arrival plus
+    # the TTFT allowance; adaptive controller only): an arrival that would
+    # share its step and push it later is turned away instead.
+    first_token_due: float | None = None
     # The live sequence limit when admission accepted it (adaptive controller):
     # its first token was promised at that many slots, so a later cut of the
     # limit does not hold it back (it would break the promise for TPOT's sake).

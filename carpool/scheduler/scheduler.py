@@ -29,11 +29,11 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 
 from carpool.config import CacheConfig, ControllerConfig, SchedulerConfig
-from carpool.scheduler.admission import AdmissionControl, ExpiryQueue
+from carpool.scheduler.admission import AdmissionControl
 from carpool.scheduler.controller import AdaptiveController, LiveKnobs
 from carpool.scheduler.invariants import check_invariants
 from carpool.scheduler.kv_manager import KVCacheManager
-from carpool.scheduler.queues import make_queue
+from carpool.scheduler.queues import ExpiryQueue, make_queue
 from carpool.scheduler.regimes import BatchGate, GateHook
 from carpool.scheduler.request import Request, RequestStatus
 from carpool.scheduler.sessions import SessionStats, SessionTracker
