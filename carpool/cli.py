@@ -37,6 +37,8 @@ ENGINE_FLAGS: list[tuple[str, str, type, str]] = [
                                       "(default: $CARPOOL_CACHE or ~/.cache/carpool)"),
     ("--threads", "threads", int, "torch CPU threads (default: torch's choice)"),
     ("--seed", "seed", int, "seeds the per-request seeds of requests that give none"),
+    ("--row-bucket", "row_bucket", int, "pad each step's token rows to a multiple of this "
+                                        "before the linear layers (1: exact rows)"),
     ("--block-size", "block_size", int, "tokens per KV block"),
     ("--kv-cache-memory", "kv_cache_memory", str, "KV pool budget, e.g. 512MiB, 2GiB"),
     ("--num-blocks", "num_blocks", int, "KV pool size in blocks (overrides --kv-cache-memory)"),

@@ -258,6 +258,11 @@ class ModelSettings:
     cache_dir: str | None = None  # defaults to $CARPOOL_CACHE or ~/.cache/carpool
     threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
     seed: int = 0  # seeds the per-request seeds of requests that give none
+    # Each step's token rows are padded up to a multiple of this before the
+    # linear layers (1: exact rows). The CPU matrix kernels are built per row
+    # count on first use (5-18 ms each step with a new count, and ~0.7 MB
+    # kept per kernel); 16 leaves budget/16 counts to build once.
+    row_bucket: int = 16
 
     def validate(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -267,6 +272,8 @@ class ModelSettings:
         if self.attention_backend not in ("auto", "torch", "sdpa", "cpu"):
             raise ValueError(f"attention_backend must be auto|torch|sdpa|cpu, "
                              f"got {self.attention_backend!r}")
+        if self.row_bucket < 1:
+            raise ValueError(f"row_bucket must be >= 1 (1: exact rows), got {self.row_bucket}")
 
 
 @dataclass

@@ -225,3 +225,31 @@ def test_request_level_regimes_give_the_same_greedy_tokens(roomy, tiny_model_dir
     gate = llm.engine.scheduler.gate
     assert gate.stats.batches >= 3 and gate.stats.mean_batch_size <= 2
     assert llm.engine.scheduler.cost_model.ready  # every executed step fed the cost model
+
+
+def test_row_buckets_bound_the_linear_layers_shapes_and_change_no_token(roomy, tiny_model_dir):
+    """Pad rows past a step's tokens (``ModelSettings.row_bucket``) are
+    computed by the linear layers only: the tokens and logprobs equal the
+    exact-rows engine's, and every step above ``EXACT_ROWS`` tokens reaches
+    the linear layers as a multiple of the bucket."""
+    from carpool.executor.shapes import EXACT_ROWS
+
+    exact = LLM(str(tiny_model_dir), dtype="float32", kv_cache_memory="64MiB", row_bucket=1)
+    bucketed = LLM(str(tiny_model_dir), dtype="float32", kv_cache_memory="64MiB",
+                   row_bucket=16)
+    rows_seen: list[int] = []
+    layer = bucketed.engine.executor.model.layers[0]
+    hook = layer.qkv_proj.register_forward_hook(
+        lambda module, inputs, output: rows_seen.append(inputs[0].shape[0]))
+    try:
+        got = bucketed.generate(PROMPTS, greedy(logprobs=2))
+    finally:
+        hook.remove()
+    expected = exact.generate(PROMPTS, greedy(logprobs=2))
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    for mine, theirs in zip(got, expected):
+        for a, b in zip(mine.logprobs, theirs.logprobs, strict=True):
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+            assert [t for t, _ in a.top] == [t for t, _ in b.top]
+    assert any(r > EXACT_ROWS for r in rows_seen), "the prompts should make a step pad"
+    assert all(r <= EXACT_ROWS or r % 16 == 0 for r in rows_seen), rows_seen

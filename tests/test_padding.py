@@ -67,9 +67,9 @@ def test_padding_survives_chunked_prefill_and_preemption(tiny_model_dir, base):
 def test_slot_tokens_count_the_whole_rectangle(base):
     engine = engine_like(base, batching="static", padding="right", preferred_batch_size=3,
                          max_wait=None)
-    tokens_run: list[int] = []
-    hook = base.executor.model.embed_tokens.register_forward_hook(
-        lambda module, inputs, output: tokens_run.append(inputs[0].numel()))
+    tokens_run: list[int] = []  # tokens attention ran over (the row bucket's pad rows apart)
+    hook = base.executor.model.register_forward_hook(
+        lambda module, inputs, output: tokens_run.append(inputs[1].positions.numel()))
     try:
         # Prompts of 5, 9 and 3 tokens; 2, 4 and 3 output tokens.
         prompts = [[10 + i for i in range(5)], [40 + i for i in range(9)], [80, 81, 82]]

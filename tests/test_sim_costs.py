@@ -68,6 +68,20 @@ def test_shape_memory_says_new_once_and_forgets_the_least_recently_run():
         ShapeMemory(0)
 
 
+def test_shape_memory_counts_the_rows_the_executor_pads_a_step_to():
+    from carpool.executor.shapes import EXACT_ROWS, ShapeMemory, padded_rows
+
+    assert [padded_rows(t) for t in (1, EXACT_ROWS, EXACT_ROWS + 1, 48, 49, 500)] == [
+        1, EXACT_ROWS, 48, 48, 64, 512]
+    assert padded_rows(37, row_bucket=1) == 37
+    memory = ShapeMemory()
+    # 33-48 share one bucket's kernels: new once; small steps run exact
+    assert [memory.see(t) for t in (33, 40, 48, 49, 5, 6, 5)] == [
+        True, False, False, True, True, True, False]
+    exact = ShapeMemory(row_bucket=1)
+    assert [exact.see(t) for t in (33, 40, 33)] == [True, True, False]
+
+
 def test_a_cost_model_file_of_the_older_form_loads_with_the_new_terms_at_0(tmp_path):
     old = {"kind": "carpool-cost-model", "version": 1, "model_kind": "measured",
            "coefficients": {"step": 0.02, "tokens": 1e-4, "seqs": 1e-5,
@@ -150,3 +164,27 @@ def test_a_mixed_point_measures_the_step_it_is_named_after(tiny_model_dir):
     assert (row["shape"]["prefill_tokens"], row["shape"]["decode_seqs"]) == (24, 4)
     # a point with no step of its shape gets no row, never another step's
     assert _point_row(Scenario("mixed", 4, 32, 8, late_prompt=7), samples, truth) is None
+
+
+def test_a_measured_model_prices_the_rows_its_process_padded_steps_to(tmp_path):
+    from carpool.executor.shapes import StepSample, StepShape
+    from carpool.sim.costs import load_cost_model, save_cost_model
+    from carpool.sim.fitted import FittedCostModel, fit
+
+    def prefill(tokens: int) -> StepShape:
+        return StepShape(tokens, 0, tokens, 1, tokens * tokens)
+
+    coefficients = (0.010, 1e-4)  # 10 ms a step, 100 us a row
+    exact = FittedCostModel(coefficients)  # a file from before row buckets: exact rows
+    padded = FittedCostModel(coefficients, {"row_bucket": 16})
+    assert exact.step_seconds(prefill(33)) == pytest.approx(0.010 + 33e-4)
+    assert padded.step_seconds(prefill(33)) == pytest.approx(0.010 + 48e-4)
+    assert padded.step_seconds(prefill(8)) == pytest.approx(0.010 + 8e-4)  # exact below 33
+    save_cost_model(padded, tmp_path / "m.json")
+    assert load_cost_model(tmp_path / "m.json").row_bucket == 16
+    # a fit over steps priced by their padded rows finds the per-row cost
+    samples = [StepSample(prefill(t), 0.010 + 1e-4 * (-(-t // 16) * 16)) for t in range(33, 400, 7)]
+    refit = fit(samples, {"row_bucket": 16})
+    assert refit.coefficients[1] + refit.coefficients[6] + refit.coefficients[7] == pytest.approx(
+        1e-4, rel=1e-3)
+    assert refit.meta["fit"]["p90_abs_error"] < 1e-6

@@ -118,7 +118,8 @@ class LLMEngine:
         # The step's rules, shared with the simulator (carpool.scheduler.core).
         self.core = EngineCore(self.scheduler, max_model_len)
         self.counters = EngineCounters()
-        self.step_log = StepLog()  # recent steps' shapes and wall times (GET /carpool/steps)
+        # Recent steps' shapes and wall times (GET /carpool/steps).
+        self.step_log = StepLog(row_bucket=config.model.row_bucket)
         self._seeds = random.Random(config.model.seed)
         self._eos_ids = set(model_config.eos_token_ids) | set(tokenizer.eos_token_ids)
         self._next_id = 0

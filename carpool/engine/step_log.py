@@ -18,7 +18,7 @@ import threading
 from collections import deque
 from dataclasses import asdict, dataclass
 
-from carpool.executor.shapes import ShapeMemory, StepShape
+from carpool.executor.shapes import DEFAULT_ROW_BUCKET, ShapeMemory, StepShape
 
 STEP_LOG_CAPACITY = 8192  # steps kept (~1 MB as JSON; minutes of a busy server)
 
@@ -43,13 +43,14 @@ class LoggedStep:
 class StepLog:
     """A thread-safe ring of the last ``capacity`` steps, and a count of all."""
 
-    def __init__(self, capacity: int = STEP_LOG_CAPACITY) -> None:
+    def __init__(self, capacity: int = STEP_LOG_CAPACITY,
+                 row_bucket: int = DEFAULT_ROW_BUCKET) -> None:
         if capacity < 1:
             raise ValueError(f"step log capacity must be >= 1, got {capacity}")
         self._steps: deque[LoggedStep] = deque(maxlen=capacity)
         self._lock = threading.Lock()
         self.total = 0  # steps ever logged (those beyond the ring were dropped)
-        self._shapes = ShapeMemory()
+        self._shapes = ShapeMemory(row_bucket=row_bucket)
 
     def record(self, shape: StepShape, seconds: float, started: float) -> None:
         with self._lock:
@@ -91,4 +92,5 @@ def steps_document(engine, limit: int | None = None) -> dict:
             "max_model_len": engine.max_model_len,
             "max_num_batched_tokens": scheduler.max_num_batched_tokens,
             "max_num_seqs": scheduler.max_num_seqs, "batching": scheduler.batching,
+            "row_bucket": engine.config.model.row_bucket,
             "total_steps": total, "steps": [step.as_dict() for step in steps]}

@@ -17,6 +17,7 @@ import torch
 
 from carpool.config import CacheConfig, ModelSettings, parse_size
 from carpool.executor.base import BatchItem, Executor, Padding
+from carpool.executor.shapes import padded_rows
 from carpool.model.attention import SeqSpan, build_metadata, select_backend
 from carpool.model.config import ModelConfig
 from carpool.model.llama import LlamaModel
@@ -81,6 +82,7 @@ class TorchExecutor(Executor):
         self.device = resolve_device(settings.device)
         self.dtype = resolve_dtype(settings.dtype, self.device)
         self.block_size = cache.block_size
+        self.row_bucket = settings.row_bucket
         self.model = LlamaModel(model_config, max_model_len)
         self.model.load_hf_weights(weights)
         self.model.to(device=self.device, dtype=self.dtype).eval()
@@ -129,12 +131,19 @@ class TorchExecutor(Executor):
                 sample_rows.append(len(input_ids) - 1)
                 sampled_items.append(run.item)
         meta = build_metadata([run.span for run in runs], self.block_size, self.device)
+        # Pad rows: the same kernels serve every step of a bucket (shapes.py).
+        input_ids += [PAD_TOKEN_ID] * (padded_rows(len(input_ids), self.row_bucket)
+                                       - len(input_ids))
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         hidden = self.model(ids, meta, self.kv_caches, self.attention)
         if not sampled_items:
             return []
+        # The LM head's rows are bucketed too: the last sampled row repeated.
+        num_sampled = len(sample_rows)
+        sample_rows += sample_rows[-1:] * (padded_rows(num_sampled, self.row_bucket)
+                                           - num_sampled)
         rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
-        logits = self.model.compute_logits(hidden[rows])
+        logits = self.model.compute_logits(hidden[rows])[:num_sampled]
         results = self.sampler.sample(logits, [items[i].sampling for i in sampled_items])
         # Back to item order (indices are unique, so results are never compared).
         return [result for _, result in sorted(zip(sampled_items, results))]

@@ -26,7 +26,13 @@ from datetime import datetime, timezone
 
 from carpool.config import EngineConfig
 from carpool.engine.step_log import kv_bytes_per_token
-from carpool.executor.shapes import ShapeMemory, StepSample, StepShape
+from carpool.executor.shapes import (
+    DEFAULT_ROW_BUCKET,
+    EXACT_ROWS,
+    ShapeMemory,
+    StepSample,
+    StepShape,
+)
 from carpool.machine import available_cpus, machine_identity
 from carpool.measure.steps import save_steps
 from carpool.sim.costs import save_cost_model
@@ -118,9 +124,9 @@ class StepTimer:
     between steps of a busy loop) and whether its token count was new to
     the process (a ``ShapeMemory`` over every step it timed)."""
 
-    def __init__(self) -> None:
+    def __init__(self, row_bucket: int = DEFAULT_ROW_BUCKET) -> None:
         self.last_end: float | None = None
-        self.shapes = ShapeMemory()
+        self.shapes = ShapeMemory(row_bucket=row_bucket)
 
     def run(self, step, recorder: ShapeRecorder):
         """(what ``step()`` returned, its ``StepSample`` or None when it ran
@@ -151,7 +157,7 @@ def run_scenario(engine, recorder: ShapeRecorder, scenario: Scenario, rng: rando
                                                       ignore_eos=True))
 
     samples: list[StepSample] = []
-    timer = timer or StepTimer()
+    timer = timer or StepTimer(engine.config.model.row_bucket)
     for _ in range(scenario.rounds):
         prompts = [prompt(scenario.prompt_len) for _ in range(scenario.count)]
         if scenario.idle_before:  # the engine idles, as between real arrivals
@@ -240,7 +246,7 @@ def measure(engine, config: EngineConfig, args: argparse.Namespace) -> FittedCos
         scenarios = [s for s in grid(args.grid, config.scheduler.max_num_batched_tokens,
                                      config.scheduler.max_num_seqs)
                      if s.count * (s.prompt_len + s.output_len) <= kv_tokens]  # no preemption
-        timer = StepTimer()
+        timer = StepTimer(config.model.row_bucket)
         run_scenario(engine, recorder, Scenario("warm-up", 2, 16, 4), rng, vocab, timer)
         measured: list[list[StepSample]] = [[] for _ in scenarios]
         # Repeats go round the whole grid rather than back to back: a shared
@@ -303,7 +309,7 @@ def _meta(engine, config: EngineConfig, args: argparse.Namespace) -> dict:
         "max_model_len": engine.max_model_len,
         "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
         "max_num_seqs": config.scheduler.max_num_seqs,
-        "grid": args.grid, "repeats": args.repeats}
+        "row_bucket": config.model.row_bucket, "grid": args.grid, "repeats": args.repeats}
 
 
 def format_cost_model(model: FittedCostModel) -> str:
@@ -319,15 +325,16 @@ def format_cost_model(model: FittedCostModel) -> str:
                      f"{row['predicted_s'] * 1000:>6.1f}ms {error:>+6.0%}")
     fit_error = meta["fit"]
     lines.append(f"fit over {fit_error['steps']} steps: seconds = {c['step'] * 1000:.2f}ms + "
-                 f"{c['tokens'] * 1e6:.1f}us*tokens + {c['seqs'] * 1e6:.1f}us*seqs + "
+                 f"{c['tokens'] * 1e6:.1f}us*rows + {c['seqs'] * 1e6:.1f}us*seqs + "
                  f"{c['context_tokens'] * 1e9:.2f}ns*context_tokens + "
                  f"{c['attention_pairs'] * 1e9:.3f}ns*attention_pairs + "
                  f"{c['prefill_chunks'] * 1e3:.2f}ms*prefill_chunks + "
-                 f"{c['first_64_tokens'] * 1e6:.1f}us*min(tokens,64) + "
-                 f"{c['first_256_tokens'] * 1e6:.1f}us*min(tokens,256) + "
+                 f"{c['first_64_tokens'] * 1e6:.1f}us*min(rows,64) + "
+                 f"{c['first_256_tokens'] * 1e6:.1f}us*min(rows,256) + "
                  f"{c['wake'] * 1e3:.2f}ms*wake(idle) + new shape*({c['new_shape'] * 1e3:.2f}ms + "
                  f"{c['new_shape_tokens'] * 1e6:.1f}us*tokens);"
-                 f" error median "
+                 f" rows: tokens padded to a multiple of {model.row_bucket} above "
+                 f"{EXACT_ROWS}; error median "
                  f"{fit_error['median_abs_error']:.1%}, p90 {fit_error['p90_abs_error']:.1%} "
                  f"({meta['dtype']}, {meta['hardware']['cpus']} cpus)")
     return "\n".join(lines)

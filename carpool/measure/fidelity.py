@@ -170,7 +170,7 @@ def fidelity(engine, config: EngineConfig, cost, args: argparse.Namespace) -> Fi
                      if not k.startswith("engine_") and k != "func"},
                   "workload": describe_workload(spec)}
     runs = max(1, getattr(args, "real_runs", 1))
-    timer = StepTimer()
+    timer = StepTimer(engine.config.model.row_bucket)
     for tokens in (min(16, len(workload[0].prompt_token_ids)), 1):
         timer.shapes.see(tokens)  # the warm-up's prefill and decodes ran these
     real_docs, steps, loads = [], [], []

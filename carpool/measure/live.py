@@ -105,6 +105,8 @@ def _meta(document: dict, url: str, samples, counts: dict[str, int]) -> dict:
         **{key: document.get(key) for key in ("model", "dtype", "kv_bytes_per_token",
                                               "max_model_len", "max_num_batched_tokens",
                                               "max_num_seqs")},
+        # Steps logged before servers padded rows ran exact rows.
+        "row_bucket": document.get("row_bucket", 1),
         "grid": "live server",
         "source": {"server": server_root(url), "steps": len(samples), "by_kind": counts,
                    "span_s": (max(starts) - min(starts)) if starts else None,

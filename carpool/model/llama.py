@@ -104,14 +104,20 @@ class DecoderLayer(nn.Module):
                 meta: AttentionMetadata, kv: tuple[torch.Tensor, torch.Tensor],
                 attention: TorchAttention, ops=None) -> torch.Tensor:  # noqa: ANN001
         """``ops``: our compiled CPU kernels (fused RMSNorm and SwiGLU), or None."""
-        tokens = hidden.shape[0]
-        qkv = self.qkv_proj(self.input_layernorm(hidden, ops))
+        # ``hidden`` may hold pad rows past the step's tokens (see
+        # ``LlamaModel.forward``); every op but attention is row by row, so
+        # they never touch a real row, and attention sees only real ones.
+        rows, tokens = hidden.shape[0], meta.positions.shape[0]
+        qkv = self.qkv_proj(self.input_layernorm(hidden, ops))[:tokens]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = Rotary.apply(q.view(tokens, self.num_heads, self.head_dim), *rope)
         k = Rotary.apply(k.view(tokens, self.num_kv_heads, self.head_dim), *rope)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         attn = attention.forward(q, k, v, kv[0], kv[1], meta, self.scale)
-        hidden = hidden + self.o_proj(attn.reshape(tokens, self.q_size))
+        attn = attn.reshape(tokens, self.q_size)
+        if rows > tokens:
+            attn = F.pad(attn, (0, 0, 0, rows - tokens))
+        hidden = hidden + self.o_proj(attn)
         gate_up = self.gate_up_proj(self.post_attention_layernorm(hidden, ops))
         if ops is not None:
             return hidden + self.down_proj(ops.silu_and_mul(gate_up))
@@ -136,12 +142,16 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 attention: TorchAttention) -> torch.Tensor:
-        """input_ids: [T]. Returns final hidden states [T, hidden] (pre-norm)."""
+        """input_ids: [R >= T], the step's T tokens (``meta``'s) and R - T
+        pad rows after them, which the linear layers compute (so a CPU
+        matrix kernel serves every step of R rows: see
+        ``carpool.executor.shapes.padded_rows``) and nothing else reads.
+        Returns final hidden states [T, hidden] (pre-norm)."""
         hidden = self.embed_tokens(input_ids)
         rope = self.rotary.tables(meta.positions, hidden.dtype)
         for layer, kv in zip(self.layers, kv_caches):
             hidden = layer(hidden, rope, meta, kv, attention, self.ops)
-        return hidden
+        return hidden[:meta.positions.shape[0]]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [S, vocab] for the given rows only, in the model's dtype: the

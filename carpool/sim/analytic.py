@@ -204,6 +204,7 @@ class AnalyticCostModel:
     dtype_bytes: float = 2
 
     kind: ClassVar[str] = "analytic"
+    row_bucket: ClassVar[int] = 1  # prices exact tokens
 
     def __post_init__(self) -> None:
         if self.dtype_bytes <= 0:

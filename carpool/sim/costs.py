@@ -27,6 +27,10 @@ class CostModel(Protocol):
     """Seconds one step of a given shape takes."""
 
     kind: str  # "measured" or "analytic"
+    # The rows a step's tokens were padded to where it was measured
+    # (``carpool.executor.shapes.padded_rows``; 1: exact): the simulated
+    # executor's ``ShapeMemory`` counts new shapes as that process did.
+    row_bucket: int
 
     def step_seconds(self, shape: StepShape) -> float: ...
 

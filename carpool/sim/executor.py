@@ -33,7 +33,8 @@ class CostModelExecutor(Executor):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.last_step_seconds = 0.0
-        self.shapes = ShapeMemory()
+        # The rows the measured process padded its steps to (1: exact).
+        self.shapes = ShapeMemory(row_bucket=cost.row_bucket)
 
     def execute(self, items: Sequence[BatchItem], padding: Padding | None = None) -> list[int]:
         """Price the step (``last_step_seconds``); one ``SAMPLED_TOKEN`` per

@@ -6,8 +6,10 @@ c7*min(tokens, 256) + c8*wake(idle) + new_shape*(c9 + c10*tokens)``:
 
 - c0, a fixed cost per step (Python, scheduling, kernel launches; the
   weights read once);
-- c1, a cost per token computed (the linear layers); c6 and c7 make that
-  cost concave, as measured: on a 2-core AVX-512 CPU a 32-token prefill
+- c1, a cost per row the linear layers compute: the step's tokens padded
+  to the executor's row bucket (``carpool.executor.shapes.padded_rows``,
+  the ``row_bucket`` the file records; 1, exact tokens, in files from
+  before it); c6 and c7 make that cost concave, as measured: on a 2-core AVX-512 CPU a 32-token prefill
   costs ~300 us a token over the fixed cost, a 512-token one ~230 us (the
   matrix kernels block better over more rows), which one linear term priced
   5-10% low in the middle and 12% high at the end;
@@ -22,7 +24,7 @@ c7*min(tokens, 256) + c8*wake(idle) + new_shape*(c9 + c10*tokens)``:
   after ~0.05 s), ``wake(idle) = 1 - exp(-idle / WAKE_TAU_S)``. Real traffic
   starts most of its first-token steps after an idle gap, a grid run back to
   back never does: without the term a fit priced real prefills 10-14% low.
-- c9 and c10, a step whose token count is new to the process
+- c9 and c10, a step whose row count is new to the process
   (``carpool.executor.shapes.ShapeMemory``: the matrix kernels are built
   per shape on first use): measured 5-18 ms more, growing with the tokens.
 
@@ -36,17 +38,18 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from carpool.executor.shapes import StepSample, StepShape, as_samples
+from carpool.executor.shapes import StepSample, StepShape, as_samples, padded_rows
 
 FEATURES = ("step", "tokens", "seqs", "context_tokens", "attention_pairs", "prefill_chunks",
             "first_64_tokens", "first_256_tokens", "wake", "new_shape", "new_shape_tokens")
 _OPTIONAL = FEATURES[5:]  # absent from files fitted before them: 0
 KNOTS = (64, 256)
 WAKE_TAU_S = 0.1  # idle seconds for the wake cost to reach 63% of its whole
-FORM = ("seconds = c0 + c1*tokens + c2*seqs + c3*context_tokens + c4*attention_pairs "
-        "+ c5*prefill_chunks + c6*min(tokens,64) + c7*min(tokens,256) "
+FORM = ("seconds = c0 + c1*rows + c2*seqs + c3*context_tokens + c4*attention_pairs "
+        "+ c5*prefill_chunks + c6*min(rows,64) + c7*min(rows,256) "
         f"+ c8*(1-exp(-idle/{WAKE_TAU_S}s)) + new_shape*(c9 + c10*tokens) "
-        "(least squares of the relative error, coefficients >= 0)")
+        "(rows: the tokens padded to row_bucket; least squares of the relative error, "
+        "coefficients >= 0)")
 
 
 def wake_fraction(idle_s: float) -> float:
@@ -54,13 +57,14 @@ def wake_fraction(idle_s: float) -> float:
     return 1.0 - math.exp(-idle_s / WAKE_TAU_S) if idle_s > 0 else 0.0
 
 
-def features(sample: StepSample) -> tuple[float, ...]:
+def features(sample: StepSample, row_bucket: int = 1) -> tuple[float, ...]:
     shape = sample.shape
     tokens = shape.tokens
+    rows = padded_rows(tokens, row_bucket)
     new = 1.0 if sample.new_shape else 0.0
-    return (1.0, float(tokens), float(shape.seqs), float(shape.context_tokens),
+    return (1.0, float(rows), float(shape.seqs), float(shape.context_tokens),
             float(shape.attention_pairs), float(shape.seqs - shape.decode_seqs),
-            float(min(tokens, KNOTS[0])), float(min(tokens, KNOTS[1])),
+            float(min(rows, KNOTS[0])), float(min(rows, KNOTS[1])),
             wake_fraction(sample.idle_s), new, new * tokens)
 
 
@@ -72,6 +76,12 @@ class FittedCostModel:
     coefficients: tuple[float, ...]
     meta: dict = field(default_factory=dict)  # hardware, model, dtype, fit error
     kind: str = "measured"
+
+    @property
+    def row_bucket(self) -> int:
+        """The row bucket of the process it was measured on (``meta``; 1,
+        exact rows, for files from before row buckets)."""
+        return int(self.meta.get("row_bucket", 1))
 
     def __post_init__(self) -> None:
         if len(self.coefficients) > len(FEATURES):
@@ -103,8 +113,9 @@ class FittedCostModel:
     def _seconds(self, tokens: int, seqs: int, context_tokens: int, pairs: int,
                  chunks: int) -> float:
         c0, c1, c2, c3, c4, c5, c6, c7 = self.coefficients[:8]
-        return (c0 + c1 * tokens + c2 * seqs + c3 * context_tokens + c4 * pairs + c5 * chunks
-                + c6 * min(tokens, KNOTS[0]) + c7 * min(tokens, KNOTS[1]))
+        rows = padded_rows(tokens, self.row_bucket)
+        return (c0 + c1 * rows + c2 * seqs + c3 * context_tokens + c4 * pairs + c5 * chunks
+                + c6 * min(rows, KNOTS[0]) + c7 * min(rows, KNOTS[1]))
 
     def describe(self) -> dict:
         return {"model_kind": self.kind, "form": FORM,
@@ -135,7 +146,8 @@ def fit(samples: Sequence[tuple], meta: dict | None = None) -> FittedCostModel:
     timed = as_samples(samples)
     if len(timed) < len(FEATURES):
         raise ValueError(f"need at least {len(FEATURES)} steps to fit, got {len(timed)}")
-    x = np.array([features(s) for s in timed])
+    row_bucket = int((meta or {}).get("row_bucket", 1))
+    x = np.array([features(s, row_bucket) for s in timed])
     y = np.array([s.seconds for s in timed])
     weight = 1.0 / np.maximum(y, 1e-9)
     active = [i for i in range(len(FEATURES)) if np.ptp(x[:, i]) > 0 or i == 0]
