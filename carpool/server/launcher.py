@@ -135,6 +135,9 @@ class _Runner:
                   "no latency targets", flush=True)
 
     async def _status_lines(self) -> None:
+        # The window's base from the start: a burst served within the first
+        # interval is reported at its end.
+        self.ctx.metrics.snapshot()
         while True:
             await asyncio.sleep(self.config.status_interval)
             stats, rates = self.ctx.metrics.snapshot()
@@ -184,14 +187,20 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig,
 
         read_keys_file(server_config.api_keys)
     print("carpool: loading the model...", file=sys.stderr, flush=True)
-    engine = prepare_serving(LLMEngine.from_config(engine_config), slo_sources, print_log)
-    if os.environ.get(FAULT_ENV):
-        _inject_fault(engine, int(os.environ[FAULT_ENV]))
-    if schedule is not None:
-        engine.follow_schedule(schedule)
+
+    def build() -> LLMEngine:
+        engine = prepare_serving(LLMEngine.from_config(engine_config), slo_sources, print_log)
+        if os.environ.get(FAULT_ENV):
+            _inject_fault(engine, int(os.environ[FAULT_ENV]))
+        if schedule is not None:
+            engine.follow_schedule(schedule)
+        return engine
+
+    # Built on the engine thread: one thread runs every torch op (async_engine.py).
+    async_engine = AsyncEngine(build)
+    engine = async_engine.engine
 
     async def main() -> int:
-        async_engine = AsyncEngine(engine)
         name = model_name(engine_config, server_config)
         ctx = ServerContext(async_engine, engine.tokenizer, name, engine.max_model_len,
                             server_config, Metrics(name, lambda: async_engine.stats))
