@@ -201,10 +201,12 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig,
     engine = async_engine.engine
 
     async def main() -> int:
-        name = model_name(engine_config, server_config)
-        ctx = ServerContext(async_engine, engine.tokenizer, name, engine.max_model_len,
-                            server_config, Metrics(name, lambda: async_engine.stats))
+        # The engine thread runs from here on: stop it however serving ends,
+        # while the loop its streams answer on is still running.
         try:
+            name = model_name(engine_config, server_config)
+            ctx = ServerContext(async_engine, engine.tokenizer, name, engine.max_model_len,
+                                server_config, Metrics(name, lambda: async_engine.stats))
             return await _Runner(ctx, server_config).run()
         finally:
             async_engine.shutdown()
