@@ -8,6 +8,7 @@ from __future__ import annotations
 import struct
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
+from typing import Protocol
 
 # Chain seed for the first block of a sequence.
 ROOT_HASH = 0
@@ -51,6 +52,16 @@ class BlockKeyChain:
             keys.append(key)
             hashes.append(parent_hash)
         return keys, hashes
+
+
+class BlockEvents(Protocol):
+    """Where a pool reports what its prefix cache gained and lost, as the
+    chained hashes of the blocks (a key's ``hash``): what a fleet router's
+    prefix index is fed (``carpool.cluster.prefix_index``)."""
+
+    def stored(self, hashes: list[int]) -> None: ...
+
+    def evicted(self, hashes: list[int]) -> None: ...
 
 
 class LazyRun:
@@ -116,6 +127,10 @@ class BlockPool:
         self._lazy_of: list[LazyRun | None] = [None] * num_blocks
         self._lazy_runs: dict[BlockKey, LazyRun] = {}
         self._num_lazy = 0
+        # Told of every keyed block cached and evicted; None: nobody listens.
+        # With a listener the KV manager keys every block at once (a lazy
+        # block has no hash to report).
+        self.events: BlockEvents | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -142,6 +157,7 @@ class BlockPool:
         blocks = []
         ref_counts, key_of, cached, owners = self.ref_counts, self._key_of, self._cached, self._owners
         lazy_of, free = self._lazy_of, self._free
+        evicted: list[int] | None = [] if self.events is not None else None
         for _ in range(count):
             if not free:
                 free = self._free_protected
@@ -153,10 +169,14 @@ class BlockPool:
                 self._forget_root(block_id)
                 if block_id in owners:
                     self._disown(block_id)
+                if evicted is not None:
+                    evicted.append(hash(key))
             elif lazy_of[block_id] is not None:
                 self._forget_lazy(block_id)
             ref_counts[block_id] = 1
             blocks.append(block_id)
+        if evicted:
+            self.events.evicted(evicted)
         return blocks
 
     def lookup(self, key: BlockKey) -> int | None:
@@ -195,6 +215,7 @@ class BlockPool:
             return
         cached, key_of, root_of = self._cached, self._key_of, self._root_of
         registered = 0
+        stored: list[int] | None = [] if self.events is not None else None
         for block_id, key in zip(block_ids, keys):
             # Already registered, or another block caches these tokens: keep the first.
             if key_of[block_id] is None and key not in cached:
@@ -202,8 +223,12 @@ class BlockPool:
                 key_of[block_id] = key
                 root_of[block_id] = root
                 registered += 1
+                if stored is not None:
+                    stored.append(hash(key))
         if registered:
             self._keyed_per_root[root] = self._keyed_per_root.get(root, 0) + registered
+        if stored:
+            self.events.stored(stored)
 
     # -- lazy runs ------------------------------------------------------------------
 

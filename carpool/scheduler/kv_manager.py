@@ -68,6 +68,14 @@ class KVCacheManager:
         self.prefix_queries = 0
         self.prefix_hits = 0
 
+    def report_blocks_to(self, events) -> None:
+        """Tell ``events`` (``block_pool.BlockEvents``) the chained hash of
+        every block cached and evicted from now on; call before the first
+        request. Every block is then keyed when registered (a lazy one would
+        have no hash to report)."""
+        self.pool.events = events
+        self.lazy_keys = False
+
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

@@ -1,0 +1,211 @@
+"""Routing policies: given a request and the routable replicas, pick one.
+
+Every policy is deterministic given its inputs (``random`` draws from its
+own seeded generator) and breaks ties by the order replicas joined. A
+policy sees the ``Router`` for what the fleet knows as a whole (the prefix
+indexes, the session ring, the load bound); it never changes the views:
+the router counts what it routes.
+"""
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from typing import Protocol
+
+from carpool.cluster.view import ReplicaView, RouteDecision, RouteRequest
+from carpool.scheduler.shedding import predict_first_token_delay
+
+# The default's session preference: the session's home replica is kept while
+# its predicted TTFT is within this factor and these seconds of the best.
+AFFINITY_FACTOR = 1.5
+AFFINITY_SLACK_S = 0.05
+
+
+class Policy(Protocol):
+    name: str
+
+    def choose(self, request: RouteRequest, candidates: Sequence[ReplicaView],
+               router, now: float) -> RouteDecision:
+        """Pick one of ``candidates`` (ready replicas of the asked role, in
+        join order); ``router`` is the ``Router`` asking (it imports this
+        module, so it is not named here)."""
+
+
+def _least_loaded(candidates: Sequence[ReplicaView]) -> ReplicaView:
+    return min(candidates, key=lambda v: (v.in_flight, v.order))
+
+
+class RandomPolicy:
+    name = "random"
+
+    def __init__(self, seed: int = 0) -> None:
+        self._random = random.Random(seed)
+
+    def choose(self, request, candidates, router, now) -> RouteDecision:
+        view = candidates[self._random.randrange(len(candidates))]
+        return RouteDecision(view.replica_id, "random")
+
+
+class RoundRobinPolicy:
+    name = "round-robin"
+
+    def __init__(self) -> None:
+        self._turn = 0
+
+    def choose(self, request, candidates, router, now) -> RouteDecision:
+        view = candidates[self._turn % len(candidates)]
+        self._turn += 1
+        return RouteDecision(view.replica_id, "in turn")
+
+
+class LeastOutstandingPolicy:
+    name = "least-outstanding"
+
+    def choose(self, request, candidates, router, now) -> RouteDecision:
+        view = _least_loaded(candidates)
+        return RouteDecision(view.replica_id, f"fewest in flight ({view.in_flight})")
+
+
+class ResponseTimePolicy:
+    """Expected wait = the replica's service-time estimate x (in flight + 1);
+    a replica with no finish yet is priced at the fleet's mean."""
+
+    name = "response-time"
+
+    def choose(self, request, candidates, router, now) -> RouteDecision:
+        known = [v.service_time for v in candidates if v.service_time is not None]
+        fallback = sum(known) / len(known) if known else 1.0
+
+        def wait(view: ReplicaView) -> float:
+            service = view.service_time if view.service_time is not None else fallback
+            return service * (view.in_flight + 1)
+
+        view = min(candidates, key=lambda v: (wait(v), v.order))
+        return RouteDecision(view.replica_id, f"lowest expected wait {wait(view):.3f} s")
+
+
+class SessionAffinityPolicy:
+    """Consistent hashing with bounded load on the session id; requests
+    without one go to the least loaded replica."""
+
+    name = "session"
+
+    def choose(self, request, candidates, router, now) -> RouteDecision:
+        home = router.session_home(request.session_id, candidates)
+        if home is None:
+            view = _least_loaded(candidates)
+            return RouteDecision(view.replica_id, "no session: fewest in flight")
+        return RouteDecision(home.replica_id, "session home")
+
+
+class CacheAwarePolicy:
+    """The most cached blocks of the prompt by the precise fleet index, among
+    replicas within the load bound; ties (and no hit) go to the least loaded."""
+
+    name = "cache-aware"
+
+    def choose(self, request, candidates, router, now) -> RouteDecision:
+        within = router.within_load_bound(candidates)
+        depth = router.prefix_index.matches(request.block_hashes)
+        view = min(within, key=lambda v: (-depth.get(v.replica_id, 0), v.in_flight, v.order))
+        cached = router.cached_tokens(view, depth.get(view.replica_id, 0), request)
+        return RouteDecision(view.replica_id, f"most cached ({cached} tokens)", cached)
+
+
+class ApproximateCacheAwarePolicy:
+    """The baseline in the style of SGLang's router: a per-replica
+    approximate index of what was sent, and a load-imbalance fallback to the
+    least loaded replica when the busiest holds more than ``balance_abs``
+    requests more *and* ``balance_rel`` times as many as the idlest.
+    Otherwise the best match if it covers more than ``cache_threshold`` of
+    the prompt, else the replica whose index is smallest (most room)."""
+
+    name = "approx-cache-aware"
+
+    def __init__(self, balance_abs: int = 32, balance_rel: float = 1.0001,
+                 cache_threshold: float = 0.5) -> None:
+        self.balance_abs = balance_abs
+        self.balance_rel = balance_rel
+        self.cache_threshold = cache_threshold
+
+    def choose(self, request, candidates, router, now) -> RouteDecision:
+        index = router.approximate_index
+        loads = [v.in_flight for v in candidates]
+        if max(loads) - min(loads) > self.balance_abs and max(loads) > self.balance_rel * min(loads):
+            view, cause = _least_loaded(candidates), "imbalanced: fewest in flight"
+        else:
+            blocks = max(1, len(request.block_hashes))
+            view = min(candidates, key=lambda v: (-index.match(v.replica_id,
+                                                                request.block_hashes), v.order))
+            if index.match(view.replica_id, request.block_hashes) / blocks > self.cache_threshold:
+                cause = "best approximate match"
+            else:
+                view = min(candidates, key=lambda v: (index.size(v.replica_id), v.order))
+                cause = "no good match: smallest index"
+        index.sent(view.replica_id, request.block_hashes)
+        return RouteDecision(view.replica_id, cause)
+
+
+class PredictedTTFTPolicy:
+    """carpool's default: the lowest predicted TTFT (``Router.predict_ttft``:
+    queue wait plus the prefill of the prompt's uncached part, priced by the
+    replica's cost model), among replicas within the load bound (the guard
+    against every request collapsing onto the hottest cache); the session's
+    home replica is kept while it is within ``AFFINITY_FACTOR`` and
+    ``AFFINITY_SLACK_S`` of the best, so a conversation stays where its KV is."""
+
+    name = "predicted-ttft"
+
+    def choose(self, request, candidates, router, now) -> RouteDecision:
+        within = router.within_load_bound(candidates)
+        depth = router.prefix_index.matches(request.block_hashes)
+        scored = []
+        for view in within:
+            cached = router.cached_tokens(view, depth.get(view.replica_id, 0), request)
+            ttft = router.predict_ttft(view, request.prompt_tokens - cached, within)
+            scored.append((math.inf if ttft is None else ttft, view.in_flight, view.order,
+                           view, cached, ttft))
+        best = min(scored, key=lambda row: row[:3])
+        home = router.session_home(request.session_id, within)
+        if home is not None and home is not best[3]:
+            row = next(row for row in scored if row[3] is home)
+            if row[0] <= best[0] * AFFINITY_FACTOR + AFFINITY_SLACK_S:
+                return RouteDecision(home.replica_id, "session home", row[4], row[5])
+        _, _, _, view, cached, ttft = best
+        cause = ("session home" if view is home else
+                 "fewest in flight (no cost model yet)" if ttft is None else
+                 f"lowest predicted TTFT {ttft:.3f} s")
+        return RouteDecision(view.replica_id, cause, cached, ttft)
+
+
+def predict_ttft_on(view: ReplicaView, uncached_tokens: int,
+                    cost_model) -> float | None:
+    """Seconds until a request with ``uncached_tokens`` to prefill gets its
+    first token on ``view``: the router-counted prefill ahead of it and its
+    own, beside the replica's decodes, priced by ``cost_model``; plus, when
+    every sequence slot is taken, the wait for departures at the replica's
+    learned service time. None without a ready cost model."""
+    if cost_model is None or not cost_model.ready:
+        return None
+    delay = predict_first_token_delay(cost_model, view.pending_prefill_tokens,
+                                      max(1, uncached_tokens), view.decoding,
+                                      view.max_num_batched_tokens)
+    if delay is None:
+        return None
+    short = view.in_flight + 1 - view.max_num_seqs
+    if short > 0 and view.service_time is not None:
+        delay += short * view.service_time / view.max_num_seqs
+    return delay
+
+
+POLICIES = {policy.name: policy for policy in (
+    RandomPolicy, RoundRobinPolicy, LeastOutstandingPolicy, ResponseTimePolicy,
+    SessionAffinityPolicy, CacheAwarePolicy, ApproximateCacheAwarePolicy, PredictedTTFTPolicy)}
+
+
+def make_policy(name: str, seed: int = 0) -> Policy:
+    """A fresh policy by name (``POLICIES``); ``seed`` for ``random``."""
+    if name not in POLICIES:
+        raise ValueError(f"unknown routing policy {name!r}; one of {', '.join(POLICIES)}")
+    return RandomPolicy(seed) if name == "random" else POLICIES[name]()

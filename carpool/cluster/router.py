@@ -1,0 +1,226 @@
+"""The fleet router: replica views, what it routed, and one policy.
+
+The router is the single place that counts what each replica was sent and
+has not finished (``ReplicaView.in_flight`` and the prompt tokens still
+to prefill there); the driver (the simulator, or the live front) tells it
+when a request's first token came and when it finished. Replicas' polled
+stats and block events feed the rest of the views and the fleet prefix
+index. Every decision is kept, with its cause, in a bounded log.
+"""
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter, deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from carpool.cluster.hashring import HashRing
+from carpool.cluster.policies import POLICIES, Policy, make_policy, predict_ttft_on
+from carpool.cluster.prefix_index import ApproximatePrefixIndex, FleetPrefixIndex
+from carpool.cluster.view import (
+    Health,
+    ReplicaView,
+    Role,
+    RouteDecision,
+    RouteRequest,
+    RoutingError,
+)
+
+# A replica takes a request while it holds at most this many times the mean
+# in-flight load (consistent hashing with bounded loads' c): the guard that
+# keeps a hot cache, a stale view or a session from drawing all the traffic.
+LOAD_BOUND = 1.5
+# Weight of the newest finish in a replica's service-time estimate.
+SERVICE_EWMA = 0.1
+DECISION_LOG = 512  # decisions kept for /carpool/policy and reports
+# Blocks the approximate baseline index keeps per replica.
+APPROX_CAPACITY_BLOCKS = 1 << 16
+
+__all__ = ["POLICIES", "Router", "make_policy"]
+
+
+@dataclass
+class _Routed:
+    replica_id: str
+    sent_at: float
+    pending_tokens: int  # uncached prompt tokens, until the first token
+    prefilling: bool = True
+
+
+class Router:
+    """Routes requests among replicas with a ``Policy`` (by name or object).
+
+    ``ttft_target`` (seconds) turns on fleet admission for policies that
+    predict TTFTs: when even the best replica's prediction is over the
+    target, ``route`` raises ``RoutingError`` (HTTP 429 at the front) with
+    the excess as Retry-After, instead of queueing the request somewhere.
+    """
+
+    def __init__(self, policy: Policy | str = "predicted-ttft", *, seed: int = 0,
+                 load_bound: float = LOAD_BOUND, ttft_target: float | None = None,
+                 ring_key: bytes = b"", approx_capacity_blocks: int = APPROX_CAPACITY_BLOCKS,
+                 ) -> None:
+        if load_bound < 1.0:
+            raise ValueError(f"load_bound must be >= 1, got {load_bound}")
+        self.policy = make_policy(policy, seed) if isinstance(policy, str) else policy
+        self.load_bound = load_bound
+        self.ttft_target = ttft_target
+        self.views: dict[str, ReplicaView] = {}
+        self.prefix_index = FleetPrefixIndex()
+        self.approximate_index = ApproximatePrefixIndex(approx_capacity_blocks)
+        self.ring = HashRing(key=ring_key)
+        self.decisions: deque[dict] = deque(maxlen=DECISION_LOG)
+        self.causes: Counter[str] = Counter()
+        self._routed: dict[str, _Routed] = {}
+        self._joined = 0
+
+    # -- membership and stats -------------------------------------------------
+
+    def add_replica(self, view: ReplicaView) -> None:
+        if view.replica_id in self.views:
+            raise ValueError(f"replica {view.replica_id!r} is already in the fleet")
+        view.order = self._joined
+        self._joined += 1
+        self.views[view.replica_id] = view
+        self.ring.add(view.replica_id)
+
+    def remove_replica(self, replica_id: str) -> list[str]:
+        """Drop a replica (it left or died); returns the ids of the requests
+        it still had, which the driver fails or re-routes."""
+        self.views.pop(replica_id, None)
+        self.ring.remove(replica_id)
+        self.prefix_index.remove_replica(replica_id)
+        self.approximate_index.remove_replica(replica_id)
+        lost = [rid for rid, routed in self._routed.items() if routed.replica_id == replica_id]
+        for request_id in lost:
+            del self._routed[request_id]
+        return lost
+
+    def set_health(self, replica_id: str, health: Health) -> None:
+        """READY replicas take requests; a DRAINING or DEAD one takes none
+        and leaves the session ring (its sessions move to their next replica)."""
+        view = self.views[replica_id]
+        view.health = health
+        if health is Health.READY:
+            self.ring.add(replica_id)
+        else:
+            self.ring.remove(replica_id)
+        if health is Health.DEAD:
+            self.prefix_index.remove_replica(replica_id)
+
+    def update_stats(self, replica_id: str, now: float, *, waiting: int, running: int,
+                     kv_usage: float = 0.0, free_blocks: int = 0) -> None:
+        view = self.views[replica_id]
+        view.waiting, view.running = waiting, running
+        view.kv_usage, view.free_blocks, view.stats_time = kv_usage, free_blocks, now
+
+    def blocks_stored(self, replica_id: str, hashes: Iterable[int]) -> None:
+        if replica_id in self.views:
+            self.prefix_index.stored(replica_id, hashes)
+
+    def blocks_evicted(self, replica_id: str, hashes: Iterable[int]) -> None:
+        self.prefix_index.evicted(replica_id, hashes)
+
+    # -- routing --------------------------------------------------------------
+
+    def route(self, request: RouteRequest, now: float,
+              role: Role = Role.MIXED) -> RouteDecision:
+        """Pick a ready replica of ``role`` for ``request`` and count it there."""
+        if request.request_id in self._routed:
+            raise ValueError(f"request {request.request_id!r} is already routed")
+        candidates = [v for v in self.views.values() if v.routable and v.role is role]
+        if not candidates:
+            raise RoutingError("no_replica", 1.0, f"no {role.value} replica is ready")
+        decision = self.policy.choose(request, candidates, self, now)
+        if (self.ttft_target is not None and decision.predicted_ttft is not None
+                and decision.predicted_ttft > self.ttft_target):
+            excess = decision.predicted_ttft - self.ttft_target
+            self._log(now, request, RouteDecision("", "rejected: every replica over target"))
+            raise RoutingError("predicted_ttft_miss", float(min(60, max(1, math.ceil(excess)))), (
+                f"no replica can give a first token within the TTFT target "
+                f"{self.ttft_target:.2f} s (best predicted {decision.predicted_ttft:.2f} s)"))
+        view = self.views[decision.replica_id]
+        uncached = max(1, request.prompt_tokens - decision.cached_tokens)
+        self._routed[request.request_id] = _Routed(view.replica_id, now, uncached)
+        view.in_flight += 1
+        view.prefilling += 1
+        view.pending_prefill_tokens += uncached
+        self._log(now, request, decision)
+        return decision
+
+    def first_token(self, request_id: str, now: float) -> None:
+        """The request's first token came: its prefill is no longer ahead of others."""
+        routed = self._routed.get(request_id)
+        if routed is None or not routed.prefilling:
+            return
+        routed.prefilling = False
+        view = self.views.get(routed.replica_id)
+        if view is not None:
+            view.prefilling -= 1
+            view.pending_prefill_tokens -= routed.pending_tokens
+
+    def finished(self, request_id: str, now: float, *, learn: bool = True) -> None:
+        """The request left its replica (finished, failed, aborted or
+        rejected there); ``learn`` feeds its time into the service time."""
+        self.first_token(request_id, now)
+        routed = self._routed.pop(request_id, None)
+        if routed is None:
+            return
+        view = self.views.get(routed.replica_id)
+        if view is None:
+            return
+        view.in_flight -= 1
+        if learn:
+            seconds = now - routed.sent_at
+            view.service_time = (seconds if view.service_time is None else
+                                 (1 - SERVICE_EWMA) * view.service_time + SERVICE_EWMA * seconds)
+
+    def replica_of(self, request_id: str) -> str | None:
+        routed = self._routed.get(request_id)
+        return routed.replica_id if routed else None
+
+    # -- what policies ask ----------------------------------------------------
+
+    def within_load_bound(self, candidates: Sequence[ReplicaView]) -> list[ReplicaView]:
+        """Candidates holding at most ``ceil(load_bound x (total + 1) / n)``
+        requests once given this one (never empty: the least loaded passes)."""
+        total = sum(v.in_flight for v in candidates)
+        limit = math.ceil(self.load_bound * (total + 1) / len(candidates))
+        within = [v for v in candidates if v.in_flight + 1 <= limit]
+        return within or [min(candidates, key=lambda v: (v.in_flight, v.order))]
+
+    def session_home(self, session_id: str | None,
+                     candidates: Sequence[ReplicaView]) -> ReplicaView | None:
+        """The session's replica among ``candidates`` by the bounded-load ring."""
+        if session_id is None:
+            return None
+        by_id = {v.replica_id: v for v in candidates}
+        home = self.ring.home(session_id, load=lambda rid: self.views[rid].in_flight,
+                              bound=self.load_bound, eligible=by_id.__contains__)
+        return by_id.get(home) if home is not None else None
+
+    @staticmethod
+    def cached_tokens(view: ReplicaView, blocks: int, request: RouteRequest) -> int:
+        """Prompt tokens a hit of ``blocks`` leading blocks saves (the last
+        prompt token is always computed, as the engine does)."""
+        return max(0, min(blocks * view.block_size, request.prompt_tokens - 1))
+
+    def predict_ttft(self, view: ReplicaView, uncached_tokens: int,
+                     peers: Sequence[ReplicaView] = ()) -> float | None:
+        """``predict_ttft_on`` with the replica's own cost model, or a ready
+        peer's while its own is not (replicas of one pool run one model on
+        one kind of machine)."""
+        model = view.cost_model
+        if model is None or not model.ready:
+            model = next((p.cost_model for p in peers
+                          if p.cost_model is not None and p.cost_model.ready), None)
+        return predict_ttft_on(view, uncached_tokens, model)
+
+    def _log(self, now: float, request: RouteRequest, decision: RouteDecision) -> None:
+        # Counted by the cause's words, numbers left out ("lowest predicted TTFT # s").
+        self.causes[re.sub(r"\d+(\.\d+)?", "#", decision.cause)] += 1
+        self.decisions.append({"time": now, "request_id": request.request_id,
+                               "replica": decision.replica_id, "cause": decision.cause,
+                               "cached_tokens": decision.cached_tokens,
+                               "predicted_ttft": decision.predicted_ttft})
