@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 import math
+from typing import Protocol
 
 from carpool.config import EngineConfig
 from carpool.executor.base import batch_items, step_padding
@@ -70,12 +71,22 @@ class State(enum.Enum):
     POLL = "poll"  # work it cannot schedule yet; looks again at next_time
 
 
+class ReplicaListener(Protocol):
+    """Told what happens to the requests a replica was sent (a fleet router
+    counts its in-flight work from these), by the plan index of each."""
+
+    def first_token(self, index: int, now: float) -> None: ...
+
+    def finished(self, index: int, now: float, ok: bool) -> None: ...
+
+
 class SimReplica:
     """A scheduler, its inbox and its in-flight step, in virtual time.
 
     ``next_time`` is when the replica next needs the simulation's attention
     (None while idle); ``outstanding`` counts requests routed here and not
-    yet finished or rejected (what least-outstanding routing reads).
+    yet finished or rejected. ``listener`` (a ``ReplicaListener``), when
+    set, hears of every first token and every request that leaves.
     """
 
     def __init__(self, index: int, config: EngineConfig, num_blocks: int, cost: CostModel,
@@ -107,6 +118,7 @@ class SimReplica:
         self._sampled: list[tuple[Request, int]] = []  # what the step in flight sampled
         self._run: tuple[list[float], list[float]] = ([], [])  # (seconds, ends) of a RUN
         self._run_steps = _FIRST_RUN
+        self.listener: ReplicaListener | None = None
 
     # -- events ----------------------------------------------------------------
 
@@ -185,6 +197,8 @@ class SimReplica:
     def _done(self, record: RequestRecord, status: str, now: float, reason: str | None) -> None:
         record.status, record.reason, record.finished = status, reason, now
         self.outstanding -= 1
+        if self.listener is not None:
+            self.listener.finished(record.index, now, status == OK)
 
     def _reject(self, expired: list[Request]) -> None:
         for request in expired:
@@ -212,6 +226,10 @@ class SimReplica:
         if self.token_times:
             for request in progressed:
                 self._records[request.request_id].chunk_times.append(now)
+        if self.listener is not None:  # a run of decodes makes no first token
+            for request in progressed:
+                if request.num_output_tokens == 1:
+                    self.listener.first_token(self._records[request.request_id].index, now)
         for request in finished:
             self._finish(request, now)
 

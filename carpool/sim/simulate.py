@@ -24,11 +24,11 @@ from pathlib import Path
 
 from carpool.config import EngineConfig, parse_size
 from carpool.sim.costs import CostModel
+from carpool.sim.fleet import ROUTING, FleetRouter
 from carpool.sim.replica import SimReplica, VirtualClock
 from carpool.workload.stats import RequestRecord
 from carpool.workload.traces import TraceRequest
 
-ROUTING = ("round-robin", "least-outstanding")
 # The measured model of carpool's development machine (2-core CPU, default
 # model, bf16): what a simulation uses when given no cost model.
 DEFAULT_COST_MODEL = Path(__file__).parent / "data" / "dev-cpu-smollm2-bf16.json"
@@ -90,38 +90,6 @@ class SimRun:
                 "simulated_s_per_wall_s": self.duration / wall}
 
 
-class Router:
-    """Picks the replica for each arrival among those active at that time
-    (the first ``active(now)`` by index). round-robin: in turn;
-    least-outstanding: fewest requests routed and not finished (ties: the
-    lowest index)."""
-
-    def __init__(self, settings: SimSettings) -> None:
-        self.routing = settings.routing
-        self.replicas = settings.replicas
-        self.schedule = settings.replica_schedule
-        self._turn = 0
-
-    def active(self, now: float) -> int:
-        count = self.replicas
-        for start, replicas in self.schedule:
-            if start > now:
-                break
-            count = replicas
-        return count
-
-    def pick(self, replicas: Sequence[SimReplica], now: float) -> SimReplica:
-        active = replicas[:self.active(now)]
-        if self.routing == "least-outstanding":
-            return min(active, key=lambda r: (r.outstanding, r.index))
-        return active[self.next_turn(len(active))]
-
-    def next_turn(self, active: int) -> int:
-        turn = self._turn % active
-        self._turn += 1
-        return turn
-
-
 def simulate(plan: Sequence[TraceRequest], config: EngineConfig, cost: CostModel,
              num_blocks: int, settings: SimSettings | None = None) -> SimRun:
     """Run ``plan`` (arrival offsets in seconds, lengths) to completion.
@@ -138,7 +106,7 @@ def simulate(plan: Sequence[TraceRequest], config: EngineConfig, cost: CostModel
     order = sorted(range(len(plan)), key=lambda i: (plan[i].arrival, i))
     interval = max(max((r.arrival for r in plan), default=0.0) / _SAMPLES, 0.5)
     if settings.routing == "round-robin":
-        router = Router(settings)
+        router = FleetRouter(settings.routing, settings.replicas, settings.replica_schedule)
         shares: list[list[int]] = [[] for _ in range(settings.replicas)]
         for i in order:
             shares[router.next_turn(router.active(plan[i].arrival))].append(i)
@@ -212,7 +180,9 @@ def _event_loop(indices: list[int], arrivals: list[tuple[int, TraceRequest]],
                            token_times=settings.token_times, hash_block=settings.hash_block)
                 for i in indices]
     slot = {replica.index: position for position, replica in enumerate(replicas)}
-    router = Router(settings)
+    router = FleetRouter(settings.routing, settings.replicas, settings.replica_schedule)
+    if settings.routing != "round-robin":  # alone, each replica of a round-robin share
+        router.attach(replicas, config, settings.hash_block)
     records = [RequestRecord(i, r.arrival, r.input_len, r.output_len) for i, r in arrivals]
     heap: list[tuple[float, int, int]] = []  # (time, sequence, slot), stale ones skipped
     posted = [-1] * len(replicas)  # sequence of each replica's live heap entry
@@ -244,7 +214,10 @@ def _event_loop(indices: list[int], arrivals: list[tuple[int, TraceRequest]],
         next_arrival += 1
         sampler.until(arrival_time)
         clock.set(arrival_time)
-        replica = router.pick(replicas, arrival_time)
+        if router.router is None:
+            replica = replicas[0]  # one replica's share of a round-robin plan
+        else:
+            replica = router.pick(replicas, arrivals[next_arrival - 1][0], request, arrival_time)
         if replica.receive(request, record, arrival_time):
             post(replica)
     sampler.until(clock.now)
