@@ -1,0 +1,126 @@
+"""Autoscaling policies (carpool.cluster.autoscaler) on a fluid pool model."""
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from carpool.cluster.autoscaler import AutoscaleConfig, PoolSignals, make_scaler, replicas_for
+
+SERVICE = 4.0  # seconds a request stays
+
+
+def drive(scaler, rate_at, seconds: float, seed: int = 0, startup: float | None = None):
+    """Tick ``scaler`` over a pool whose requests in flight follow Little's
+    law at the offered rate (Poisson counts per tick); replicas become ready
+    ``startup`` seconds after they are asked for. Returns (time, replicas) per tick."""
+    config = scaler.config
+    startup = config.startup_s if startup is None else startup
+    rng = random.Random(seed)
+    pending: list[tuple[float, int]] = []  # (ready at, replicas asked)
+    ready = scaler.replicas
+    history = []
+    now = 0.0
+    while now < seconds:
+        now += config.tick_s
+        rate = rate_at(now)
+        arrivals = _poisson(rng, rate * config.tick_s)
+        while pending and pending[0][0] <= now:
+            ready = max(ready, pending.pop(0)[1])
+        ready = min(ready, scaler.replicas)  # scale-in takes effect at once
+        in_flight = rate * SERVICE * rng.uniform(0.9, 1.1)
+        slots = ready * config.replica_concurrency
+        signals = PoolSignals(now, scaler.replicas, ready, max(0, int(in_flight - slots)),
+                              int(in_flight), arrivals, min(1.0, in_flight / slots), SERVICE)
+        before = scaler.replicas
+        after = scaler.tick(signals)
+        if after > before:
+            pending.append((now + startup, after))
+        history.append((now, after))
+    return history
+
+
+def _poisson(rng, mean: float) -> int:
+    if mean > 50:
+        return max(0, round(rng.gauss(mean, math.sqrt(mean))))
+    count, limit, product = 0, math.exp(-mean), rng.random()
+    while product > limit:
+        count += 1
+        product *= rng.random()
+    return count
+
+
+@pytest.mark.parametrize("policy", ["reactive", "predictive"])
+@settings(max_examples=12, deadline=None)
+@given(rate=st.floats(5, 200), seed=st.integers(0, 1000))
+def test_a_flat_noisy_load_does_not_make_the_pool_oscillate(policy, rate, seed):
+    config = AutoscaleConfig(max_replicas=100)
+    scaler = make_scaler(policy, config, replicas=replicas_for(rate, SERVICE, config))
+    drive(scaler, lambda t: rate, 6 * 3600, seed)
+    directions = [e.replicas_to > e.replicas_from for e in scaler.events]
+    flips = sum(1 for a, b in zip(directions, directions[1:]) if a != b)
+    assert flips <= 1, scaler.events
+    assert len(scaler.events) <= 3, scaler.events
+
+
+@pytest.mark.parametrize("policy", ["reactive", "predictive"])
+def test_a_step_increase_is_met_within_the_stated_delay(policy):
+    """A 3x step at 1 h: the pool asks for what the new rate needs within
+    the panic window plus two ticks (the panic rule skips the cooldown)."""
+    config = AutoscaleConfig(max_replicas=200)
+    low, high = 40.0, 120.0
+    scaler = make_scaler(policy, config, replicas=replicas_for(low, SERVICE, config))
+    history = drive(scaler, lambda t: high if t >= 3600 else low, 7200)
+    needed = replicas_for(high, SERVICE, config)
+    reached = next(t for t, replicas in history if replicas >= 0.9 * needed)
+    assert reached - 3600 <= config.panic_window_s + 2 * config.tick_s, scaler.events[-3:]
+
+
+def test_reactive_scales_in_only_after_low_utilization_lasts():
+    config = AutoscaleConfig(max_replicas=50)
+    scaler = make_scaler("reactive", config, replicas=20)
+    history = drive(scaler, lambda t: 30.0, 1800)  # needs ~6 replicas
+    first_in = next(e for e in scaler.events if e.replicas_to < e.replicas_from)
+    assert first_in.time >= config.scale_in_after_s
+    assert "utilization" in first_in.cause
+    assert history[-1][1] == pytest.approx(replicas_for(30.0, SERVICE, config), abs=1)
+
+
+def test_predictive_scales_ahead_of_a_ramp_and_reactive_lags():
+    """A linear ramp from 20 to 200 req/s over 2 h: predictive holds enough
+    replicas ready (counting start-up) for more of the ramp than reactive."""
+    config = AutoscaleConfig(max_replicas=300, startup_s=300)
+
+    def rate(t):
+        return 20 + 180 * min(1.0, max(0.0, (t - 1800) / 7200))
+
+    short = {}
+    for policy in ("reactive", "predictive"):
+        scaler = make_scaler(policy, config, replicas=replicas_for(20, SERVICE, config))
+        history = drive(scaler, rate, 3 * 3600)
+        # Replicas ready at t are those asked for by t - startup.
+        asked = dict(history)
+        times = [t for t, _ in history]
+        short[policy] = sum(
+            1 for t in times if t > config.startup_s
+            and asked[max(x for x in times if x <= t - config.startup_s)]
+            < replicas_for(rate(t), SERVICE, config))
+    assert short["predictive"] < short["reactive"], short
+
+
+def test_schedule_and_oracle_and_bounds():
+    config = AutoscaleConfig(min_replicas=2, max_replicas=10, startup_s=60)
+    schedule = make_scaler("schedule", config, schedule=[(0, 3), (9 * 3600, 8), (18 * 3600, 40)])
+    times = {t: r for t, r in drive(schedule, lambda t: 10.0, 24 * 3600)}
+    assert times[8 * 3600] == 3 and times[12 * 3600] == 8
+    assert times[20 * 3600] == 10  # clamped to max_replicas
+    oracle = make_scaler("oracle", config, rate_at=lambda t: 100.0 if t > 1000 else 10.0)
+    history = dict(drive(oracle, lambda t: 100.0 if t > 1000 else 10.0, 2000))
+    assert history[1000 - 60] == 10  # asked a start-up ahead (capped at 10)
+    with pytest.raises(ValueError, match="unknown autoscaling policy"):
+        make_scaler("guess", config)
+    with pytest.raises(ValueError, match="min_replicas"):
+        make_scaler("reactive", AutoscaleConfig(min_replicas=5, max_replicas=2))
