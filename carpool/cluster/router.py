@@ -129,7 +129,7 @@ class Router:
         """Pick a ready replica of ``role`` for ``request`` and count it there."""
         if request.request_id in self._routed:
             raise ValueError(f"request {request.request_id!r} is already routed")
-        candidates = [v for v in self.views.values() if v.routable and v.role is role]
+        candidates = self.candidates(role)
         if not candidates:
             raise RoutingError("no_replica", 1.0, f"no {role.value} replica is ready")
         decision = self.policy.choose(request, candidates, self, now)
@@ -140,14 +140,28 @@ class Router:
             raise RoutingError("predicted_ttft_miss", float(min(60, max(1, math.ceil(excess)))), (
                 f"no replica can give a first token within the TTFT target "
                 f"{self.ttft_target:.2f} s (best predicted {decision.predicted_ttft:.2f} s)"))
+        self.assign(request, decision, now)
+        return decision
+
+    def candidates(self, *roles: Role) -> list[ReplicaView]:
+        """Ready replicas of any of ``roles``, in join order."""
+        return [v for v in self.views.values() if v.routable and v.role in roles]
+
+    def assign(self, request: RouteRequest, decision: RouteDecision, now: float,
+               prefill_tokens: int | None = None) -> None:
+        """Count ``request`` on ``decision.replica_id`` (a choice made here or
+        by a planner): in flight there, with ``prefill_tokens`` (default: the
+        prompt's uncached part) still to prefill before its first token."""
+        if request.request_id in self._routed:
+            raise ValueError(f"request {request.request_id!r} is already routed")
         view = self.views[decision.replica_id]
-        uncached = max(1, request.prompt_tokens - decision.cached_tokens)
-        self._routed[request.request_id] = _Routed(view.replica_id, now, uncached)
+        pending = (max(1, request.prompt_tokens - decision.cached_tokens)
+                   if prefill_tokens is None else prefill_tokens)
+        self._routed[request.request_id] = _Routed(view.replica_id, now, pending)
         view.in_flight += 1
         view.prefilling += 1
-        view.pending_prefill_tokens += uncached
+        view.pending_prefill_tokens += pending
         self._log(now, request, decision)
-        return decision
 
     def first_token(self, request_id: str, now: float) -> None:
         """The request's first token came: its prefill is no longer ahead of others."""

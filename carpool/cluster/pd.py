@@ -1,0 +1,162 @@
+"""Prefill/decode placement: colocated, or prefill on one pool and decode on another.
+
+Per request the planner compares two predicted first tokens:
+
+- colocated: the best mixed or decode replica prefills the prompt's
+  uncached part itself (``Router.predict_ttft``);
+- disaggregated: the best prefill replica computes it, then its KV moves
+  to the decode replica over the link. Sent layer by layer while the next
+  layers compute, only part of the transfer shows: the last layer's share,
+  or what the transfer takes beyond the compute it hides behind
+  (``exposed_transfer_seconds``).
+
+Remote prefill is chosen only when it pays: the uncached prompt is at least
+``min_remote_tokens`` long, the transfer alone takes less than the prefill
+it saves the decode replica, and the disaggregated first token is predicted
+no later than the colocated one. Otherwise the request stays colocated (a
+decode replica prefills a short prompt itself, as in vLLM's and Dynamo's
+conditional disaggregation). Pure Python, like the router it asks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from carpool.cluster.router import Router
+from carpool.cluster.view import ReplicaView, Role, RouteDecision, RouteRequest, RoutingError
+from carpool.scheduler.shedding import predict_first_token_delay
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """A model's KV cache per token: keys and values of every layer."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype_bytes: float = 2.0
+
+    @property
+    def bytes_per_token(self) -> float:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+
+@dataclass(frozen=True)
+class Link:
+    """A path between two replicas: bytes per second and a fixed latency."""
+
+    bandwidth: float = 50e9  # 400 Gb/s RDMA
+    latency: float = 20e-6
+
+    def __post_init__(self) -> None:
+        if self.bandwidth <= 0 or self.latency < 0:
+            raise ValueError(f"a link needs bandwidth > 0 and latency >= 0, got {self}")
+
+    def seconds(self, num_bytes: float) -> float:
+        return self.latency + num_bytes / self.bandwidth
+
+
+def exposed_transfer_seconds(total: float, compute: float, num_layers: int,
+                             latency: float = 0.0) -> float:
+    """What a layer-by-layer transfer of ``total`` seconds adds after a
+    prefill of ``compute`` seconds: each layer is sent once computed, so
+    the transfer overlaps the remaining layers' compute, and what shows is
+    the last layer's share or the excess over the hidden compute."""
+    per_layer = total / num_layers
+    hidden = compute * (num_layers - 1) / num_layers
+    return latency + max(per_layer, total - hidden)
+
+
+def _prefill_seconds(view: ReplicaView, tokens: int) -> float | None:
+    """A prefill of ``tokens`` alone on ``view``, by its cost model (None
+    while it has no ready one)."""
+    model = view.cost_model
+    if model is None or not model.ready:
+        return None
+    return predict_first_token_delay(model, 0, max(1, tokens), 0, view.max_num_batched_tokens)
+
+
+@dataclass(frozen=True)
+class PDPlan:
+    """Where a request runs: ``prefill`` is None when colocated."""
+
+    decode: RouteDecision
+    prefill: RouteDecision | None
+    cause: str
+    transfer_s: float = 0.0  # whole KV transfer
+    exposed_s: float = 0.0  # the part not hidden behind compute
+    predicted_ttft: float | None = None
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.prefill is not None
+
+
+class PDPlanner:
+    """Plans and counts each request's placement on a ``Router``'s fleet."""
+
+    def __init__(self, router: Router, kv: KVShape, link: Link | None = None,
+                 min_remote_tokens: int = 512) -> None:
+        self.router, self.kv = router, kv
+        self.link = link or Link()
+        self.min_remote_tokens = min_remote_tokens
+
+    def plan(self, request: RouteRequest, now: float) -> PDPlan:
+        """Choose and count: the decode leg under ``request.request_id``, a
+        remote prefill leg under ``request_id + ":prefill"``."""
+        router = self.router
+        local = router.candidates(Role.MIXED, Role.DECODE)
+        if not local:
+            raise RoutingError("no_replica", 1.0, "no mixed or decode replica is ready")
+        depth = router.prefix_index.matches(request.block_hashes)
+        home, home_cached, home_ttft = self._best(request, local, depth)
+        plan = self._remote(request, depth, home, home_cached, home_ttft)
+        if plan is None:
+            decision = RouteDecision(home.replica_id, "colocated: remote prefill does not pay",
+                                     home_cached, home_ttft)
+            router.assign(request, decision, now)
+            return PDPlan(decision, None, decision.cause, predicted_ttft=home_ttft)
+        # The decode replica waits for the KV, not for a prefill of its own.
+        router.assign(RouteRequest(f"{request.request_id}:prefill", request.prompt_tokens,
+                                   request.block_hashes), plan.prefill, now)
+        router.assign(request, plan.decode, now, prefill_tokens=1)
+        return plan
+
+    def _best(self, request: RouteRequest, views: list[ReplicaView],
+              depth: dict[str, int]) -> tuple[ReplicaView, int, float | None]:
+        within = self.router.within_load_bound(views)
+        scored = []
+        for view in within:
+            cached = self.router.cached_tokens(view, depth.get(view.replica_id, 0), request)
+            ttft = self.router.predict_ttft(view, request.prompt_tokens - cached, within)
+            scored.append((float("inf") if ttft is None else ttft, view.in_flight, view.order,
+                           view, cached, ttft))
+        _, _, _, view, cached, ttft = min(scored, key=lambda row: row[:3])
+        return view, cached, ttft
+
+    def _remote(self, request: RouteRequest, depth: dict[str, int], home: ReplicaView,
+                home_cached: int, home_ttft: float | None) -> PDPlan | None:
+        """The disaggregated plan if it pays (see the module docstring), else None."""
+        prefill_pool = self.router.candidates(Role.PREFILL)
+        uncached = request.prompt_tokens - home_cached
+        if not prefill_pool or home_ttft is None or uncached < self.min_remote_tokens:
+            return None
+        worker, cached, ttft = self._best(request, prefill_pool, depth)
+        saved = _prefill_seconds(home, uncached) or _prefill_seconds(worker, uncached)
+        compute = _prefill_seconds(worker, request.prompt_tokens - cached)
+        if ttft is None or saved is None or compute is None:
+            return None
+        # Blocks the decode replica holds need not move.
+        moved = max(0, request.prompt_tokens - home_cached)
+        total = moved * self.kv.bytes_per_token / self.link.bandwidth
+        if total + self.link.latency >= saved:
+            return None  # the transfer alone costs more than the prefill it saves
+        exposed = exposed_transfer_seconds(total, compute, self.kv.num_layers, self.link.latency)
+        remote_ttft = ttft + exposed
+        if remote_ttft > home_ttft:
+            return None
+        cause = (f"disaggregated: {uncached} uncached tokens, TTFT {remote_ttft:.3f} s vs "
+                 f"{home_ttft:.3f} s colocated, transfer {total * 1e3:.1f} ms "
+                 f"({exposed * 1e3:.1f} ms exposed)")
+        return PDPlan(RouteDecision(home.replica_id, cause, home_cached, remote_ttft),
+                      RouteDecision(worker.replica_id, cause, cached, ttft), cause,
+                      total + self.link.latency, exposed, remote_ttft)

@@ -1,0 +1,91 @@
+"""Prefill/decode placement (carpool.cluster.pd)."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from carpool.cluster import ReplicaView, Role, RouteRequest, Router
+from carpool.cluster.pd import KVShape, Link, PDPlanner, _prefill_seconds, \
+    exposed_transfer_seconds
+from carpool.scheduler.cost_model import StepCostModel
+
+LLAMA_8B = KVShape(num_layers=32, num_kv_heads=8, head_dim=128)  # 128 KiB per token
+
+
+def cost_model(per_token: float = 2e-5) -> StepCostModel:
+    model = StepCostModel()
+    for tokens in (1, 64, 512, 2048, 8192):
+        for seqs in (1, 8, 32):
+            model.record(tokens, seqs, 0.005 + per_token * tokens + 5e-5 * seqs)
+    return model
+
+
+def fleet(prefill: int = 2, decode: int = 2, mixed: int = 0) -> Router:
+    router = Router()
+    for role, count in ((Role.PREFILL, prefill), (Role.DECODE, decode), (Role.MIXED, mixed)):
+        for i in range(count):
+            router.add_replica(ReplicaView(f"{role.value}{i}", role=role,
+                                           max_num_batched_tokens=8192,
+                                           cost_model=cost_model()))
+    return router
+
+
+def test_the_kv_of_llama_3_8b_is_128_kib_per_token():
+    assert LLAMA_8B.bytes_per_token == 131072
+
+
+def test_exposed_transfer_is_the_last_layer_or_the_excess_over_compute():
+    # 32 ms of transfer behind 100 ms of compute: only the last layer's 1 ms shows.
+    assert exposed_transfer_seconds(0.032, 0.100, 32) == pytest.approx(0.001)
+    # 200 ms behind 100 ms: all but the 96.9 ms hidden behind layers 1-31.
+    assert exposed_transfer_seconds(0.200, 0.100, 32) == pytest.approx(0.200 - 0.100 * 31 / 32)
+
+
+def test_a_long_prompt_on_a_fast_link_goes_to_the_prefill_pool():
+    router = fleet()
+    planner = PDPlanner(router, LLAMA_8B, Link(bandwidth=50e9))
+    for view in router.candidates(Role.DECODE):
+        view.in_flight, view.prefilling, view.pending_prefill_tokens = 20, 2, 6000
+    plan = planner.plan(RouteRequest("q", 8000), 0.0)
+    assert plan.disaggregated and plan.prefill.replica_id.startswith("prefill")
+    assert plan.decode.replica_id.startswith("decode")
+    assert 0 < plan.exposed_s < plan.transfer_s  # most of it hidden behind compute
+    assert "disaggregated" in plan.cause
+    decode = router.views[plan.decode.replica_id]
+    assert decode.pending_prefill_tokens == 6001  # the decode leg waits for KV, not compute
+    router.finished("q:prefill", 1.0)
+    router.finished("q", 2.0)
+    assert sum(v.in_flight for v in router.views.values()) == 40
+
+
+def test_short_prompts_slow_links_and_no_prefill_pool_stay_colocated():
+    short = PDPlanner(fleet(), LLAMA_8B).plan(RouteRequest("a", 200), 0.0)
+    assert not short.disaggregated and short.decode.replica_id.startswith("decode")
+    slow = PDPlanner(fleet(), LLAMA_8B, Link(bandwidth=1e9)).plan(RouteRequest("b", 8000), 0.0)
+    assert not slow.disaggregated  # 1 GB over 1 GB/s: longer than the 0.16 s prefill
+    alone = PDPlanner(fleet(prefill=0, decode=0, mixed=2), LLAMA_8B).plan(
+        RouteRequest("c", 8000), 0.0)
+    assert not alone.disaggregated and alone.decode.replica_id.startswith("mixed")
+
+
+@settings(max_examples=150, deadline=None)
+@given(tokens=st.integers(1, 40_000), bandwidth=st.floats(1e8, 1e11),
+       latency=st.floats(0, 0.05), decode_queue=st.integers(0, 60_000),
+       prefill_queue=st.integers(0, 60_000), cached_blocks=st.integers(0, 2000))
+def test_remote_prefill_is_never_chosen_when_the_transfer_exceeds_the_prefill_saved(
+        tokens, bandwidth, latency, decode_queue, prefill_queue, cached_blocks):
+    router = fleet(prefill=1, decode=1)
+    router.blocks_stored("decode0", range(cached_blocks))
+    router.views["decode0"].pending_prefill_tokens = decode_queue
+    router.views["prefill0"].pending_prefill_tokens = prefill_queue
+    link = Link(bandwidth=bandwidth, latency=latency)
+    request = RouteRequest("q", tokens, tuple(range(tokens // 16)))
+    plan = PDPlanner(router, LLAMA_8B, link).plan(request, 0.0)
+    if plan.disaggregated:
+        cached = plan.decode.cached_tokens
+        saved = _prefill_seconds(router.views["decode0"], tokens - cached)
+        assert plan.transfer_s < saved
+        assert tokens - cached >= 512
+    else:
+        assert plan.prefill is None and router.views["prefill0"].in_flight == 0
