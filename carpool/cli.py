@@ -322,8 +322,9 @@ def build_parser() -> argparse.ArgumentParser:
         "traces", help="the public request traces: where each is found, or download them"))
     for name, help_text, module, add_args in _SIM_COMMANDS:
         sub = commands.add_parser(name, help=help_text)
-        getattr(importlib.import_module(module), add_args)(sub)
-        add_engine_flags(sub)
+        # A command with sub-commands returns them: the engine flags go on each.
+        for leaf in getattr(importlib.import_module(module), add_args)(sub) or [sub]:
+            add_engine_flags(leaf)
     return parser
 
 
@@ -371,6 +372,9 @@ _SIM_COMMANDS = (
     ("plan", "capacity planning: the fewest simulated replicas that meet an SLO at a peak "
              "load, their cost, and optionally a day on a replica schedule",
      "carpool.sim.plan_command", "add_plan_args"),
+    ("evaluate", "fleet policies side by side in the simulator at full trace size "
+                 "(routing: every policy on the same arrivals)",
+     "carpool.sim.evaluate", "add_evaluate_args"),
 )
 
 # Commands run as function(engine config, args), imported only when chosen.
@@ -378,6 +382,7 @@ _CONFIG_COMMANDS = {
     "simulate": ("carpool.sim.command", "run_simulate"),
     "fidelity": ("carpool.measure.fidelity", "run_fidelity"),
     "plan": ("carpool.sim.plan_command", "run_plan"),
+    "evaluate": ("carpool.sim.evaluate", "run_evaluate"),
     "measure": ("carpool.measure.costs", "run_measure"),
     "tune": ("carpool.bench.tune", "run_tune"),
     "bench regimes": ("carpool.bench.regimes", "run_regimes"),

@@ -73,3 +73,78 @@ def test_a_replica_schedule_drains_the_replicas_scaled_in():
     # After the schedule's time only replica 0 takes requests: the others'
     # steps all end by when their last early request finished.
     assert late and run.per_replica[0]["steps"] > max(row["steps"] for row in run.per_replica[1:])
+
+
+def test_ideal_hit_rate_counts_leading_blocks_seen_before():
+    from carpool.sim.evaluate import ideal_hit_rate
+
+    plan = [TraceRequest(0.0, 40, 1, (1, 2)), TraceRequest(1.0, 50, 1, (1, 2, 3)),
+            TraceRequest(2.0, 30, 1, (4, 2)), TraceRequest(3.0, 20, 1, (1, 2))]
+    # 16-token blocks: the second hits (1, 2) = 32 tokens; the third nothing
+    # ((4,) is new, so its (4, 2) is too); the fourth all but its last token.
+    assert ideal_hit_rate(plan, 16) == pytest.approx((32 + 19) / 140)
+
+
+def test_evaluate_routing_replays_the_same_arrivals_for_every_policy(tmp_path):
+    import json
+
+    from carpool.cli import main
+
+    out = tmp_path / "routing.json"
+    code = main(["evaluate", "routing", "--workload", "mooncake-conv", "--arrival", "trace",
+                 "--num-requests", "300", "--max-input-len", "200000",
+                 "--hardware", "h100-sxm", "--model-shape", "llama-3-8b", "--replicas", "2,3",
+                 "--policies", "round-robin,predicted-ttft", "--load", "0.7",
+                 "--json", str(out)])
+    assert code == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["replicas"], r["policy"]) for r in rows] == [
+        (2, "round-robin"), (2, "predicted-ttft"), (3, "round-robin"), (3, "predicted-ttft")]
+    for row in rows:
+        assert row["requests"] == 300 and 0 < row["ideal_hit_rate"] < 1
+        assert 0 <= row["hit_rate"] <= row["ideal_hit_rate"] + 1e-9
+        assert row["offered_rate"] == pytest.approx(0.7 * row["capacity"])
+    # A fleet of 3 serves about 3/2 of what a fleet of 2 does.
+    assert rows[2]["capacity"] / rows[0]["capacity"] == pytest.approx(1.5, rel=0.15)
+
+
+def _step_plan(low: float, high: float, until: float, step_at: float, seed: int = 5):
+    rng = random.Random(seed)
+    plan, t = [], 0.0
+    while t < until:
+        t += rng.expovariate(high if t >= step_at else low)
+        plan.append(TraceRequest(t, rng.randrange(100, 600), rng.randrange(20, 120)))
+    return plan
+
+
+@pytest.mark.parametrize("policy", ["reactive", "predictive", "oracle"])
+def test_the_autoscaler_grows_the_fleet_for_a_surge_with_start_up_delay(policy):
+    from carpool.cluster.autoscaler import AutoscaleConfig
+
+    cost = analytic_from_names("l4", "llama-3-8b")
+    plan = _step_plan(1.0, 12.0, 500.0, 200.0)
+    config = AutoscaleConfig(max_replicas=12, startup_s=60.0, tick_s=5.0,
+                             replica_concurrency=16, scale_out_backlog=20)
+    run = simulate(plan, EngineConfig(), cost, 3000,
+                   SimSettings(replicas=1, routing="predicted-ttft", autoscale=policy,
+                               autoscale_config=config))
+    # While the new replicas start, the one replica's queue may overflow.
+    assert {(r.status, r.reason) for r in run.records} <= {("ok", None),
+                                                           ("rejected", "queue_full")}
+    assert sum(r.status == "ok" for r in run.records) > 0.8 * len(plan)
+    scaling = run.scaling
+    assert scaling["policy"] == policy and scaling["events"]
+    out = [e for e in scaling["events"] if e["replicas_to"] > e["replicas_from"]]
+    assert out and all(e["cause"] for e in scaling["events"])
+    if policy != "oracle":  # the oracle moves before the surge comes
+        assert min(e["time"] for e in out) >= 200.0
+    peak = max(row["replicas"] for row in scaling["timeline"])
+    assert 2 <= peak <= 12
+    # A replica takes requests only after its start-up.
+    first = min(e["time"] for e in out)
+    ready = [row for row in scaling["timeline"] if row["t"] < first + 60.0 - 1e-9]
+    assert max(row["ready"] for row in ready) == 1
+    # Paid for: less than the peak all the time, more than one replica.
+    duration = run.duration
+    assert duration < scaling["replica_seconds"] < peak * duration
+    assert len(run.per_replica) >= peak

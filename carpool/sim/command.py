@@ -39,6 +39,18 @@ def add_simulation_args(parser: argparse.ArgumentParser, *, fleet: bool = True) 
         group.add_argument("--token-times", action="store_true",
                            help="keep every token's time, for inter-token latency (memory "
                                 "grows with output tokens)")
+        scale = parser.add_argument_group("autoscaling (--replicas is then the start)")
+        scale.add_argument("--autoscale", choices=("reactive", "predictive", "oracle"),
+                           default=None, help="scale the fleet with this policy")
+        scale.add_argument("--min-replicas", type=int, default=1)
+        scale.add_argument("--max-replicas", type=int, default=None,
+                           help="default: 4x --replicas")
+        scale.add_argument("--startup-s", type=float, default=60.0,
+                           help="seconds a new replica takes before it serves")
+        scale.add_argument("--replica-concurrency", type=float, default=32.0,
+                           help="requests one replica holds within the SLO (sizing)")
+        scale.add_argument("--scale-tick", type=float, default=10.0,
+                           help="seconds between autoscaler decisions")
 
 
 def add_simulate_args(parser: argparse.ArgumentParser) -> None:
@@ -57,10 +69,20 @@ def add_simulate_args(parser: argparse.ArgumentParser) -> None:
 
 def settings_from_args(config: EngineConfig, cost: CostModel,
                        args: argparse.Namespace) -> SimSettings:
+    from carpool.cluster.autoscaler import AutoscaleConfig
+
     max_len = config.model.max_model_len or getattr(cost, "meta", {}).get("max_model_len")
+    autoscale = getattr(args, "autoscale", None)
+    scale_config = None
+    if autoscale is not None:
+        scale_config = AutoscaleConfig(
+            min_replicas=args.min_replicas, max_replicas=args.max_replicas or 4 * args.replicas,
+            tick_s=args.scale_tick, startup_s=args.startup_s,
+            replica_concurrency=args.replica_concurrency).validate()
     return SimSettings(args.replicas, args.routing, args.fast_forward, args.token_times,
                        max_len, mooncake_block_tokens(args.token_scale),
-                       args.workers or available_cpus()).validate()
+                       args.workers or available_cpus(), autoscale=autoscale,
+                       autoscale_config=scale_config).validate()
 
 
 def run_simulate(config: EngineConfig, args: argparse.Namespace) -> int:
@@ -108,7 +130,7 @@ def simulation_result(label: str, args: argparse.Namespace, config: EngineConfig
         "cost_model_kind": cost.kind, "cost_model": cost.describe(),
         "cost_model_warning": machine_warning(cost),
         "num_blocks": num_blocks, "settings": dataclasses.asdict(settings),
-        "speed": run.speed(), "replicas": run.per_replica}
+        "speed": run.speed(), "replicas": run.per_replica, "scaling": run.scaling}
     return result
 
 

@@ -11,9 +11,11 @@ others leave the replicas' lazy keys alone.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Callable, Sequence
 
 from carpool.cluster import POLICIES, Health, ReplicaView, Router, RouteRequest
+from carpool.cluster.autoscaler import PoolScaler, PoolSignals
 from carpool.config import EngineConfig
 from carpool.scheduler.block_pool import ROOT_HASH, BlockKeyChain
 from carpool.sim.replica import SimReplica, prompt_token_ids
@@ -77,23 +79,30 @@ class FleetRouter:
                hash_block: int = 1) -> None:
         """Build the cluster router over ``replicas`` (before any arrival)."""
         self.router = Router(self.routing)
-        scheduler = config.scheduler
-        needs_hashes = self.routing in _CACHE_POLICIES and config.cache.enable_prefix_caching
-        if needs_hashes:
+        self._config = config
+        if self.routing in _CACHE_POLICIES and config.cache.enable_prefix_caching:
             self._chain = BlockKeyChain(config.cache.block_size)
             self._hash_block = hash_block
         for replica in replicas:
-            replica_id = str(replica.index)
-            self._by_id[replica_id] = replica
-            self.router.add_replica(ReplicaView(
-                replica_id, max_num_seqs=scheduler.max_num_seqs,
-                max_num_batched_tokens=scheduler.max_num_batched_tokens,
-                block_size=config.cache.block_size,
-                cost_model=replica.scheduler.admission.cost_model))
-            events = _Events(self.router, replica_id)
-            replica.listener = events
-            if needs_hashes:
-                replica.scheduler.kv.report_blocks_to(events)
+            self.add(replica)
+
+    def add(self, replica: SimReplica) -> None:
+        """A replica joins the router (ready unless told otherwise)."""
+        config = self._config
+        replica_id = str(replica.index)
+        self._by_id[replica_id] = replica
+        self.router.add_replica(ReplicaView(
+            replica_id, max_num_seqs=config.scheduler.max_num_seqs,
+            max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+            block_size=config.cache.block_size,
+            cost_model=replica.scheduler.admission.cost_model))
+        events = _Events(self.router, replica_id)
+        replica.listener = events
+        if self._chain is not None:
+            replica.scheduler.kv.report_blocks_to(events)
+
+    def replica(self, replica_id: str) -> SimReplica:
+        return self._by_id[replica_id]
 
     def pick(self, replicas: Sequence[SimReplica], index: int, item: TraceRequest,
              now: float) -> SimReplica:
@@ -114,3 +123,99 @@ class FleetRouter:
         tokens = prompt_token_ids(index, item.input_len, item.hash_ids, self._hash_block)
         full = len(tokens) // self._chain.block_size
         return tuple(self._chain.keys(ROOT_HASH, tokens, 0, full)[1])
+
+
+class FleetScaling:
+    """An autoscaler (``carpool.cluster.autoscaler.PoolScaler``) over the
+    simulated fleet: at every tick it reads the pool's signals, and the
+    replicas it adds are created then and take requests ``startup_s``
+    later; those it removes drain (no new requests, their own finish) and
+    then stop counting. Keeps the timeline and the replica-seconds paid."""
+
+    def __init__(self, scaler: PoolScaler, fleet: FleetRouter,
+                 make_replica: Callable[[int], SimReplica]) -> None:
+        self.scaler, self.fleet, self.make_replica = scaler, fleet, make_replica
+        self.config = scaler.config
+        self.next_tick = self.config.tick_s
+        self._ready_at: dict[str, float] = {}  # starting replicas
+        self._draining: set[str] = set()
+        self._alive_since: dict[str, float] = {}
+        self.replica_seconds = 0.0
+        self.timeline: list[dict] = []
+        self._arrivals = 0
+
+    def arrived(self) -> None:
+        self._arrivals += 1
+
+    def start(self, replicas: list[SimReplica], now: float) -> None:
+        for replica in replicas:
+            self._alive_since[str(replica.index)] = now
+
+    def promote(self, now: float) -> None:
+        """Replicas whose start-up is over take requests from ``now``."""
+        for replica_id, ready_at in list(self._ready_at.items()):
+            if ready_at <= now:
+                del self._ready_at[replica_id]
+                self.fleet.router.set_health(replica_id, Health.READY)
+
+    def tick(self, now: float, replicas: list[SimReplica]) -> list[SimReplica]:
+        """One autoscaler tick at ``now``; returns the replicas it created."""
+        self.next_tick = now + self.config.tick_s
+        self.promote(now)
+        self._retire(now)
+        router = self.fleet.router
+        views = [router.views[rid] for rid in self._alive_since if rid in router.views]
+        ready = [v for v in views if v.routable]
+        times = [v.service_time for v in ready if v.service_time is not None]
+        in_flight = sum(v.in_flight for v in views)
+        slots = max(1.0, len(ready) * self.config.replica_concurrency)
+        signals = PoolSignals(now, len(views) - len(self._draining), len(ready),
+                              sum(self.fleet.replica(v.replica_id).num_waiting for v in ready),
+                              in_flight, self._arrivals, min(1.0, in_flight / slots),
+                              sum(times) / len(times) if times else None)
+        self._arrivals = 0
+        wanted = self.scaler.tick(signals)
+        created = self._resize(now, wanted, replicas)
+        self.timeline.append({"t": now, "replicas": wanted, "ready": len(ready),
+                              "backlog": signals.backlog, "in_flight": in_flight,
+                              "utilization": signals.utilization})
+        return created
+
+    def finish(self, now: float) -> dict:
+        for replica_id in list(self._alive_since):
+            self._stop(replica_id, now)
+        return {"policy": self.scaler.policy.name, "replica_seconds": self.replica_seconds,
+                "replica_hours": self.replica_seconds / 3600,
+                "events": [dataclasses.asdict(e) for e in self.scaler.events],
+                "timeline": self.timeline}
+
+    def _resize(self, now: float, wanted: int, replicas: list[SimReplica]) -> list[SimReplica]:
+        router = self.fleet.router
+        live = [rid for rid in self._alive_since if rid not in self._draining]
+        created = []
+        while len(live) < wanted:
+            replica = self.make_replica(len(replicas) + len(created))
+            created.append(replica)
+            replica_id = str(replica.index)
+            self.fleet.add(replica)
+            router.set_health(replica_id, Health.STARTING)
+            self._ready_at[replica_id] = now + self.config.startup_s
+            self._alive_since[replica_id] = now
+            live.append(replica_id)
+        for replica_id in reversed(live[wanted:]):  # the newest leave first
+            self._draining.add(replica_id)
+            self._ready_at.pop(replica_id, None)
+            router.set_health(replica_id, Health.DRAINING)
+        return created
+
+    def _retire(self, now: float) -> None:
+        for replica_id in list(self._draining):
+            if self.fleet.router.views[replica_id].in_flight == 0:
+                self._draining.discard(replica_id)
+                self._stop(replica_id, now)
+                self.fleet.router.set_health(replica_id, Health.DEAD)
+
+    def _stop(self, replica_id: str, now: float) -> None:
+        since = self._alive_since.pop(replica_id, None)
+        if since is not None:
+            self.replica_seconds += now - since

@@ -110,6 +110,7 @@ class SimReplica:
         self.outstanding = 0
         self.steps = 0  # scheduler steps simulated, fast-forwarded ones included
         self.fast_forwarded_steps = 0
+        self.busy_seconds = 0.0  # virtual seconds spent in steps
         self._inbox: list[tuple[TraceRequest, RequestRecord]] = []
         self._records: dict[str, RequestRecord] = {}
         self._output: SchedulerOutput | None = None
@@ -119,6 +120,11 @@ class SimReplica:
         self._run: tuple[list[float], list[float]] = ([], [])  # (seconds, ends) of a RUN
         self._run_steps = _FIRST_RUN
         self.listener: ReplicaListener | None = None
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests here that no step has started yet (inbox and queue)."""
+        return len(self._inbox) + len(self.scheduler.waiting)
 
     # -- events ----------------------------------------------------------------
 
@@ -216,6 +222,7 @@ class SimReplica:
         tokens = iter(executor.execute(items, step_padding(output.pad_rows, self.padding_mode)))
         self._output = output
         self._seconds = executor.last_step_seconds + executor.wake_seconds(idle_s)
+        self.busy_seconds += self._seconds
         self._sampled = [(span.request, next(tokens)) for span in output.spans if span.sample]
 
     def _commit(self, now: float) -> None:
@@ -292,6 +299,7 @@ class SimReplica:
         finished = self.core.fast_forward(seconds, ends, self.clock.set, SAMPLED_TOKEN)
         self.steps += steps
         self.fast_forwarded_steps += steps
+        self.busy_seconds += sum(seconds)
         self._run = ([], [])
         self._last_end = ends[-1]
         for request in finished:

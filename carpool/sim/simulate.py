@@ -13,6 +13,7 @@ Pure Python: nothing here imports torch.
 from __future__ import annotations
 
 import argparse
+import bisect
 import contextlib
 import gc
 import heapq
@@ -22,9 +23,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from carpool.cluster.autoscaler import AutoscaleConfig, make_scaler
 from carpool.config import EngineConfig, parse_size
 from carpool.sim.costs import CostModel
-from carpool.sim.fleet import ROUTING, FleetRouter
+from carpool.sim.fleet import ROUTING, FleetRouter, FleetScaling
 from carpool.sim.replica import SimReplica, VirtualClock
 from carpool.workload.stats import RequestRecord
 from carpool.workload.traces import TraceRequest
@@ -50,6 +52,12 @@ class SimSettings:
     # before the first entry all ``replicas`` do. A replica scaled in stops
     # receiving requests and finishes the ones it has.
     replica_schedule: tuple[tuple[float, int], ...] = ()
+    # Autoscaling (``carpool.cluster.autoscaler``): a policy name, its
+    # settings, and for "schedule" its (seconds after midnight, replicas)
+    # table; ``replicas`` is then the count at the start.
+    autoscale: str | None = None
+    autoscale_config: AutoscaleConfig | None = None
+    autoscale_schedule: tuple[tuple[float, int], ...] = ()
 
     def validate(self) -> SimSettings:
         if self.replicas < 1:
@@ -61,6 +69,8 @@ class SimSettings:
                                          for _, n in self.replica_schedule):
             raise ValueError(f"a replica schedule needs ascending times and counts in 1.."
                              f"{self.replicas}, got {self.replica_schedule}")
+        if self.autoscale is not None and self.replica_schedule:
+            raise ValueError("a replica schedule and an autoscaler exclude each other")
         if self.routing not in ROUTING:
             raise ValueError(f"--routing must be one of {', '.join(ROUTING)}, got "
                              f"{self.routing!r}")
@@ -80,6 +90,7 @@ class SimRun:
     fast_forwarded_steps: int = 0
     wall_seconds: float = 0.0
     per_replica: list[dict] = field(default_factory=list)
+    scaling: dict | None = None  # the autoscaler's timeline, events and replica-hours
 
     def speed(self) -> dict:
         wall = max(self.wall_seconds, 1e-9)
@@ -105,7 +116,7 @@ def simulate(plan: Sequence[TraceRequest], config: EngineConfig, cost: CostModel
     started = time.perf_counter()
     order = sorted(range(len(plan)), key=lambda i: (plan[i].arrival, i))
     interval = max(max((r.arrival for r in plan), default=0.0) / _SAMPLES, 0.5)
-    if settings.routing == "round-robin":
+    if settings.routing == "round-robin" and settings.autoscale is None:
         router = FleetRouter(settings.routing, settings.replicas, settings.replica_schedule)
         shares: list[list[int]] = [[] for _ in range(settings.replicas)]
         for i in order:
@@ -126,7 +137,8 @@ def simulate(plan: Sequence[TraceRequest], config: EngineConfig, cost: CostModel
                   steps=sum(part.steps for part in parts),
                   fast_forwarded_steps=sum(part.fast_forwarded_steps for part in parts),
                   wall_seconds=time.perf_counter() - started,
-                  per_replica=[row for part in parts for row in part.per_replica])
+                  per_replica=[row for part in parts for row in part.per_replica],
+                  scaling=parts[0].scaling)
 
 
 @contextlib.contextmanager
@@ -174,15 +186,21 @@ def _event_loop(indices: list[int], arrivals: list[tuple[int, TraceRequest]],
     drains its inbox before scheduling).
     """
     clock = VirtualClock()
-    replicas = [SimReplica(i, config, num_blocks, cost, clock,
-                           max_model_len=settings.max_model_len,
-                           fast_forward=settings.fast_forward,
-                           token_times=settings.token_times, hash_block=settings.hash_block)
-                for i in indices]
+
+    def make_replica(index: int) -> SimReplica:
+        return SimReplica(index, config, num_blocks, cost, clock,
+                          max_model_len=settings.max_model_len,
+                          fast_forward=settings.fast_forward,
+                          token_times=settings.token_times, hash_block=settings.hash_block)
+
+    replicas = [make_replica(i) for i in indices]
     slot = {replica.index: position for position, replica in enumerate(replicas)}
     router = FleetRouter(settings.routing, settings.replicas, settings.replica_schedule)
-    if settings.routing != "round-robin":  # alone, each replica of a round-robin share
+    if settings.routing != "round-robin" or settings.autoscale:  # else one replica's share
         router.attach(replicas, config, settings.hash_block)
+    scaling = _scaling(settings, router, make_replica, arrivals)
+    if scaling is not None:
+        scaling.start(replicas, 0.0)
     records = [RequestRecord(i, r.arrival, r.input_len, r.output_len) for i, r in arrivals]
     heap: list[tuple[float, int, int]] = []  # (time, sequence, slot), stale ones skipped
     posted = [-1] * len(replicas)  # sequence of each replica's live heap entry
@@ -201,6 +219,14 @@ def _event_loop(indices: list[int], arrivals: list[tuple[int, TraceRequest]],
     while next_arrival < len(arrivals) or heap:
         arrival_time = (arrivals[next_arrival][1].arrival if next_arrival < len(arrivals)
                         else math.inf)
+        if scaling is not None and scaling.next_tick <= min(arrival_time, heap[0][0] if heap
+                                                             else math.inf):
+            clock.set(scaling.next_tick)
+            for replica in scaling.tick(clock.now, replicas):
+                slot[replica.index] = len(replicas)
+                replicas.append(replica)
+                posted.append(-1)
+            continue
         if heap and heap[0][0] < arrival_time:
             now, seq, position = heapq.heappop(heap)
             if seq != posted[position]:
@@ -217,6 +243,9 @@ def _event_loop(indices: list[int], arrivals: list[tuple[int, TraceRequest]],
         if router.router is None:
             replica = replicas[0]  # one replica's share of a round-robin plan
         else:
+            if scaling is not None:
+                scaling.arrived()
+                scaling.promote(arrival_time)
             replica = router.pick(replicas, arrivals[next_arrival - 1][0], request, arrival_time)
         if replica.receive(request, record, arrival_time):
             post(replica)
@@ -224,7 +253,25 @@ def _event_loop(indices: list[int], arrivals: list[tuple[int, TraceRequest]],
     return SimRun(records, clock.now, sampler.samples,
                   steps=sum(r.steps for r in replicas),
                   fast_forwarded_steps=sum(r.fast_forwarded_steps for r in replicas),
-                  per_replica=[_replica_stats(r) for r in replicas])
+                  per_replica=[_replica_stats(r) for r in replicas],
+                  scaling=scaling.finish(clock.now) if scaling is not None else None)
+
+
+def _scaling(settings: SimSettings, router: FleetRouter, make_replica,
+             arrivals: list[tuple[int, TraceRequest]]) -> FleetScaling | None:
+    """The autoscaler of an event loop, if the settings ask for one; the
+    oracle is given the plan's own arrival rate ahead of each time."""
+    if settings.autoscale is None:
+        return None
+    config = settings.autoscale_config or AutoscaleConfig(max_replicas=settings.replicas)
+    times = [item.arrival for _, item in arrivals]
+
+    def rate_at(t: float, window: float = 60.0) -> float:
+        return (bisect.bisect_left(times, t + window) - bisect.bisect_left(times, t)) / window
+
+    scaler = make_scaler(settings.autoscale, config, settings.replicas,
+                         schedule=settings.autoscale_schedule, rate_at=rate_at)
+    return FleetScaling(scaler, router, make_replica)
 
 
 def _sum_samples(parts: list[SimRun]) -> list[tuple[float, float, float]]:
@@ -261,6 +308,7 @@ def _replica_stats(replica: SimReplica) -> dict:
     scheduler = replica.scheduler
     kv = scheduler.kv.stats()
     return {"replica": replica.index, "steps": replica.steps,
+            "busy_s": replica.busy_seconds,
             "fast_forwarded_steps": replica.fast_forwarded_steps,
             "preemptions": scheduler.num_preemptions, "prefix_queries": kv.prefix_queries,
             "prefix_hits": kv.prefix_hits, "rejections": dict(scheduler.rejections)}

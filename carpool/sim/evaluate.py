@@ -1,0 +1,194 @@
+"""``carpool evaluate routing``: routing policies side by side in the simulator.
+
+One workload, one cost model, each fleet size: the fleet's capacity is
+first measured (round-robin, the arrivals squeezed to ``PROBE_SQUEEZE`` of
+their time so that the queues never empty: requests completed per second),
+the arrivals are then stretched or squeezed so that they offer ``--load``
+of it, and every policy replays exactly those arrivals. (Busy time is no
+measure of load under continuous batching: a lighter load runs more,
+smaller steps, and its replicas were as busy as at twice the rate.)
+Per policy: TTFT p50 / p99, TPOT p99, goodput under the SLO, the fleet's
+prefix-cache hit rate against the plan's ideal (every prompt token whose
+leading blocks any earlier prompt had), the busiest / idlest replica's
+busy time, and the wall time of the run.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+
+from carpool.config import EngineConfig
+from carpool.sim.costs import CostModel
+from carpool.sim.fleet import ROUTING
+from carpool.sim.simulate import (
+    SimSettings,
+    add_cost_model_args,
+    cost_model_from_args,
+    cyclic_gc_paused,
+    pool_blocks,
+    simulate,
+)
+from carpool.workload.command import add_workload_args, arg_type, workload_spec
+from carpool.workload.results import LoadRun, make_result
+from carpool.workload.spec import mooncake_block_tokens, plan_workload
+from carpool.workload.traces import TraceRequest
+
+PROBE_SQUEEZE = 0.1  # the capacity probe's arrivals come 10x as fast as the trace's
+DEFAULT_POLICIES = ("random", "round-robin", "least-outstanding", "approx-cache-aware",
+                    "predicted-ttft")
+
+
+def _names(text: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in ROUTING]
+    if unknown or not names:
+        raise ValueError(f"unknown policies {unknown}; choose from {', '.join(ROUTING)}")
+    return names
+
+
+def _counts(text: str) -> tuple[int, ...]:
+    counts = tuple(int(n) for n in text.split(",") if n.strip())
+    if not counts or min(counts) < 1:
+        raise ValueError(f"replica counts must be >= 1, got {text!r}")
+    return counts
+
+
+def add_evaluate_args(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    """The evaluations as sub-commands; returns them (each takes the engine flags)."""
+    from carpool.slo import parse_slo
+
+    kinds = parser.add_subparsers(dest="evaluation", required=True)
+    routing = kinds.add_parser("routing", help="routing policies side by side")
+    add_workload_args(routing, seed_flag="--workload-seed")
+    add_cost_model_args(routing)
+    group = routing.add_argument_group("evaluation")
+    group.add_argument("--replicas", type=arg_type(_counts), default=(8, 16),
+                       help="fleet sizes, comma separated (default 8,16)")
+    group.add_argument("--policies", type=arg_type(_names), default=DEFAULT_POLICIES,
+                       help=f"comma separated, of {', '.join(ROUTING)}")
+    group.add_argument("--load", type=float, default=0.8,
+                       help="offered rate as a share of the fleet's measured capacity "
+                            "(default 0.8)")
+    group.add_argument("--slo", type=arg_type(parse_slo), default={"ttft": 2.0, "tpot": 0.05},
+                       help="per-request limits for goodput (default ttft=2s,tpot=50ms)")
+    group.add_argument("--json", default=None, help="write every row here")
+    return [routing]
+
+
+def ideal_hit_rate(plan: list[TraceRequest], block_tokens: int) -> float:
+    """Prompt tokens an infinite, fleet-wide prefix cache would hit: a
+    prompt's leading blocks (hash ids) that some earlier prompt also began
+    with, at most all but its last token, over all prompt tokens."""
+    seen: set[tuple[int, ...]] = set()
+    hits = total = 0
+    for item in sorted(plan, key=lambda r: r.arrival):
+        total += item.input_len
+        prefix: tuple[int, ...] = ()
+        cached = 0
+        for hash_id in item.hash_ids:
+            prefix += (hash_id,)
+            if prefix in seen:
+                cached += 1
+            else:
+                seen.add(prefix)
+                break
+        for more in item.hash_ids[len(prefix):]:
+            prefix += (more,)
+            seen.add(prefix)
+        hits += min(cached * block_tokens, max(0, item.input_len - 1))
+    return hits / total if total else 0.0
+
+
+def _scaled(plan: list[TraceRequest], factor: float) -> list[TraceRequest]:
+    return [dataclasses.replace(r, arrival=r.arrival * factor) for r in plan]
+
+
+def offered_rate(plan: list[TraceRequest]) -> float:
+    """Requests per second over the plan's span of arrivals."""
+    span = max(r.arrival for r in plan) - min(r.arrival for r in plan)
+    return len(plan) / max(span, 1e-9)
+
+
+def fleet_capacity(plan, config, cost, num_blocks: int, replicas: int,
+                   block_tokens: int) -> float:
+    """Requests completed per second by ``replicas`` round-robin replicas
+    when the plan's arrivals come ``1 / PROBE_SQUEEZE`` times as fast."""
+    run = simulate(_scaled(plan, PROBE_SQUEEZE), config, cost, num_blocks, SimSettings(
+        replicas=replicas, routing="round-robin", hash_block=block_tokens, workers=2))
+    done = sum(1 for r in run.records if r.status == "ok")
+    return done / max(run.duration, 1e-9)
+
+
+def _busy_share(run, replicas: int) -> float:
+    return sum(r["busy_s"] for r in run.per_replica) / (replicas * max(run.duration, 1e-9))
+
+
+def evaluate_row(policy: str, plan, config, cost, num_blocks, replicas: int, slo: dict,
+                 block_tokens: int) -> dict:
+    settings = SimSettings(replicas=replicas, routing=policy, hash_block=block_tokens,
+                           workers=2).validate()
+    run = simulate(plan, config, cost, num_blocks, settings)
+    summary = make_result(policy, {}, LoadRun(run.records, run.duration, []), slo,
+                          per_request=False)["summary"]
+    busy = [r["busy_s"] for r in run.per_replica]
+    queries = sum(r["prefix_queries"] for r in run.per_replica)
+    return {"policy": policy, "replicas": replicas, "requests": len(plan),
+            "ttft_p50": summary["ttft"]["p50"], "ttft_p99": summary["ttft"]["p99"],
+            "tpot_p99": summary["tpot"]["p99"], "goodput": summary["goodput"],
+            "slo_attainment": summary["slo_attainment"],
+            "hit_rate": sum(r["prefix_hits"] for r in run.per_replica) / max(1, queries),
+            "busy_max_min": max(busy) / max(min(busy), 1e-9),
+            "busy_share": _busy_share(run, replicas), "wall_s": run.wall_seconds}
+
+
+def run_evaluate(config: EngineConfig, args: argparse.Namespace) -> int:
+    cost: CostModel = cost_model_from_args(args)
+    num_blocks = pool_blocks(config, cost, memory_set=args.engine_kv_cache_memory is not None)
+    block_tokens = mooncake_block_tokens(args.token_scale)
+    rows = []
+    with cyclic_gc_paused():
+        base = plan_workload(workload_spec(args))
+        ideal = ideal_hit_rate(base, block_tokens)
+        for replicas in args.replicas:
+            started = time.perf_counter()
+            capacity = fleet_capacity(base, config, cost, num_blocks, replicas, block_tokens)
+            factor = offered_rate(base) / (args.load * capacity)
+            plan = _scaled(base, factor)
+            print(f"== {replicas} replicas: capacity {capacity:.2f} req/s (round-robin, "
+                  f"{time.perf_counter() - started:.1f} s); arrivals x{factor:.3f} in time "
+                  f"offer {offered_rate(plan):.2f} req/s", flush=True)
+            for policy in args.policies:
+                row = evaluate_row(policy, plan, config, cost, num_blocks, replicas, args.slo,
+                                   block_tokens)
+                row.update(time_factor=factor, ideal_hit_rate=ideal, capacity=capacity,
+                           offered_rate=offered_rate(plan))
+                rows.append(row)
+                print(format_row(row), flush=True)
+    print(format_table(rows))
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump({"rows": rows, "slo": args.slo, "load": args.load}, handle, indent=1)
+    return 0
+
+
+def format_row(row: dict) -> str:
+    return (f"  {row['policy']:<20} TTFT p50 {row['ttft_p50'] * 1e3:7.0f} ms  p99 "
+            f"{row['ttft_p99'] * 1e3:7.0f} ms  TPOT p99 {row['tpot_p99'] * 1e3:5.1f} ms  goodput "
+            f"{row['goodput']:.2f}/s  hit {row['hit_rate']:.1%} (ideal "
+            f"{row['ideal_hit_rate']:.1%})  busy max/min {row['busy_max_min']:.2f}  "
+            f"({row['busy_share']:.2f} busy)  {row['wall_s']:.0f} s wall")
+
+
+def format_table(rows: list[dict]) -> str:
+    lines = ["| replicas | policy | TTFT p50 | TTFT p99 | TPOT p99 | goodput | hit rate "
+             "(% of ideal) | busy max/min | wall |", "|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        share = row["hit_rate"] / row["ideal_hit_rate"] if row["ideal_hit_rate"] else 0.0
+        lines.append(
+            f"| {row['replicas']} | {row['policy']} | {row['ttft_p50'] * 1e3:.0f} ms | "
+            f"{row['ttft_p99'] * 1e3:.0f} ms | {row['tpot_p99'] * 1e3:.1f} ms | "
+            f"{row['goodput']:.2f}/s | {row['hit_rate']:.1%} ({share:.0%}) | "
+            f"{row['busy_max_min']:.2f} | {row['wall_s']:.0f} s |")
+    return "\n".join(lines)
