@@ -268,3 +268,15 @@ def test_a_kv_manager_reporting_blocks_keys_them_at_once():
     index = FleetPrefixIndex()
     manager.report_blocks_to(_Listener(index, "r0"))
     assert manager.lazy_keys is False and manager.pool.events is not None
+
+
+def test_predicted_ttft_keeps_the_longest_cached_prefix_within_its_affinity():
+    """A short prompt whose 2-block prefix r1 holds: r1's small extra queue
+    (within AFFINITY_FACTOR of the best) keeps it there, a long one does not."""
+    router = fleet("predicted-ttft", replicas=2)
+    router.blocks_stored("r1", [1, 2])
+    router.views["r1"].pending_prefill_tokens = 40  # ~4 ms more than r0's empty queue
+    kept = router.route(request(0, 40, [1, 2]), 0.0)
+    assert kept.replica_id == "r1" and kept.cause.startswith("longest cached prefix")
+    router.views["r1"].pending_prefill_tokens = 5000  # ~0.5 s more: r0's miss is cheaper
+    assert router.route(request(1, 40, [1, 2]), 0.0).replica_id == "r0"

