@@ -48,6 +48,11 @@ class StepCostModel:
         """Whether enough steps were seen for predictions to mean something."""
         return len(self._steps) + self._prior_steps >= self.min_steps
 
+    @property
+    def num_prior_steps(self) -> int:
+        """Steps given by ``add_prior`` (kept in every fit)."""
+        return self._prior_steps
+
     def add_prior(self, steps: Iterable[tuple[int, int, float]]) -> None:
         """Steps (tokens, seqs, seconds) measured before serving, kept in
         every fit beside the sliding window: batch sizes the live load has
