@@ -158,9 +158,13 @@ class ReactivePolicy:
                                           f"want {short:.1f} replicas", urgent=True,
                         demand=short)
         if signals.backlog > config.scale_out_backlog:
+            # Counted from the ready replicas: those still starting will take
+            # this backlog, and counting from the total added replicas for the
+            # same backlog at every tick of a start-up (a 12x step went to 11
+            # replicas where 7 served everything).
             more = math.ceil(signals.backlog / config.scale_out_backlog)
-            return Want(signals.replicas + more, f"backlog {signals.backlog} > "
-                                                 f"{config.scale_out_backlog}")
+            return Want(max(signals.replicas, signals.ready + more),
+                        f"backlog {signals.backlog} > {config.scale_out_backlog}")
         if signals.utilization < config.scale_in_utilization:
             self._low_since = signals.now if self._low_since is None else self._low_since
             if signals.now - self._low_since >= config.scale_in_after_s:
@@ -225,8 +229,8 @@ class PredictivePolicy:
         if floor.replicas > math.ceil(needed) or floor.urgent:
             return floor
         ahead = (self.config.startup_s + self.config.forecast_horizon_s) / 60
-        return Want(math.ceil(needed), f"forecast peak {peak:.1f} req/s within {ahead:.0f} min",
-                    demand=needed)
+        return Want(math.ceil(needed), f"forecast peak {peak:.1f} req/s within {ahead:.0f} min "
+                                       f"(now {current:.1f} req/s)", demand=needed)
 
 
 class SchedulePolicy:

@@ -174,9 +174,14 @@ class Router:
             view.prefilling -= 1
             view.pending_prefill_tokens -= routed.pending_tokens
 
-    def finished(self, request_id: str, now: float, *, learn: bool = True) -> None:
+    def finished(self, request_id: str, now: float, *, learn: bool = True,
+                 queued_s: float = 0.0) -> None:
         """The request left its replica (finished, failed, aborted or
-        rejected there); ``learn`` feeds its time into the service time."""
+        rejected there); ``learn`` feeds its time there, less the
+        ``queued_s`` it waited before its first step, into the replica's
+        service time (queueing excluded: under a surge the queue wait is
+        what grows, and a service time that counted it would size an
+        autoscaled pool for the backlog rather than for the load)."""
         self.first_token(request_id, now)
         routed = self._routed.pop(request_id, None)
         if routed is None:
@@ -186,7 +191,7 @@ class Router:
             return
         view.in_flight -= 1
         if learn:
-            seconds = now - routed.sent_at
+            seconds = max(0.0, now - routed.sent_at - queued_s)
             view.service_time = (seconds if view.service_time is None else
                                  (1 - SERVICE_EWMA) * view.service_time + SERVICE_EWMA * seconds)
 

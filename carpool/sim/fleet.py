@@ -35,8 +35,8 @@ class _Events:
     def first_token(self, index: int, now: float) -> None:
         self.router.first_token(str(index), now)
 
-    def finished(self, index: int, now: float, ok: bool) -> None:
-        self.router.finished(str(index), now, learn=ok)
+    def finished(self, index: int, now: float, ok: bool, queued_s: float = 0.0) -> None:
+        self.router.finished(str(index), now, learn=ok, queued_s=queued_s)
 
     def stored(self, hashes: list[int]) -> None:
         self.router.blocks_stored(self.replica_id, hashes)
@@ -143,6 +143,7 @@ class FleetScaling:
         self.replica_seconds = 0.0
         self.timeline: list[dict] = []
         self._arrivals = 0
+        self._calm_service: float | None = None
 
     def arrived(self) -> None:
         self._arrivals += 1
@@ -166,13 +167,12 @@ class FleetScaling:
         router = self.fleet.router
         views = [router.views[rid] for rid in self._alive_since if rid in router.views]
         ready = [v for v in views if v.routable]
-        times = [v.service_time for v in ready if v.service_time is not None]
         in_flight = sum(v.in_flight for v in views)
         slots = max(1.0, len(ready) * self.config.replica_concurrency)
         signals = PoolSignals(now, len(views) - len(self._draining), len(ready),
                               sum(self.fleet.replica(v.replica_id).num_waiting for v in ready),
                               in_flight, self._arrivals, min(1.0, in_flight / slots),
-                              sum(times) / len(times) if times else None)
+                              self._service_time(ready))
         self._arrivals = 0
         wanted = self.scaler.tick(signals)
         created = self._resize(now, wanted, replicas)
@@ -180,6 +180,19 @@ class FleetScaling:
                               "backlog": signals.backlog, "in_flight": in_flight,
                               "utilization": signals.utilization})
         return created
+
+    def _service_time(self, ready: list[ReplicaView]) -> float | None:
+        """The mean service time of the replicas at or under the target
+        utilisation, else the last such mean: an overloaded replica's
+        requests are slowed by its big batches, and a pool sized with their
+        times is sized for the overload (a 12x step went to the cap of 12
+        replicas where 7 served everything)."""
+        limit = self.config.replica_concurrency * self.config.target_utilization
+        times = [v.service_time for v in ready
+                 if v.service_time is not None and v.in_flight <= limit]
+        if times:
+            self._calm_service = sum(times) / len(times)
+        return self._calm_service
 
     def finish(self, now: float) -> dict:
         for replica_id in list(self._alive_since):

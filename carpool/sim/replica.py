@@ -77,7 +77,7 @@ class ReplicaListener(Protocol):
 
     def first_token(self, index: int, now: float) -> None: ...
 
-    def finished(self, index: int, now: float, ok: bool) -> None: ...
+    def finished(self, index: int, now: float, ok: bool, queued_s: float = 0.0) -> None: ...
 
 
 class SimReplica:
@@ -200,11 +200,12 @@ class SimReplica:
         record.error = message
         self._done(record, FAILED, now, "http_400")  # what the server answers
 
-    def _done(self, record: RequestRecord, status: str, now: float, reason: str | None) -> None:
+    def _done(self, record: RequestRecord, status: str, now: float, reason: str | None,
+              queued_s: float = 0.0) -> None:
         record.status, record.reason, record.finished = status, reason, now
         self.outstanding -= 1
         if self.listener is not None:
-            self.listener.finished(record.index, now, status == OK)
+            self.listener.finished(record.index, now, status == OK, queued_s)
 
     def _reject(self, expired: list[Request]) -> None:
         for request in expired:
@@ -245,7 +246,8 @@ class SimReplica:
         if not self.token_times:
             record.chunk_times = [request.first_token_time]
         record.output_tokens = request.num_output_tokens
-        self._done(record, OK, now, None)
+        queued = (request.first_scheduled_time or request.arrival_time) - request.arrival_time
+        self._done(record, OK, now, None, max(0.0, queued))
 
     # -- runs of decode steps ----------------------------------------------------------
 
