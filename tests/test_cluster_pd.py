@@ -88,3 +88,15 @@ def test_remote_prefill_is_never_chosen_when_the_transfer_exceeds_the_prefill_sa
         assert tokens - cached >= 512
     else:
         assert plan.prefill is None and router.views["prefill0"].in_flight == 0
+
+
+def test_a_plan_for_a_request_already_routed_counts_nothing():
+    router = fleet()
+    planner = PDPlanner(router, LLAMA_8B)
+    for view in router.candidates(Role.DECODE):
+        view.in_flight, view.prefilling, view.pending_prefill_tokens = 20, 2, 6000
+    assert not planner.plan(RouteRequest("q", 200), 0.0).disaggregated  # short: colocated
+    before = {rid: v.in_flight for rid, v in router.views.items()}
+    with pytest.raises(ValueError, match="already routed"):
+        planner.plan(RouteRequest("q", 8000), 1.0)
+    assert {rid: v.in_flight for rid, v in router.views.items()} == before

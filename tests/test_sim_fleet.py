@@ -153,3 +153,24 @@ def test_the_autoscaler_grows_the_fleet_for_a_surge_with_start_up_delay(policy):
     duration = run.duration
     assert duration < scaling["replica_seconds"] < peak * duration
     assert len(run.per_replica) >= peak
+
+
+def test_a_request_no_replica_can_take_is_rejected_at_the_front(monkeypatch):
+    from carpool.cluster import RoutingError
+    from carpool.sim.fleet import FleetRouter
+
+    picked = FleetRouter.pick
+
+    def refuse_odd(self, replicas, index, item, now):
+        if index % 2:
+            raise RoutingError("predicted_ttft_miss", 1.0, "every replica over target")
+        return picked(self, replicas, index, item, now)
+
+    monkeypatch.setattr(FleetRouter, "pick", refuse_odd)
+    plan = _conversations(60, 20.0)
+    run = simulate(plan, EngineConfig(), analytic_from_names("l4", "llama-3-8b"), 2000,
+                   SimSettings(replicas=2, routing="least-outstanding", hash_block=32))
+    for record in run.records:
+        expected = ("rejected", "predicted_ttft_miss") if record.index % 2 else ("ok", None)
+        assert (record.status, record.reason) == expected
+        assert record.finished is not None

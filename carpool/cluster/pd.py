@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from carpool.cluster.policies import Scored, score_replicas
 from carpool.cluster.router import Router
 from carpool.cluster.view import ReplicaView, Role, RouteDecision, RouteRequest, RoutingError
 from carpool.scheduler.shedding import predict_first_token_delay
@@ -104,12 +105,16 @@ class PDPlanner:
         """Choose and count: the decode leg under ``request.request_id``, a
         remote prefill leg under ``request_id + ":prefill"``."""
         router = self.router
+        # Both legs' ids checked before either is counted: a plan never
+        # leaves half a request routed.
+        for request_id in (request.request_id, f"{request.request_id}:prefill"):
+            if router.replica_of(request_id) is not None:
+                raise ValueError(f"request {request_id!r} is already routed")
         local = router.candidates(Role.MIXED, Role.DECODE)
         if not local:
             raise RoutingError("no_replica", 1.0, "no mixed or decode replica is ready")
-        depth = router.prefix_index.matches(request.block_hashes)
-        home, home_cached, home_ttft = self._best(request, local, depth)
-        plan = self._remote(request, depth, home, home_cached, home_ttft)
+        home, home_cached, home_ttft = self._best(request, local)
+        plan = self._remote(request, home, home_cached, home_ttft)
         if plan is None:
             decision = RouteDecision(home.replica_id, "colocated: remote prefill does not pay",
                                      home_cached, home_ttft)
@@ -121,26 +126,20 @@ class PDPlanner:
         router.assign(request, plan.decode, now, prefill_tokens=1)
         return plan
 
-    def _best(self, request: RouteRequest, views: list[ReplicaView],
-              depth: dict[str, int]) -> tuple[ReplicaView, int, float | None]:
-        within = self.router.within_load_bound(views)
-        scored = []
-        for view in within:
-            cached = self.router.cached_tokens(view, depth.get(view.replica_id, 0), request)
-            ttft = self.router.predict_ttft(view, request.prompt_tokens - cached, within)
-            scored.append((float("inf") if ttft is None else ttft, view.in_flight, view.order,
-                           view, cached, ttft))
-        _, _, _, view, cached, ttft = min(scored, key=lambda row: row[:3])
-        return view, cached, ttft
+    def _best(self, request: RouteRequest,
+              views: list[ReplicaView]) -> tuple[ReplicaView, int, float | None]:
+        best = min(score_replicas(self.router, request, self.router.within_load_bound(views)),
+                   key=Scored.rank)
+        return best.view, best.cached, best.ttft
 
-    def _remote(self, request: RouteRequest, depth: dict[str, int], home: ReplicaView,
+    def _remote(self, request: RouteRequest, home: ReplicaView,
                 home_cached: int, home_ttft: float | None) -> PDPlan | None:
         """The disaggregated plan if it pays (see the module docstring), else None."""
         prefill_pool = self.router.candidates(Role.PREFILL)
         uncached = request.prompt_tokens - home_cached
         if not prefill_pool or home_ttft is None or uncached < self.min_remote_tokens:
             return None
-        worker, cached, ttft = self._best(request, prefill_pool, depth)
+        worker, cached, ttft = self._best(request, prefill_pool)
         saved = _prefill_seconds(home, uncached) or _prefill_seconds(worker, uncached)
         compute = _prefill_seconds(worker, request.prompt_tokens - cached)
         if ttft is None or saved is None or compute is None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 from carpool.cluster.view import ReplicaView, RouteDecision, RouteRequest
@@ -165,31 +166,57 @@ class PredictedTTFTPolicy:
 
     def choose(self, request, candidates, router, now) -> RouteDecision:
         within = router.within_load_bound(candidates)
-        depth = router.prefix_index.matches(request.block_hashes)
-        scored = []
-        for view in within:
-            cached = router.cached_tokens(view, depth.get(view.replica_id, 0), request)
-            ttft = router.predict_ttft(view, request.prompt_tokens - cached, within)
-            scored.append((math.inf if ttft is None else ttft, view.in_flight, view.order,
-                           view, cached, ttft))
-        best = min(scored, key=lambda row: row[:3])
+        scored = score_replicas(router, request, within)
+        best = min(scored, key=Scored.rank)
         home = router.session_home(request.session_id, within)
-        if home is not None and home is not best[3]:
-            row = next(row for row in scored if row[3] is home)
-            if row[0] <= best[0] * AFFINITY_FACTOR + AFFINITY_SLACK_S:
-                return RouteDecision(home.replica_id, "session home", row[4], row[5])
+        if home is not None and home is not best.view:
+            kept = next(row for row in scored if row.view is home)
+            if kept.within_affinity_of(best):
+                return RouteDecision(home.replica_id, "session home", kept.cached, kept.ttft)
         # The longest cached prefix is kept in the same way: the next turn of a
         # conversation finds its whole history there only if this one goes there.
-        hottest = max(scored, key=lambda row: (row[4], -row[2]))
-        if (hottest[4] > best[4]
-                and hottest[0] <= best[0] * AFFINITY_FACTOR + AFFINITY_SLACK_S):
-            return RouteDecision(hottest[3].replica_id, f"longest cached prefix "
-                                 f"({hottest[4]} tokens)", hottest[4], hottest[5])
-        _, _, _, view, cached, ttft = best
-        cause = ("session home" if view is home else
-                 "fewest in flight (no cost model yet)" if ttft is None else
-                 f"lowest predicted TTFT {ttft:.3f} s")
-        return RouteDecision(view.replica_id, cause, cached, ttft)
+        hottest = max(scored, key=lambda row: (row.cached, -row.view.order))
+        if hottest.cached > best.cached and hottest.within_affinity_of(best):
+            return RouteDecision(hottest.view.replica_id, f"longest cached prefix "
+                                 f"({hottest.cached} tokens)", hottest.cached, hottest.ttft)
+        cause = ("session home" if best.view is home else
+                 "fewest in flight (no cost model yet)" if best.ttft is None else
+                 f"lowest predicted TTFT {best.ttft:.3f} s")
+        return RouteDecision(best.view.replica_id, cause, best.cached, best.ttft)
+
+
+@dataclass(frozen=True)
+class Scored:
+    """A replica priced for one request: the prompt tokens it holds cached
+    and the predicted TTFT there (None without a cost model)."""
+
+    view: ReplicaView
+    cached: int
+    ttft: float | None
+
+    @property
+    def seconds(self) -> float:
+        return math.inf if self.ttft is None else self.ttft
+
+    def rank(self) -> tuple[float, int, int]:
+        """Lowest predicted TTFT, then fewest in flight, then join order."""
+        return self.seconds, self.view.in_flight, self.view.order
+
+    def within_affinity_of(self, best: Scored) -> bool:
+        return self.seconds <= best.seconds * AFFINITY_FACTOR + AFFINITY_SLACK_S
+
+
+def score_replicas(router, request: RouteRequest,
+                   views: Sequence[ReplicaView]) -> list[Scored]:
+    """Each of ``views`` priced for ``request`` by the fleet prefix index and
+    ``Router.predict_ttft`` (the views are each other's cost-model peers)."""
+    depth = router.prefix_index.matches(request.block_hashes)
+    scored = []
+    for view in views:
+        cached = router.cached_tokens(view, depth.get(view.replica_id, 0), request)
+        scored.append(Scored(view, cached, router.predict_ttft(
+            view, request.prompt_tokens - cached, views)))
+    return scored
 
 
 def predict_ttft_on(view: ReplicaView, uncached_tokens: int,

@@ -23,12 +23,13 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from carpool.cluster import RoutingError
 from carpool.cluster.autoscaler import AutoscaleConfig, make_scaler
 from carpool.config import EngineConfig, parse_size
 from carpool.sim.costs import CostModel
 from carpool.sim.fleet import ROUTING, FleetRouter, FleetScaling
 from carpool.sim.replica import SimReplica, VirtualClock
-from carpool.workload.stats import RequestRecord
+from carpool.workload.stats import REJECTED, RequestRecord
 from carpool.workload.traces import TraceRequest
 
 # The measured model of carpool's development machine (2-core CPU, default
@@ -246,7 +247,13 @@ def _event_loop(indices: list[int], arrivals: list[tuple[int, TraceRequest]],
             if scaling is not None:
                 scaling.arrived()
                 scaling.promote(arrival_time)
-            replica = router.pick(replicas, arrivals[next_arrival - 1][0], request, arrival_time)
+            try:
+                replica = router.pick(replicas, arrivals[next_arrival - 1][0], request,
+                                      arrival_time)
+            except RoutingError as exc:  # what the front answers: 429, nothing queued
+                record.sent = arrival_time
+                record.status, record.reason, record.finished = REJECTED, exc.reason, arrival_time
+                continue
         if replica.receive(request, record, arrival_time):
             post(replica)
     sampler.until(clock.now)
