@@ -55,4 +55,4 @@ def test_the_tier_never_holds_more_than_its_capacity_nor_anything_past_its_ttl(o
             for h in hashes[:found]:
                 assert now - last_use[h] <= ttl  # never served past its TTL
                 last_use[h] = now
-        assert len(tier) <= capacity
+        assert tier.num_blocks <= capacity

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from carpool.cluster.kv_tier import SharedKVTier, TierClient
 from carpool.config import CacheConfig, SchedulerConfig
 from carpool.scheduler import (
     RejectedError,
@@ -34,14 +35,21 @@ class FakeClock:
 
 
 def make_scheduler(num_blocks: int, max_seqs: int, budget: int, policy: str,
-                   caching: bool = True, **config) -> Scheduler:
-    """A scheduler on a ``FakeClock``; ``config`` sets further SchedulerConfig fields."""
+                   caching: bool = True, tier_blocks: int = 0, **config) -> Scheduler:
+    """A scheduler on a ``FakeClock``; ``config`` sets further SchedulerConfig
+    fields; ``tier_blocks`` > 0 gives it an external KV store of that many
+    blocks whose loads take 1.5 steps (``run_step`` advances 10 ms)."""
     scheduler_config = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
                                        policy=policy, **config)
     scheduler_config.validate()
+    clock = FakeClock()
+    external = None
+    if tier_blocks:
+        tier = SharedKVTier(tier_blocks, block_bytes=1.0, bandwidth=1e9, latency=0.015)
+        external = TierClient(tier, clock)
     return Scheduler(scheduler_config,
                      CacheConfig(block_size=BLOCK, enable_prefix_caching=caching, watermark=0.05),
-                     num_blocks, FakeClock())
+                     num_blocks, clock, external_kv=external)
 
 
 def run_step(scheduler: Scheduler) -> list[Request]:
@@ -66,7 +74,9 @@ def check_output(scheduler: Scheduler, out: SchedulerOutput, waiting_before: lis
     assert not preempted & {id(s.request) for s in out.spans}, "preempted and scheduled"
     if scheduler.num_priority_preemptions > priority_preemptions_before:
         was_waiting = {id(r) for r in waiting_before}
-        admitted = [s.request.priority for s in out.spans if id(s.request) in was_waiting]
+        # Admitted: into this step's batch, or to load its KV first.
+        admitted = [r.priority for r in [s.request for s in out.spans] + list(scheduler.loading)
+                    if id(r) in was_waiting]
         assert admitted and min(admitted) < min(r.priority for r in out.preempted), \
             "a preemption for priority admitted nothing better than its victims"
     # Expired requests never wanted the budget; every other short one did.
@@ -110,6 +120,7 @@ ops = st.lists(st.one_of(
     st.tuples(st.just("add"), prompts, st.integers(1, 8), priorities),
     st.tuples(st.just("step")),
     st.tuples(st.just("abort"), st.integers(0, 50)),
+    st.tuples(st.just("peer"), st.lists(st.integers(0, 3), min_size=5, max_size=16)),
 ), max_size=60)
 # Queue knobs: aging from none to every other step, and a long-prompt class
 # that the small prompts above reach.
@@ -123,15 +134,45 @@ queue_knobs = st.fixed_dictionaries({
 @settings(max_examples=150, deadline=None)
 @given(ops=ops, num_blocks=st.integers(8, 40), max_seqs=st.integers(1, 6),
        budget=st.integers(1, 32), policy=st.sampled_from(["fcfs", "priority"]),
-       caching=st.booleans(), knobs=queue_knobs)
+       caching=st.booleans(), tier_blocks=st.sampled_from([0, 6, 64]), knobs=queue_knobs)
 def test_random_operations_keep_bookkeeping_consistent(ops, num_blocks, max_seqs, budget,
-                                                       policy, caching, knobs):
-    scheduler = make_scheduler(num_blocks, max_seqs, budget, policy, caching, **knobs)
+                                                       policy, caching, tier_blocks, knobs):
+    run_random_operations(ops, num_blocks, max_seqs, budget, policy, caching, tier_blocks, knobs)
+
+
+@settings(max_examples=100, deadline=None)
+@given(ops=ops, num_blocks=st.integers(8, 40), max_seqs=st.integers(1, 6),
+       budget=st.integers(4, 32), policy=st.sampled_from(["fcfs", "priority"]),
+       knobs=queue_knobs)
+def test_random_operations_with_an_external_store_keep_bookkeeping_consistent(
+        ops, num_blocks, max_seqs, budget, policy, knobs):
+    run_random_operations(ops, num_blocks, max_seqs, budget, policy, True, 64, knobs)
+
+
+def run_random_operations(ops, num_blocks, max_seqs, budget, policy, caching, tier_blocks,
+                          knobs) -> None:
+    """Apply ``ops``, checking the invariants after each, then run dry: every
+    request finishes and every block is back in the pool."""
+    scheduler = make_scheduler(num_blocks, max_seqs, budget, policy, caching, tier_blocks,
+                               **knobs)
+    # A peer replica on the same store and clock: what it computes, the
+    # scheduler under test may load.
+    peer = Scheduler(scheduler.config, CacheConfig(block_size=BLOCK), 64, scheduler.clock,
+                     external_kv=scheduler.kv.external)
     added: list[Request] = []
+    peer_prompts: list[list[int]] = []
     done: set[str] = set()
     for op in ops:
-        if op[0] == "add":
+        if op[0] == "peer":
+            if tier_blocks:
+                peer_prompts.append(op[1])
+                peer.add_request(Request(f"p{len(peer_prompts)}", op[1], 1, peer.clock()))
+                while peer.has_unfinished:
+                    run_step(peer)
+        elif op[0] == "add":
             _, prompt, max_tokens, priority = op
+            if peer_prompts and prompt[0] <= 1:  # continue what the peer computed
+                prompt = peer_prompts[-1] + prompt
             request = Request(f"r{len(added)}", prompt, max_tokens, scheduler.clock(), priority)
             if scheduler.kv.can_ever_fit(len(prompt) + max_tokens):
                 scheduler.add_request(request)

@@ -8,6 +8,7 @@ import pytest
 from carpool.cluster import POLICIES
 from carpool.config import EngineConfig
 from carpool.sim.analytic import analytic_from_names
+from carpool.sim.evaluate import ideal_hit_rate
 from carpool.sim.simulate import SimSettings, simulate
 from carpool.workload.traces import TraceRequest
 
@@ -73,6 +74,41 @@ def test_a_replica_schedule_drains_the_replicas_scaled_in():
     # After the schedule's time only replica 0 takes requests: the others'
     # steps all end by when their last early request finished.
     assert late and run.per_replica[0]["steps"] > max(row["steps"] for row in run.per_replica[1:])
+
+
+def test_a_shared_kv_tier_serves_prefixes_another_replica_computed():
+    from carpool.sim.fleet import KVTierSettings
+
+    cost = analytic_from_names("l4", "llama-3-8b")
+    plan = _conversations(400, 30.0)
+    settings = dict(replicas=4, routing="round-robin", hash_block=32)
+    alone = simulate(plan, EngineConfig(), cost, 2000, SimSettings(**settings))
+    shared = simulate(plan, EngineConfig(), cost, 2000,
+                      SimSettings(**settings, kv_tier=KVTierSettings()))
+    assert all(r.status == "ok" for r in shared.records)
+    loaded = sum(r["external_hits"] for r in shared.per_replica)
+    assert loaded > 0 and shared.kv_tier["stored"] > 0
+    # Round-robin scatters a conversation; the tier recovers what the
+    # replicas' own caches miss, so the fleet hits nearly the ideal.
+    ideal = ideal_hit_rate(plan, 32)
+    assert _hit_rate(alone) < 0.8 * ideal
+    total = _hit_rate(shared) + loaded / sum(r["prefix_queries"] for r in shared.per_replica)
+    assert total > 0.95 * ideal
+    mean_ttft = [sum(r.chunk_times[0] - r.sent for r in run.records) / len(plan)
+                 for run in (alone, shared)]
+    assert mean_ttft[1] < mean_ttft[0]
+
+
+def test_a_one_replica_fleet_never_loads_what_its_own_cache_holds():
+    from carpool.sim.fleet import KVTierSettings
+
+    cost = analytic_from_names("l4", "llama-3-8b")
+    plan = _conversations(150, 20.0)
+    alone = simulate(plan, EngineConfig(), cost, 4000, SimSettings(hash_block=32))
+    tiered = simulate(plan, EngineConfig(), cost, 4000,
+                      SimSettings(hash_block=32, kv_tier=KVTierSettings()))
+    assert _outcome(tiered) == _outcome(alone)  # a pool that never evicts: all local
+    assert sum(r["external_hits"] for r in tiered.per_replica) == 0
 
 
 def test_ideal_hit_rate_counts_leading_blocks_seen_before():

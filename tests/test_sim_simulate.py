@@ -80,21 +80,26 @@ def _mixed_plan(count: int = 120) -> list[TraceRequest]:
     return plan
 
 
-@pytest.mark.parametrize("routing,blocks,policy,token_times", [
-    ("least-outstanding", 60, "fcfs", True),  # a small pool: preemptions
-    ("least-outstanding", 2000, "priority", False),
-    ("round-robin", 90, "fcfs", False),
+@pytest.mark.parametrize("routing,blocks,policy,token_times,tier", [
+    ("least-outstanding", 60, "fcfs", True, False),  # a small pool: preemptions
+    ("least-outstanding", 2000, "priority", False, False),
+    ("round-robin", 90, "fcfs", False, False),
+    ("round-robin", 90, "fcfs", True, True),  # loads from a shared tier end runs
 ])
-def test_fast_forward_equals_step_by_step(routing, blocks, policy, token_times):
+def test_fast_forward_equals_step_by_step(routing, blocks, policy, token_times, tier):
+    from carpool.sim.fleet import KVTierSettings
+
     config = EngineConfig()
     config.scheduler.policy = policy
     cost = analytic_from_names("l4", "llama-3-8b")
     plan = _mixed_plan()
+    # Slow loads (5 ms + 2 MiB at 1 GB/s per block), so that they span decode runs.
+    kv_tier = KVTierSettings(1 << 34, bandwidth=1e9, latency=0.005) if tier else None
 
     def run(fast_forward: bool):
         return simulate(plan, config, cost, blocks, SimSettings(
             replicas=3, routing=routing, fast_forward=fast_forward, token_times=token_times,
-            hash_block=32))
+            hash_block=32, kv_tier=kv_tier))
 
     jumped, stepped = run(True), run(False)
     assert jumped.fast_forwarded_steps > 0 and stepped.fast_forwarded_steps == 0
@@ -106,6 +111,9 @@ def test_fast_forward_equals_step_by_step(routing, blocks, policy, token_times):
     assert jumped.server_samples == stepped.server_samples
     if blocks == 60:
         assert sum(row["preemptions"] for row in jumped.per_replica) > 0
+    if tier:
+        assert sum(row["external_hits"] for row in jumped.per_replica) > 0
+        assert jumped.kv_tier == stepped.kv_tier
     assert sum(row["prefix_hits"] for row in jumped.per_replica) > 0
 
 

@@ -12,7 +12,7 @@ plain Python; moving the bytes belongs to a KV connector's worker side.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 
@@ -41,7 +41,10 @@ class SharedKVTier:
         self._blocks: OrderedDict[int, float] = OrderedDict()
         self.stats = TierStats()
 
-    def __len__(self) -> int:
+    @property
+    def num_blocks(self) -> int:
+        """Blocks held now (expired ones included until a lookup drops them).
+        (Not ``__len__``: an empty tier must not be falsy.)"""
         return len(self._blocks)
 
     def store(self, hashes: Iterable[int], now: float) -> None:
@@ -73,6 +76,18 @@ class SharedKVTier:
         self.stats.hits += found
         return found
 
+    def count(self, hashes: Sequence[int], now: float) -> int:
+        """``lookup`` without using anything or counting the query: how many
+        leading blocks of ``hashes`` are held and not past their TTL."""
+        blocks, oldest = self._blocks, now - self.ttl_s
+        found = 0
+        for block_hash in hashes:
+            used = blocks.get(block_hash)
+            if used is None or used < oldest:
+                break
+            found += 1
+        return found
+
     def load_seconds(self, blocks: int) -> float:
         """Seconds to bring ``blocks`` blocks into a replica (0 for none)."""
         if blocks <= 0:
@@ -87,3 +102,24 @@ class SharedKVTier:
                 break
             blocks.popitem(last=False)
             self.stats.expired += 1
+
+
+class TierClient:
+    """One replica's side of a ``SharedKVTier``: the scheduler's
+    ``ExternalKV`` (carpool.scheduler.kv_connector) on an injected clock.
+    Also what a router asks to price a request's loadable prefix."""
+
+    def __init__(self, tier: SharedKVTier, clock: Callable[[], float]) -> None:
+        self.tier, self.clock = tier, clock
+
+    def loadable(self, hashes: Sequence[int]) -> int:
+        return self.tier.count(hashes, self.clock())
+
+    def load(self, hashes: Sequence[int]) -> float:
+        return self.tier.load_seconds(self.tier.lookup(hashes, self.clock()))
+
+    def save(self, hashes: Sequence[int]) -> None:
+        self.tier.store(hashes, self.clock())
+
+    def load_seconds(self, blocks: int) -> float:
+        return self.tier.load_seconds(blocks)

@@ -209,13 +209,22 @@ class Scored:
 def score_replicas(router, request: RouteRequest,
                    views: Sequence[ReplicaView]) -> list[Scored]:
     """Each of ``views`` priced for ``request`` by the fleet prefix index and
-    ``Router.predict_ttft`` (the views are each other's cost-model peers)."""
+    ``Router.predict_ttft`` (the views are each other's cost-model peers).
+    With a shared KV tier, the prompt's blocks there beyond a replica's own
+    hit cost their load time instead of their prefill (``cached`` stays
+    the replica's own hit: what affinity prefers)."""
     depth = router.prefix_index.matches(request.block_hashes)
+    tier = router.shared_kv
+    shared = tier.loadable(request.block_hashes) if tier is not None else 0
     scored = []
     for view in views:
-        cached = router.cached_tokens(view, depth.get(view.replica_id, 0), request)
-        scored.append(Scored(view, cached, router.predict_ttft(
-            view, request.prompt_tokens - cached, views)))
+        local = depth.get(view.replica_id, 0)
+        cached = router.cached_tokens(view, local, request)
+        covered = router.cached_tokens(view, max(local, shared), request)
+        ttft = router.predict_ttft(view, request.prompt_tokens - covered, views)
+        if ttft is not None and covered > cached:
+            ttft += tier.load_seconds(-(-(covered - cached) // view.block_size))
+        scored.append(Scored(view, cached, ttft))
     return scored
 
 

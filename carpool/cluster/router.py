@@ -14,6 +14,7 @@ import re
 from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from carpool.cluster.hashring import HashRing
 from carpool.cluster.policies import POLICIES, Policy, make_policy, predict_ttft_on
@@ -40,6 +41,14 @@ APPROX_CAPACITY_BLOCKS = 1 << 16
 __all__ = ["POLICIES", "Router", "make_policy"]
 
 
+class SharedKVPrice(Protocol):
+    """What the router asks of a shared KV tier (``kv_tier.TierClient``)."""
+
+    def loadable(self, hashes: Sequence[int]) -> int: ...
+
+    def load_seconds(self, blocks: int) -> float: ...
+
+
 @dataclass
 class _Routed:
     replica_id: str
@@ -55,17 +64,20 @@ class Router:
     predict TTFTs: when even the best replica's prediction is over the
     target, ``route`` raises ``RoutingError`` (HTTP 429 at the front) with
     the excess as Retry-After, instead of queueing the request somewhere.
+    ``shared_kv``: the fleet's shared KV tier, if any: a prompt's blocks
+    there are priced at their load time instead of their prefill.
     """
 
     def __init__(self, policy: Policy | str = "predicted-ttft", *, seed: int = 0,
                  load_bound: float = LOAD_BOUND, ttft_target: float | None = None,
                  ring_key: bytes = b"", approx_capacity_blocks: int = APPROX_CAPACITY_BLOCKS,
-                 ) -> None:
+                 shared_kv: SharedKVPrice | None = None) -> None:
         if load_bound < 1.0:
             raise ValueError(f"load_bound must be >= 1, got {load_bound}")
         self.policy = make_policy(policy, seed) if isinstance(policy, str) else policy
         self.load_bound = load_bound
         self.ttft_target = ttft_target
+        self.shared_kv = shared_kv
         self.views: dict[str, ReplicaView] = {}
         self.prefix_index = FleetPrefixIndex()
         self.approximate_index = ApproximatePrefixIndex(approx_capacity_blocks)

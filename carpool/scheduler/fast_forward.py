@@ -69,8 +69,11 @@ def decode_run_limit(scheduler, most: int | None = None) -> int:
 
 def horizon(scheduler) -> float | None:
     """The latest clock time a run's step may start at (a session's
-    protection lapses after it), or None."""
-    return scheduler.sessions.next_expiry
+    protection lapses after it, or an external KV load is done: that
+    request joins the next step), or None."""
+    times = [t for t in (scheduler.sessions.next_expiry, scheduler.loading.next_done)
+             if t is not None]
+    return min(times, default=None)
 
 
 def apply_decode_steps(scheduler, seconds: Sequence[float], step_ends: Sequence[float],

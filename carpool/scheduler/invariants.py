@@ -8,12 +8,14 @@ from carpool.scheduler.request import RequestStatus
 def check_invariants(scheduler) -> None:
     """Assert that blocks, queues, running set, expiries and sessions agree."""
     scheduler.kv.check_invariants()
-    assert len(scheduler.running) <= scheduler.config.max_num_seqs
-    assert set(scheduler.kv.block_tables) == {r.request_id for r in scheduler.running}
+    loading = {r.request_id for r in scheduler.loading}
+    assert len(scheduler.running) + len(loading) <= scheduler.config.max_num_seqs
+    assert all(r.status == RequestStatus.LOADING for r in scheduler.loading)
+    assert set(scheduler.kv.block_tables) == {r.request_id for r in scheduler.running} | loading
     queued = {r.request_id for r in scheduler.waiting}
     running = {r.request_id for r in scheduler.running}
-    assert not queued & running
-    assert queued | running == set(scheduler.requests)
+    assert not queued & running and not (queued | running) & loading
+    assert queued | running | loading == set(scheduler.requests)
     scheduler.waiting.check_invariants()
     assert all(r.status == RequestStatus.FINISHED_REJECTED and r.reject_reason
                and scheduler.requests.get(r.request_id) is not r

@@ -11,6 +11,7 @@ from carpool.scheduler.block_pool import (
     BlockPool,
     LazyRun,
 )
+from carpool.scheduler.kv_connector import ExternalKV
 from carpool.scheduler.request import Request
 
 
@@ -24,6 +25,7 @@ class KVCacheStats:
     cached_blocks: int
     prefix_queries: int  # prompt tokens looked up in the prefix cache
     prefix_hits: int  # of those, tokens found cached
+    external_hits: int = 0  # of those, tokens loaded from the external store instead
 
     @property
     def usage(self) -> float:
@@ -50,10 +52,15 @@ class KVCacheManager:
     ``_num_registered[rid]`` entries are registered in the prefix cache,
     keyed or in the request's lazy run (``_run_of[rid]``, while the pool
     still has it).
+
+    ``external`` (``kv_connector.ExternalKV``): a store the blocks past a
+    local hit may be loaded from; ``try_admit`` then allocates blocks for
+    them too and leaves the load for the caller to take (``take_load``).
     """
 
     def __init__(self, num_blocks: int, block_size: int,
-                 enable_prefix_caching: bool = True, watermark: float = 0.01) -> None:
+                 enable_prefix_caching: bool = True, watermark: float = 0.01,
+                 external: ExternalKV | None = None) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self._key_chain = BlockKeyChain(block_size)
@@ -67,6 +74,11 @@ class KVCacheManager:
         self.lazy_keys = True
         self.prefix_queries = 0
         self.prefix_hits = 0
+        self.external = external if enable_prefix_caching else None
+        self.external_hits = 0
+        self._loads: dict[str, tuple[int, float]] = {}  # admitted, load not yet taken
+        if self.external is not None:
+            self.lazy_keys = False  # the store is told every block's hash
 
     def report_blocks_to(self, events) -> None:
         """Tell ``events`` (``block_pool.BlockEvents``) the chained hash of
@@ -113,7 +125,8 @@ class KVCacheManager:
         """
         assert request.request_id not in self.block_tables
         hits = self.find_cached_prefix(request)
-        shortfall, fresh = self._admit_need(request, num_new_tokens, hits, frozenset())
+        loadable = self._loadable(request, len(hits))
+        shortfall, fresh = self._admit_need(request, num_new_tokens, hits, frozenset(), loadable)
         if shortfall > 0:
             return False
         num_cached = len(hits) * self.block_size
@@ -123,7 +136,29 @@ class KVCacheManager:
         self.prefix_queries += request.num_tokens
         self.prefix_hits += num_cached
         request.num_computed_tokens = num_cached
+        if loadable:
+            seconds = self.external.load(request.block_hashes[len(hits):len(hits) + loadable])
+            self._loads[request.request_id] = (loadable * self.block_size, seconds)
+            self.external_hits += loadable * self.block_size
         return True
+
+    def take_load(self, request: Request) -> tuple[int, float] | None:
+        """(tokens, seconds) of the external load ``try_admit`` began for
+        ``request``, once; None if it began none. Those tokens are the
+        ones after ``num_computed_tokens``: count them computed when the
+        load is done (their blocks are already in the request's table)."""
+        return self._loads.pop(request.request_id, None)
+
+    def _loadable(self, request: Request, num_hits: int) -> int:
+        """Blocks after the first ``num_hits`` the external store can give
+        (the last prompt token is always computed, as for local hits)."""
+        if self.external is None:
+            return 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        if max_blocks <= num_hits:
+            return 0
+        self._extend_hashes(request, max_blocks)
+        return self.external.loadable(request.block_hashes[num_hits:max_blocks])
 
     def admit_shortfall(self, request: Request, num_new_tokens: int,
                         released: AbstractSet[int] = frozenset(),
@@ -135,12 +170,14 @@ class KVCacheManager:
         holds (it may key a lazy run, as ``find_cached_prefix`` does)."""
         if hits is None:
             hits = self.find_cached_prefix(request)
-        return self._admit_need(request, num_new_tokens, hits, released)[0]
+        loadable = self._loadable(request, len(hits))
+        return self._admit_need(request, num_new_tokens, hits, released, loadable)[0]
 
     def _admit_need(self, request: Request, num_new_tokens: int, hits: list[int],
-                    released: AbstractSet[int]) -> tuple[int, int]:
-        """(blocks missing, fresh blocks to allocate) to admit with ``hits`` reused."""
-        num_cached = len(hits) * self.block_size
+                    released: AbstractSet[int], loadable: int = 0) -> tuple[int, int]:
+        """(blocks missing, fresh blocks to allocate) to admit with ``hits``
+        reused and ``loadable`` more blocks loaded into fresh ones."""
+        num_cached = (len(hits) + loadable) * self.block_size
         num_new_tokens = min(num_new_tokens, request.num_tokens - num_cached)
         # A reused block with no other reference comes off the free list too.
         revived = sum(1 for b in hits if self.pool.ref_counts[b] == 0 or b in released)
@@ -186,12 +223,17 @@ class KVCacheManager:
         self._materialize(root)
         self._extend_hashes(request, full)
         pool.register(table[start:full], request.block_keys[start:full], root)
+        if self.external is not None:  # the prompt's blocks (LMCache's default too)
+            prompt_blocks = min(full, request.num_prompt_tokens // self.block_size)
+            if prompt_blocks > start:
+                self.external.save(request.block_hashes[start:prompt_blocks])
 
     def free(self, request: Request) -> None:
         """Return all of the request's blocks (cached ones stay revivable)."""
         table = self.block_tables.pop(request.request_id, None)
         self._num_registered.pop(request.request_id, None)
         self._run_of.pop(request.request_id, None)  # its blocks stay cached in the run
+        self._loads.pop(request.request_id, None)
         if table:
             self.pool.release(table)
 
@@ -199,7 +241,8 @@ class KVCacheManager:
         return KVCacheStats(
             num_blocks=self.pool.num_blocks, used_blocks=self.pool.num_used_blocks,
             free_blocks=self.pool.num_free_blocks, cached_blocks=self.pool.num_cached_blocks,
-            prefix_queries=self.prefix_queries, prefix_hits=self.prefix_hits)
+            prefix_queries=self.prefix_queries, prefix_hits=self.prefix_hits,
+            external_hits=self.external_hits)
 
     def _root(self, request: Request) -> BlockKey:
         """The key of the request's first block (it must be full)."""

@@ -9,6 +9,7 @@ from typing import Any
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    LOADING = "loading"  # admitted, its KV loading from an external store (kv_connector)
     PREEMPTED = "preempted"  # waiting again; its KV must be recomputed
     FINISHED_STOPPED = "stop"  # EOS, a stop token id or a stop string
     FINISHED_LENGTH = "length"  # max_tokens or the context limit

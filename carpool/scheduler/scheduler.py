@@ -32,6 +32,7 @@ from carpool.config import CacheConfig, ControllerConfig, SchedulerConfig
 from carpool.scheduler.admission import AdmissionControl
 from carpool.scheduler.controller import AdaptiveController, LiveKnobs
 from carpool.scheduler.invariants import check_invariants
+from carpool.scheduler.kv_connector import ExternalKV, PendingLoads
 from carpool.scheduler.kv_manager import KVCacheManager
 from carpool.scheduler.queues import ExpiryQueue, make_queue
 from carpool.scheduler.regimes import BatchGate, GateHook
@@ -52,11 +53,14 @@ class Scheduler:
     """Decides which token spans run each step and owns the KV bookkeeping."""
 
     def __init__(self, config: SchedulerConfig, cache: CacheConfig, num_blocks: int,
-                 clock: Callable[[], float], controller: ControllerConfig | None = None) -> None:
+                 clock: Callable[[], float], controller: ControllerConfig | None = None,
+                 external_kv: ExternalKV | None = None) -> None:
         self.config = config
         self.clock = clock
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching,
-                                 cache.watermark)
+                                 cache.watermark, external_kv)
+        # Admitted requests loading KV from ``external_kv`` (kv_connector).
+        self.loading = PendingLoads()
         self._by_priority = config.policy == "priority"
         self.waiting = make_queue(config.policy, clock, config.aging_interval,
                                   config.long_prompt_threshold)
@@ -159,6 +163,8 @@ class Scheduler:
         del self.requests[request.request_id]
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
+        elif request.status == RequestStatus.LOADING:
+            self.loading.remove(request)
         else:
             self.waiting.remove(request)
         # Protect before releasing, so the blocks go straight to the protected free list.
@@ -221,6 +227,7 @@ class Scheduler:
             hook.before_step(now, self)
         output = SchedulerOutput()
         step = StepBudget(self.knobs.max_num_batched_tokens, self._long_allowance())
+        self._finish_loads(now)
         self._schedule_running(output, step)
         self._schedule_waiting(output, step)
         if self.gate is not None and self.config.padding_mode != "none":
@@ -315,7 +322,7 @@ class Scheduler:
             limit = step.limit(capped)
             # A limit cut since its admission does not apply to it (slot_limit).
             slots = max(self.knobs.max_num_seqs, request.slot_limit or 0)
-            if (limit > 0 and len(self.running) < slots
+            if (limit > 0 and len(self.running) + len(self.loading) < slots
                     and self.kv.try_admit(request, limit)):
                 self._admit(request, limit, capped, output, step)
                 continue
@@ -340,22 +347,38 @@ class Scheduler:
         # Preemption order as for blocks: worst priority, then latest arrival.
         candidates.sort(key=lambda r: (r.priority, r.arrival_time), reverse=True)
         return plan_room(request, capped, candidates, step, self.kv,
-                         self.knobs.max_num_seqs - len(self.running))
+                         self.knobs.max_num_seqs - len(self.running) - len(self.loading))
 
     def _admit(self, request: Request, limit: int, capped: bool, output: SchedulerOutput,
                step: StepBudget) -> None:
-        """Start ``request`` after ``kv.try_admit(request, limit)`` succeeded."""
+        """Start ``request`` after ``kv.try_admit(request, limit)`` succeeded:
+        running from this step, or loading first if the KV manager began an
+        external load (it runs from the first step after the load)."""
         self.waiting.remove(request)
-        num_tokens = min(request.num_pending_tokens, limit)
-        request.status = RequestStatus.RUNNING
+        load = self.kv.take_load(request)
         if request.first_scheduled_time is None:
             request.first_scheduled_time = self.clock()
-            request.num_cached_tokens = request.num_computed_tokens
+            request.num_cached_tokens = request.num_computed_tokens + (load[0] if load else 0)
             self.sessions.first_admitted(request)
+        if load is not None:
+            request.status = RequestStatus.LOADING
+            self.loading.begin(request, self.clock() + load[1], load[0])
+            return
+        num_tokens = min(request.num_pending_tokens, limit)
+        request.status = RequestStatus.RUNNING
         self.running.append(request)
         output.spans.append(span_for(request, num_tokens))
         step.grant(request, num_tokens, capped)
         step.admitted.add(request)
+
+    def _finish_loads(self, now: float) -> None:
+        """Requests whose external load is done join the running ones, the
+        loaded tokens computed (and cached here from now on)."""
+        for request, num_tokens in self.loading.pop_done(now):
+            request.num_computed_tokens += num_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            self.kv.cache_computed_blocks(request)
 
     def _not_session_blocked(self, request: Request) -> bool:
         return not self.sessions.is_blocked(request)

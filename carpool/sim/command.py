@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from carpool.config import EngineConfig
+from carpool.config import EngineConfig, parse_size
 from carpool.machine import available_cpus
 from carpool.sim.costs import CostModel, machine_warning
 from carpool.sim.simulate import (
@@ -53,12 +53,42 @@ def add_simulation_args(parser: argparse.ArgumentParser, *, fleet: bool = True) 
                            help="seconds between autoscaler decisions")
 
 
+def add_kv_tier_args(parser: argparse.ArgumentParser) -> None:
+    """Group "shared KV tier": a fleet-wide external KV store (fleet.KVTierSettings)."""
+    from carpool.sim.fleet import TIER_BANDWIDTH, TIER_LATENCY_S, TIER_MEMORY_PER_REPLICA
+
+    group = parser.add_argument_group("shared KV tier")
+    group.add_argument("--kv-tier", action="store_true",
+                       help="give the fleet a shared KV tier replicas write through to and "
+                            "load prefixes from on a local miss")
+    group.add_argument("--kv-tier-memory", type=arg_type(parse_size), default=None,
+                       help=f"its capacity, e.g. 4TiB (default: "
+                            f"{TIER_MEMORY_PER_REPLICA >> 30} GiB per replica)")
+    group.add_argument("--kv-tier-bandwidth", type=float, default=TIER_BANDWIDTH / 1e9,
+                       help=f"GB/s a replica loads at (default {TIER_BANDWIDTH / 1e9:g})")
+    group.add_argument("--kv-tier-latency", type=float, default=TIER_LATENCY_S,
+                       help=f"seconds per load besides the bytes (default {TIER_LATENCY_S:g})")
+    group.add_argument("--kv-tier-ttl", type=float, default=1800.0,
+                       help="seconds a block is kept after its last use (default 1800)")
+
+
+def kv_tier_from_args(args: argparse.Namespace):
+    """The ``KVTierSettings`` the flags ask for, or None without ``--kv-tier``."""
+    from carpool.sim.fleet import KVTierSettings
+
+    if not getattr(args, "kv_tier", False):
+        return None
+    return KVTierSettings(args.kv_tier_memory, args.kv_tier_bandwidth * 1e9,
+                          args.kv_tier_latency, args.kv_tier_ttl).validate()
+
+
 def add_simulate_args(parser: argparse.ArgumentParser) -> None:
     from carpool.slo import parse_slo
 
     add_workload_args(parser, seed_flag="--workload-seed")
     add_cost_model_args(parser)
     add_simulation_args(parser)
+    add_kv_tier_args(parser)
     out = parser.add_argument_group("results")
     out.add_argument("--slo", type=arg_type(parse_slo), default={},
                      help="per-request limits for goodput, e.g. ttft=500ms,tpot=100ms")
@@ -82,7 +112,8 @@ def settings_from_args(config: EngineConfig, cost: CostModel,
     return SimSettings(args.replicas, args.routing, args.fast_forward, args.token_times,
                        max_len, mooncake_block_tokens(args.token_scale),
                        args.workers or available_cpus(), autoscale=autoscale,
-                       autoscale_config=scale_config).validate()
+                       autoscale_config=scale_config,
+                       kv_tier=kv_tier_from_args(args)).validate()
 
 
 def run_simulate(config: EngineConfig, args: argparse.Namespace) -> int:
@@ -130,7 +161,8 @@ def simulation_result(label: str, args: argparse.Namespace, config: EngineConfig
         "cost_model_kind": cost.kind, "cost_model": cost.describe(),
         "cost_model_warning": machine_warning(cost),
         "num_blocks": num_blocks, "settings": dataclasses.asdict(settings),
-        "speed": run.speed(), "replicas": run.per_replica, "scaling": run.scaling}
+        "speed": run.speed(), "replicas": run.per_replica, "scaling": run.scaling,
+        "kv_tier": run.kv_tier}
     return result
 
 

@@ -48,6 +48,14 @@ class CostModel(Protocol):
     def describe(self) -> dict: ...
 
 
+def kv_bytes_per_token(cost: CostModel) -> float | None:
+    """KV cache bytes one token takes under ``cost`` (an analytic model's
+    shape, a measured one's record), or None when it does not say."""
+    if cost.kind == "analytic":
+        return cost.model.kv_bytes_per_token(cost.dtype_bytes)
+    return getattr(cost, "meta", {}).get("kv_bytes_per_token") or None
+
+
 def machine_warning(cost: CostModel) -> str | None:
     """Why a measured ``cost`` may not describe this machine (it was
     measured on another, or recorded none), or None. Analytic models price

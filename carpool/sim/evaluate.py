@@ -20,6 +20,7 @@ import json
 import time
 
 from carpool.config import EngineConfig
+from carpool.sim.command import add_kv_tier_args, kv_tier_from_args
 from carpool.sim.costs import CostModel
 from carpool.sim.fleet import ROUTING
 from carpool.sim.simulate import (
@@ -74,6 +75,7 @@ def add_evaluate_args(parser: argparse.ArgumentParser) -> list[argparse.Argument
     group.add_argument("--slo", type=arg_type(parse_slo), default={"ttft": 2.0, "tpot": 0.05},
                        help="per-request limits for goodput (default ttft=2s,tpot=50ms)")
     group.add_argument("--json", default=None, help="write every row here")
+    add_kv_tier_args(routing)
     return [routing]
 
 
@@ -112,11 +114,13 @@ def offered_rate(plan: list[TraceRequest]) -> float:
 
 
 def fleet_capacity(plan, config, cost, num_blocks: int, replicas: int,
-                   block_tokens: int) -> float:
+                   block_tokens: int, kv_tier=None) -> float:
     """Requests completed per second by ``replicas`` round-robin replicas
-    when the plan's arrivals come ``1 / PROBE_SQUEEZE`` times as fast."""
+    (sharing ``kv_tier``, if given) when the plan's arrivals come
+    ``1 / PROBE_SQUEEZE`` times as fast."""
     run = simulate(_scaled(plan, PROBE_SQUEEZE), config, cost, num_blocks, SimSettings(
-        replicas=replicas, routing="round-robin", hash_block=block_tokens, workers=2))
+        replicas=replicas, routing="round-robin", hash_block=block_tokens, workers=2,
+        kv_tier=kv_tier))
     done = sum(1 for r in run.records if r.status == "ok")
     return done / max(run.duration, 1e-9)
 
@@ -126,9 +130,9 @@ def _busy_share(run, replicas: int) -> float:
 
 
 def evaluate_row(policy: str, plan, config, cost, num_blocks, replicas: int, slo: dict,
-                 block_tokens: int) -> dict:
+                 block_tokens: int, kv_tier=None) -> dict:
     settings = SimSettings(replicas=replicas, routing=policy, hash_block=block_tokens,
-                           workers=2).validate()
+                           workers=2, kv_tier=kv_tier).validate()
     run = simulate(plan, config, cost, num_blocks, settings)
     summary = make_result(policy, {}, LoadRun(run.records, run.duration, []), slo,
                           per_request=False)["summary"]
@@ -138,7 +142,9 @@ def evaluate_row(policy: str, plan, config, cost, num_blocks, replicas: int, slo
             "ttft_p50": summary["ttft"]["p50"], "ttft_p99": summary["ttft"]["p99"],
             "tpot_p99": summary["tpot"]["p99"], "goodput": summary["goodput"],
             "slo_attainment": summary["slo_attainment"],
-            "hit_rate": sum(r["prefix_hits"] for r in run.per_replica) / max(1, queries),
+            "hit_rate": sum(r["prefix_hits"] + r["external_hits"]
+                            for r in run.per_replica) / max(1, queries),
+            "local_hit_rate": sum(r["prefix_hits"] for r in run.per_replica) / max(1, queries),
             "busy_max_min": max(busy) / max(min(busy), 1e-9),
             "busy_share": _busy_share(run, replicas), "wall_s": run.wall_seconds}
 
@@ -147,13 +153,15 @@ def run_evaluate(config: EngineConfig, args: argparse.Namespace) -> int:
     cost: CostModel = cost_model_from_args(args)
     num_blocks = pool_blocks(config, cost, memory_set=args.engine_kv_cache_memory is not None)
     block_tokens = mooncake_block_tokens(args.token_scale)
+    kv_tier = kv_tier_from_args(args)
     rows = []
     with cyclic_gc_paused():
         base = plan_workload(workload_spec(args))
         ideal = ideal_hit_rate(base, block_tokens)
         for replicas in args.replicas:
             started = time.perf_counter()
-            capacity = fleet_capacity(base, config, cost, num_blocks, replicas, block_tokens)
+            capacity = fleet_capacity(base, config, cost, num_blocks, replicas, block_tokens,
+                                      kv_tier)
             factor = offered_rate(base) / (args.load * capacity)
             plan = _scaled(base, factor)
             print(f"== {replicas} replicas: capacity {capacity:.2f} req/s (round-robin, "
@@ -161,7 +169,7 @@ def run_evaluate(config: EngineConfig, args: argparse.Namespace) -> int:
                   f"offer {offered_rate(plan):.2f} req/s", flush=True)
             for policy in args.policies:
                 row = evaluate_row(policy, plan, config, cost, num_blocks, replicas, args.slo,
-                                   block_tokens)
+                                   block_tokens, kv_tier)
                 row.update(time_factor=factor, ideal_hit_rate=ideal, capacity=capacity,
                            offered_rate=offered_rate(plan))
                 rows.append(row)
@@ -176,19 +184,22 @@ def run_evaluate(config: EngineConfig, args: argparse.Namespace) -> int:
 def format_row(row: dict) -> str:
     return (f"  {row['policy']:<20} TTFT p50 {row['ttft_p50'] * 1e3:7.0f} ms  p99 "
             f"{row['ttft_p99'] * 1e3:7.0f} ms  TPOT p99 {row['tpot_p99'] * 1e3:5.1f} ms  goodput "
-            f"{row['goodput']:.2f}/s  hit {row['hit_rate']:.1%} (ideal "
+            f"{row['goodput']:.2f}/s  hit {row['hit_rate']:.1%} ({row['local_hit_rate']:.1%} "
+            f"local; ideal "
             f"{row['ideal_hit_rate']:.1%})  busy max/min {row['busy_max_min']:.2f}  "
             f"({row['busy_share']:.2f} busy)  {row['wall_s']:.0f} s wall")
 
 
 def format_table(rows: list[dict]) -> str:
     lines = ["| replicas | policy | TTFT p50 | TTFT p99 | TPOT p99 | goodput | hit rate "
-             "(% of ideal) | busy max/min | wall |", "|---|---|---|---|---|---|---|---|---|"]
+             "(% of ideal) | local hits | busy max/min | wall |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         share = row["hit_rate"] / row["ideal_hit_rate"] if row["ideal_hit_rate"] else 0.0
         lines.append(
             f"| {row['replicas']} | {row['policy']} | {row['ttft_p50'] * 1e3:.0f} ms | "
             f"{row['ttft_p99'] * 1e3:.0f} ms | {row['tpot_p99'] * 1e3:.1f} ms | "
             f"{row['goodput']:.2f}/s | {row['hit_rate']:.1%} ({share:.0%}) | "
+            f"{row['local_hit_rate']:.1%} | "
             f"{row['busy_max_min']:.2f} | {row['wall_s']:.0f} s |")
     return "\n".join(lines)

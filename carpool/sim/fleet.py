@@ -13,15 +13,23 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from carpool.cluster import POLICIES, Health, ReplicaView, Router, RouteRequest
 from carpool.cluster.autoscaler import PoolScaler, PoolSignals
+from carpool.cluster.kv_tier import SharedKVTier, TierClient
 from carpool.config import EngineConfig
 from carpool.scheduler.block_pool import ROOT_HASH, BlockKeyChain
 from carpool.sim.replica import SimReplica, prompt_token_ids
 from carpool.workload.traces import TraceRequest
 
 ROUTING = tuple(POLICIES)
+# A node's share of a pooled DRAM tier, and the NIC it is read over: what
+# Mooncake's store runs on (an 8-GPU node gives about 2 TiB of DRAM, each
+# GPU's replica one eighth; a 200 Gb/s RDMA NIC per GPU).
+TIER_MEMORY_PER_REPLICA = 256 << 30
+TIER_BANDWIDTH = 25e9  # bytes/s
+TIER_LATENCY_S = 0.001
 # Policies that read the fleet prefix index (and so need block hashes).
 _CACHE_POLICIES = {"cache-aware", "approx-cache-aware", "predicted-ttft"}
 
@@ -43,6 +51,44 @@ class _Events:
 
     def evicted(self, hashes: list[int]) -> None:
         self.router.blocks_evicted(self.replica_id, hashes)
+
+
+@dataclass(frozen=True)
+class KVTierSettings:
+    """The shared external KV tier of a simulated fleet (``SharedKVTier``):
+    every replica writes the blocks it computes through to it and, on a
+    local prefix miss, loads the blocks it holds instead of computing them
+    (``carpool.scheduler.kv_connector``). ``memory_bytes`` None: the
+    default share per replica times the fleet's replicas."""
+
+    memory_bytes: float | None = None
+    bandwidth: float = TIER_BANDWIDTH
+    latency: float = TIER_LATENCY_S
+    ttl_s: float = 1800.0  # a chat's next turn
+
+    def validate(self) -> KVTierSettings:
+        if (self.memory_bytes is not None and self.memory_bytes <= 0) or self.bandwidth <= 0 \
+                or self.latency < 0 or self.ttl_s <= 0:
+            raise ValueError(f"a KV tier needs memory, bandwidth and TTL > 0 and latency >= 0, "
+                             f"got {self}")
+        return self
+
+    def build(self, kv_bytes_per_token: float | None, block_size: int,
+              replicas: int) -> SharedKVTier:
+        if not kv_bytes_per_token:
+            raise ValueError("the cost model does not say how many KV bytes a token takes: "
+                             "a KV tier cannot be sized")
+        block_bytes = kv_bytes_per_token * block_size
+        memory = self.memory_bytes or TIER_MEMORY_PER_REPLICA * replicas
+        return SharedKVTier(max(1, int(memory // block_bytes)), block_bytes, ttl_s=self.ttl_s,
+                            bandwidth=self.bandwidth, latency=self.latency)
+
+
+def tier_report(tier: SharedKVTier) -> dict:
+    """What a run's tier held and served (for the result's JSON)."""
+    return {"capacity_blocks": tier.capacity_blocks, "block_bytes": tier.block_bytes,
+            "held_blocks": tier.num_blocks, "ttl_s": tier.ttl_s, "bandwidth": tier.bandwidth,
+            **dataclasses.asdict(tier.stats)}
 
 
 class FleetRouter:
@@ -76,9 +122,10 @@ class FleetRouter:
         return turn
 
     def attach(self, replicas: Sequence[SimReplica], config: EngineConfig,
-               hash_block: int = 1) -> None:
-        """Build the cluster router over ``replicas`` (before any arrival)."""
-        self.router = Router(self.routing)
+               hash_block: int = 1, shared_kv: TierClient | None = None) -> None:
+        """Build the cluster router over ``replicas`` (before any arrival);
+        ``shared_kv``: the fleet's KV tier, for the policies to price."""
+        self.router = Router(self.routing, shared_kv=shared_kv)
         self._config = config
         if self.routing in _CACHE_POLICIES and config.cache.enable_prefix_caching:
             self._chain = BlockKeyChain(config.cache.block_size)

@@ -22,6 +22,7 @@ from carpool.executor.base import batch_items, step_padding
 from carpool.scheduler import RejectedError, Request, Scheduler
 from carpool.scheduler.core import EngineCore
 from carpool.scheduler.fast_forward import horizon
+from carpool.scheduler.kv_connector import ExternalKV
 from carpool.scheduler.step import SchedulerOutput
 from carpool.sim.costs import CostModel
 from carpool.sim.executor import SAMPLED_TOKEN, CostModelExecutor
@@ -92,12 +93,12 @@ class SimReplica:
     def __init__(self, index: int, config: EngineConfig, num_blocks: int, cost: CostModel,
                  clock: VirtualClock, *, max_model_len: int | None = None,
                  fast_forward: bool = True, token_times: bool = False,
-                 hash_block: int = 1) -> None:
+                 hash_block: int = 1, external_kv: ExternalKV | None = None) -> None:
         self.index = index
         self.executor = CostModelExecutor(cost, num_blocks, config.cache.block_size)
         self.clock = clock
         self.scheduler = Scheduler(config.scheduler, config.cache, self.executor.num_blocks,
-                                   clock, config.controller)
+                                   clock, config.controller, external_kv)
         self.padding_mode = config.scheduler.padding_mode
         # No context limit here: a request longer than max_model_len fails on arrival.
         self.core = EngineCore(self.scheduler)
@@ -170,9 +171,18 @@ class SimReplica:
             self._last_end = now + self._seconds
             self._set(State.STEP, self._last_end)
         elif self.scheduler.has_unfinished:
-            self._set(State.POLL, now + POLL_S)
+            self._set(State.POLL, self._poll_time(now))
         else:
             self._set(State.IDLE, None)
+
+    def _poll_time(self, now: float) -> float:
+        """When to look again with nothing to schedule: when the next KV
+        load is done if only loads are pending, else ``POLL_S`` later."""
+        scheduler = self.scheduler
+        loaded = scheduler.loading.next_done
+        if loaded is None or scheduler.waiting or scheduler.has_pending_rejections:
+            return now + POLL_S
+        return max(loaded, now)
 
     def _set(self, state: State, next_time: float | None) -> None:
         self.state, self.next_time = state, next_time

@@ -25,9 +25,10 @@ from pathlib import Path
 
 from carpool.cluster import RoutingError
 from carpool.cluster.autoscaler import AutoscaleConfig, make_scaler
+from carpool.cluster.kv_tier import TierClient
 from carpool.config import EngineConfig, parse_size
-from carpool.sim.costs import CostModel
-from carpool.sim.fleet import ROUTING, FleetRouter, FleetScaling
+from carpool.sim.costs import CostModel, kv_bytes_per_token
+from carpool.sim.fleet import ROUTING, FleetRouter, FleetScaling, KVTierSettings, tier_report
 from carpool.sim.replica import SimReplica, VirtualClock
 from carpool.workload.stats import REJECTED, RequestRecord
 from carpool.workload.traces import TraceRequest
@@ -59,6 +60,7 @@ class SimSettings:
     autoscale: str | None = None
     autoscale_config: AutoscaleConfig | None = None
     autoscale_schedule: tuple[tuple[float, int], ...] = ()
+    kv_tier: KVTierSettings | None = None  # a shared external KV tier (fleet.py)
 
     def validate(self) -> SimSettings:
         if self.replicas < 1:
@@ -92,6 +94,7 @@ class SimRun:
     wall_seconds: float = 0.0
     per_replica: list[dict] = field(default_factory=list)
     scaling: dict | None = None  # the autoscaler's timeline, events and replica-hours
+    kv_tier: dict | None = None  # the shared KV tier's size and counters
 
     def speed(self) -> dict:
         wall = max(self.wall_seconds, 1e-9)
@@ -117,7 +120,7 @@ def simulate(plan: Sequence[TraceRequest], config: EngineConfig, cost: CostModel
     started = time.perf_counter()
     order = sorted(range(len(plan)), key=lambda i: (plan[i].arrival, i))
     interval = max(max((r.arrival for r in plan), default=0.0) / _SAMPLES, 0.5)
-    if settings.routing == "round-robin" and settings.autoscale is None:
+    if settings.routing == "round-robin" and settings.autoscale is None and not settings.kv_tier:
         router = FleetRouter(settings.routing, settings.replicas, settings.replica_schedule)
         shares: list[list[int]] = [[] for _ in range(settings.replicas)]
         for i in order:
@@ -139,7 +142,7 @@ def simulate(plan: Sequence[TraceRequest], config: EngineConfig, cost: CostModel
                   fast_forwarded_steps=sum(part.fast_forwarded_steps for part in parts),
                   wall_seconds=time.perf_counter() - started,
                   per_replica=[row for part in parts for row in part.per_replica],
-                  scaling=parts[0].scaling)
+                  scaling=parts[0].scaling, kv_tier=parts[0].kv_tier)
 
 
 @contextlib.contextmanager
@@ -187,18 +190,22 @@ def _event_loop(indices: list[int], arrivals: list[tuple[int, TraceRequest]],
     drains its inbox before scheduling).
     """
     clock = VirtualClock()
+    tier = settings.kv_tier.build(kv_bytes_per_token(cost), config.cache.block_size,
+                                  settings.replicas) if settings.kv_tier else None
 
     def make_replica(index: int) -> SimReplica:
         return SimReplica(index, config, num_blocks, cost, clock,
                           max_model_len=settings.max_model_len,
                           fast_forward=settings.fast_forward,
-                          token_times=settings.token_times, hash_block=settings.hash_block)
+                          token_times=settings.token_times, hash_block=settings.hash_block,
+                          external_kv=TierClient(tier, clock) if tier is not None else None)
 
     replicas = [make_replica(i) for i in indices]
     slot = {replica.index: position for position, replica in enumerate(replicas)}
     router = FleetRouter(settings.routing, settings.replicas, settings.replica_schedule)
-    if settings.routing != "round-robin" or settings.autoscale:  # else one replica's share
-        router.attach(replicas, config, settings.hash_block)
+    if settings.routing != "round-robin" or settings.autoscale or tier is not None:
+        router.attach(replicas, config, settings.hash_block,
+                      TierClient(tier, clock) if tier is not None else None)
     scaling = _scaling(settings, router, make_replica, arrivals)
     if scaling is not None:
         scaling.start(replicas, 0.0)
@@ -261,7 +268,8 @@ def _event_loop(indices: list[int], arrivals: list[tuple[int, TraceRequest]],
                   steps=sum(r.steps for r in replicas),
                   fast_forwarded_steps=sum(r.fast_forwarded_steps for r in replicas),
                   per_replica=[_replica_stats(r) for r in replicas],
-                  scaling=scaling.finish(clock.now) if scaling is not None else None)
+                  scaling=scaling.finish(clock.now) if scaling is not None else None,
+                  kv_tier=tier_report(tier) if tier is not None else None)
 
 
 def _scaling(settings: SimSettings, router: FleetRouter, make_replica,
@@ -318,7 +326,8 @@ def _replica_stats(replica: SimReplica) -> dict:
             "busy_s": replica.busy_seconds,
             "fast_forwarded_steps": replica.fast_forwarded_steps,
             "preemptions": scheduler.num_preemptions, "prefix_queries": kv.prefix_queries,
-            "prefix_hits": kv.prefix_hits, "rejections": dict(scheduler.rejections)}
+            "prefix_hits": kv.prefix_hits, "external_hits": kv.external_hits,
+            "rejections": dict(scheduler.rejections)}
 
 
 # -- cost model and pool size from the command line ------------------------------------
@@ -373,13 +382,10 @@ def pool_blocks(config: EngineConfig, cost: CostModel, memory_set: bool) -> int:
         return cache.num_blocks
     if cost.kind == "analytic" and not memory_set:
         return max(1, cost.max_kv_tokens(0.9) // cache.block_size)
-    if cost.kind == "analytic":
-        per_token = cost.model.kv_bytes_per_token(cost.dtype_bytes)
-    else:
-        per_token = cost.meta.get("kv_bytes_per_token")
-        if not per_token:
-            raise ValueError("the cost model does not say how many KV bytes a token takes; "
-                             "pass --num-blocks")
+    per_token = kv_bytes_per_token(cost)
+    if not per_token:
+        raise ValueError("the cost model does not say how many KV bytes a token takes; "
+                         "pass --num-blocks")
     blocks = int(parse_size(cache.kv_cache_memory) // (per_token * cache.block_size))
     if blocks < 1:
         raise ValueError(f"kv_cache_memory {cache.kv_cache_memory} holds no KV block")

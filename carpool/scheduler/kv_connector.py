@@ -1,0 +1,70 @@
+"""The scheduler side of a KV connector: prompt blocks loaded from an
+external store instead of computed.
+
+A replica whose prefix cache misses part of a prompt asks the external
+store (``ExternalKV``: a fleet's shared KV tier, a CPU or disk offload)
+how many of the following blocks it holds, by the same chained block
+hashes the prefix cache keys. If it holds some, the request is admitted
+with blocks for them, loads them (``LOADING``: it holds its blocks and a
+sequence slot, but no step schedules it) and joins the running requests
+at the first step after the load is done, with those tokens computed.
+Steps go on meanwhile: a load never stalls the batch (vLLM's
+``get_num_new_matched_tokens`` / ``WAITING_FOR_REMOTE_KVS`` split). Every
+prompt block the replica computes is written through to the store
+(decode blocks are not: a conversation's next turn re-sends them as its
+prompt, and they are saved then). Moving the
+bytes is the worker side's business; the scheduler only needs how many
+blocks and how long. Pure Python; time from the scheduler's clock.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from carpool.scheduler.request import Request
+
+
+class ExternalKV(Protocol):
+    """An external store of KV blocks, keyed by chained block hash."""
+
+    def loadable(self, hashes: Sequence[int]) -> int:
+        """How many leading blocks of ``hashes`` it holds now (no side effect)."""
+
+    def load(self, hashes: Sequence[int]) -> float:
+        """Begin loading these blocks; seconds until they are in the replica."""
+
+    def save(self, hashes: Sequence[int]) -> None:
+        """Blocks the replica has just computed (written through)."""
+
+
+class PendingLoads:
+    """Requests whose KV is loading: each with the time its load is done
+    and the prompt tokens it brings."""
+
+    def __init__(self) -> None:
+        self._loads: dict[Request, tuple[float, int]] = {}  # in the order they began
+
+    def __len__(self) -> int:
+        return len(self._loads)
+
+    def __iter__(self):
+        return iter(self._loads)
+
+    def begin(self, request: Request, done_at: float, num_tokens: int) -> None:
+        self._loads[request] = (done_at, num_tokens)
+
+    def remove(self, request: Request) -> None:
+        del self._loads[request]
+
+    def pop_done(self, now: float) -> list[tuple[Request, int]]:
+        """The loads done by ``now`` (request, tokens loaded), removed, in
+        the order they began."""
+        done = [(request, tokens) for request, (at, tokens) in self._loads.items() if at <= now]
+        for request, _ in done:
+            del self._loads[request]
+        return done
+
+    @property
+    def next_done(self) -> float | None:
+        """When the next load is done (None: none in progress)."""
+        return min((at for at, _ in self._loads.values()), default=None)
