@@ -373,8 +373,9 @@ _SIM_COMMANDS = (
              "load, their cost, and optionally a day on a replica schedule",
      "carpool.sim.plan_command", "add_plan_args"),
     ("evaluate", "fleet policies side by side in the simulator at full trace size "
-                 "(routing: every policy on the same arrivals)",
-     "carpool.sim.evaluate", "add_evaluate_args"),
+                 "(routing: every policy on the same arrivals; pd: colocated against "
+                 "disaggregated fleets)",
+     "carpool.sim.evaluations", "add_evaluate_args"),
 )
 
 # Commands run as function(engine config, args), imported only when chosen.
@@ -382,7 +383,7 @@ _CONFIG_COMMANDS = {
     "simulate": ("carpool.sim.command", "run_simulate"),
     "fidelity": ("carpool.measure.fidelity", "run_fidelity"),
     "plan": ("carpool.sim.plan_command", "run_plan"),
-    "evaluate": ("carpool.sim.evaluate", "run_evaluate"),
+    "evaluate": ("carpool.sim.evaluations", "run_evaluate"),
     "measure": ("carpool.measure.costs", "run_measure"),
     "tune": ("carpool.bench.tune", "run_tune"),
     "bench regimes": ("carpool.bench.regimes", "run_regimes"),

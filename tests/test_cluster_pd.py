@@ -100,3 +100,16 @@ def test_a_plan_for_a_request_already_routed_counts_nothing():
     with pytest.raises(ValueError, match="already routed"):
         planner.plan(RouteRequest("q", 8000), 1.0)
     assert {rid: v.in_flight for rid, v in router.views.items()} == before
+
+
+def test_always_disaggregates_even_what_would_not_pay():
+    conditional = PDPlanner(fleet(), LLAMA_8B)
+    always = PDPlanner(fleet(), LLAMA_8B, always=True)
+    short = RouteRequest("s", 40)
+    assert not conditional.plan(short, 0.0).disaggregated
+    plan = always.plan(short, 0.0)
+    assert plan.disaggregated and plan.prefill.replica_id.startswith("prefill")
+    assert plan.exposed_s > 0 and plan.decode.replica_id.startswith("decode")
+    # Without a prefill pool there is nothing to disaggregate to.
+    alone = PDPlanner(fleet(prefill=0), LLAMA_8B, always=True)
+    assert not alone.plan(RouteRequest("t", 4000), 0.0).disaggregated

@@ -23,8 +23,9 @@ from pathlib import Path
 import pytest
 
 from carpool.config import EngineConfig
+from carpool.sim.cost_flags import pool_blocks
 from carpool.sim.costs import StepShape, load_cost_model
-from carpool.sim.simulate import pool_blocks, simulate
+from carpool.sim.simulate import simulate
 from carpool.slo import CALIBRATION_PROMPT_TOKENS, calibrated_targets
 from carpool.workload.command import add_workload_args, workload_spec
 from carpool.workload.spec import WorkloadSpec, plan_workload

@@ -112,14 +112,18 @@ class TierClient:
     def __init__(self, tier: SharedKVTier, clock: Callable[[], float]) -> None:
         self.tier, self.clock = tier, clock
 
-    def loadable(self, hashes: Sequence[int]) -> int:
+    def loadable(self, request, hashes: Sequence[int]) -> int:
         return self.tier.count(hashes, self.clock())
 
-    def load(self, hashes: Sequence[int]) -> float:
+    def load(self, request, hashes: Sequence[int]) -> float:
         return self.tier.load_seconds(self.tier.lookup(hashes, self.clock()))
 
-    def save(self, hashes: Sequence[int]) -> None:
+    def save(self, request, hashes: Sequence[int]) -> None:
         self.tier.store(hashes, self.clock())
+
+    def count(self, hashes: Sequence[int]) -> int:
+        """What a router asks: leading blocks of ``hashes`` held now."""
+        return self.tier.count(hashes, self.clock())
 
     def load_seconds(self, blocks: int) -> float:
         return self.tier.load_seconds(blocks)

@@ -15,7 +15,8 @@ Remote prefill is chosen only when it pays: the uncached prompt is at least
 it saves the decode replica, and the disaggregated first token is predicted
 no later than the colocated one. Otherwise the request stays colocated (a
 decode replica prefills a short prompt itself, as in vLLM's and Dynamo's
-conditional disaggregation). Pure Python, like the router it asks.
+conditional disaggregation). ``always`` disaggregates every request
+(static disaggregation). Pure Python, like the router it asks.
 """
 from __future__ import annotations
 
@@ -67,10 +68,12 @@ def exposed_transfer_seconds(total: float, compute: float, num_layers: int,
     return latency + max(per_layer, total - hidden)
 
 
-def _prefill_seconds(view: ReplicaView, tokens: int) -> float | None:
-    """A prefill of ``tokens`` alone on ``view``, by its cost model (None
-    while it has no ready one)."""
-    model = view.cost_model
+def _prefill_seconds(view: ReplicaView, tokens: int, router: Router | None = None
+                     ) -> float | None:
+    """A prefill of ``tokens`` alone on ``view``, by its cost model (or,
+    given the ``router``, the fleet's fallback: ``Router.cost_model_for``);
+    None while there is no ready one."""
+    model = router.cost_model_for(view) if router is not None else view.cost_model
     if model is None or not model.ready:
         return None
     return predict_first_token_delay(model, 0, max(1, tokens), 0, view.max_num_batched_tokens)
@@ -96,10 +99,13 @@ class PDPlanner:
     """Plans and counts each request's placement on a ``Router``'s fleet."""
 
     def __init__(self, router: Router, kv: KVShape, link: Link | None = None,
-                 min_remote_tokens: int = 512) -> None:
+                 min_remote_tokens: int = 512, always: bool = False) -> None:
         self.router, self.kv = router, kv
         self.link = link or Link()
         self.min_remote_tokens = min_remote_tokens
+        # Every request prefilled remotely while there is a prefill replica
+        # (static disaggregation, the baseline the conditional choice beats).
+        self.always = always
 
     def plan(self, request: RouteRequest, now: float) -> PDPlan:
         """Choose and count: the decode leg under ``request.request_id``, a
@@ -134,28 +140,32 @@ class PDPlanner:
 
     def _remote(self, request: RouteRequest, home: ReplicaView,
                 home_cached: int, home_ttft: float | None) -> PDPlan | None:
-        """The disaggregated plan if it pays (see the module docstring), else None."""
+        """The disaggregated plan if it pays (see the module docstring) or
+        the planner always disaggregates, else None."""
         prefill_pool = self.router.candidates(Role.PREFILL)
         uncached = request.prompt_tokens - home_cached
-        if not prefill_pool or home_ttft is None or uncached < self.min_remote_tokens:
+        if not prefill_pool or (not self.always and (
+                home_ttft is None or uncached < self.min_remote_tokens)):
             return None
         worker, cached, ttft = self._best(request, prefill_pool)
-        saved = _prefill_seconds(home, uncached) or _prefill_seconds(worker, uncached)
-        compute = _prefill_seconds(worker, request.prompt_tokens - cached)
-        if ttft is None or saved is None or compute is None:
-            return None
+        compute = _prefill_seconds(worker, request.prompt_tokens - cached, self.router)
         # Blocks the decode replica holds need not move.
-        moved = max(0, request.prompt_tokens - home_cached)
-        total = moved * self.kv.bytes_per_token / self.link.bandwidth
-        if total + self.link.latency >= saved:
-            return None  # the transfer alone costs more than the prefill it saves
-        exposed = exposed_transfer_seconds(total, compute, self.kv.num_layers, self.link.latency)
-        remote_ttft = ttft + exposed
-        if remote_ttft > home_ttft:
-            return None
-        cause = (f"disaggregated: {uncached} uncached tokens, TTFT {remote_ttft:.3f} s vs "
-                 f"{home_ttft:.3f} s colocated, transfer {total * 1e3:.1f} ms "
-                 f"({exposed * 1e3:.1f} ms exposed)")
+        total = uncached * self.kv.bytes_per_token / self.link.bandwidth
+        exposed = exposed_transfer_seconds(total, compute or 0.0, self.kv.num_layers,
+                                           self.link.latency)
+        remote_ttft = None if ttft is None else ttft + exposed
+        if not self.always:
+            saved = _prefill_seconds(home, uncached, self.router)
+            if remote_ttft is None or saved is None or compute is None:
+                return None
+            if total + self.link.latency >= saved:
+                return None  # the transfer alone costs more than the prefill it saves
+            if remote_ttft > home_ttft:
+                return None
+        shown = "?" if remote_ttft is None else f"{remote_ttft:.3f} s"
+        cause = (f"disaggregated: {uncached} uncached tokens, TTFT {shown}"
+                 + ("" if home_ttft is None else f" vs {home_ttft:.3f} s colocated")
+                 + f", transfer {total * 1e3:.1f} ms ({exposed * 1e3:.1f} ms exposed)")
         return PDPlan(RouteDecision(home.replica_id, cause, home_cached, remote_ttft),
                       RouteDecision(worker.replica_id, cause, cached, ttft), cause,
                       total + self.link.latency, exposed, remote_ttft)

@@ -215,7 +215,7 @@ def score_replicas(router, request: RouteRequest,
     the replica's own hit: what affinity prefers)."""
     depth = router.prefix_index.matches(request.block_hashes)
     tier = router.shared_kv
-    shared = tier.loadable(request.block_hashes) if tier is not None else 0
+    shared = tier.count(request.block_hashes) if tier is not None else 0
     scored = []
     for view in views:
         local = depth.get(view.replica_id, 0)

@@ -44,7 +44,7 @@ __all__ = ["POLICIES", "Router", "make_policy"]
 class SharedKVPrice(Protocol):
     """What the router asks of a shared KV tier (``kv_tier.TierClient``)."""
 
-    def loadable(self, hashes: Sequence[int]) -> int: ...
+    def count(self, hashes: Sequence[int]) -> int: ...
 
     def load_seconds(self, blocks: int) -> float: ...
 
@@ -239,14 +239,19 @@ class Router:
 
     def predict_ttft(self, view: ReplicaView, uncached_tokens: int,
                      peers: Sequence[ReplicaView] = ()) -> float | None:
-        """``predict_ttft_on`` with the replica's own cost model, or a ready
-        peer's while its own is not (replicas of one pool run one model on
-        one kind of machine)."""
-        model = view.cost_model
-        if model is None or not model.ready:
-            model = next((p.cost_model for p in peers
-                          if p.cost_model is not None and p.cost_model.ready), None)
-        return predict_ttft_on(view, uncached_tokens, model)
+        """``predict_ttft_on`` with ``cost_model_for(view, peers)``."""
+        return predict_ttft_on(view, uncached_tokens, self.cost_model_for(view, peers))
+
+    def cost_model_for(self, view: ReplicaView, peers: Sequence[ReplicaView] = ()):
+        """The replica's own cost model once ready, else a ready peer's, else
+        any ready one of the fleet's (its replicas run one model on one kind
+        of machine: a prefill pool that has not run yet is priced by the
+        decode pool's steps); None while none is."""
+        for candidate in (view, *peers, *self.views.values()):
+            model = candidate.cost_model
+            if model is not None and model.ready:
+                return model
+        return None
 
     def _log(self, now: float, request: RouteRequest, decision: RouteDecision) -> None:
         # Counted by the cause's words, numbers left out ("lowest predicted TTFT # s").

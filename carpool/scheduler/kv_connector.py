@@ -25,16 +25,19 @@ from carpool.scheduler.request import Request
 
 
 class ExternalKV(Protocol):
-    """An external store of KV blocks, keyed by chained block hash."""
+    """An external source of KV blocks: a store keyed by chained block hash,
+    or a prefill replica that computed one request's prompt for this one
+    (which is why the request is passed too)."""
 
-    def loadable(self, hashes: Sequence[int]) -> int:
-        """How many leading blocks of ``hashes`` it holds now (no side effect)."""
+    def loadable(self, request: Request, hashes: Sequence[int]) -> int:
+        """How many of ``hashes`` (the request's blocks after its local hit)
+        it can give, leading ones first (no side effect)."""
 
-    def load(self, hashes: Sequence[int]) -> float:
+    def load(self, request: Request, hashes: Sequence[int]) -> float:
         """Begin loading these blocks; seconds until they are in the replica."""
 
-    def save(self, hashes: Sequence[int]) -> None:
-        """Blocks the replica has just computed (written through)."""
+    def save(self, request: Request, hashes: Sequence[int]) -> None:
+        """Prompt blocks the replica has just computed (written through)."""
 
 
 class PendingLoads:

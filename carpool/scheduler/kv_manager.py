@@ -137,7 +137,7 @@ class KVCacheManager:
         self.prefix_hits += num_cached
         request.num_computed_tokens = num_cached
         if loadable:
-            seconds = self.external.load(request.block_hashes[len(hits):len(hits) + loadable])
+            seconds = self.external.load(request, request.block_hashes[len(hits):len(hits) + loadable])
             self._loads[request.request_id] = (loadable * self.block_size, seconds)
             self.external_hits += loadable * self.block_size
         return True
@@ -158,7 +158,7 @@ class KVCacheManager:
         if max_blocks <= num_hits:
             return 0
         self._extend_hashes(request, max_blocks)
-        return self.external.loadable(request.block_hashes[num_hits:max_blocks])
+        return self.external.loadable(request, request.block_hashes[num_hits:max_blocks])
 
     def admit_shortfall(self, request: Request, num_new_tokens: int,
                         released: AbstractSet[int] = frozenset(),
@@ -226,7 +226,7 @@ class KVCacheManager:
         if self.external is not None:  # the prompt's blocks (LMCache's default too)
             prompt_blocks = min(full, request.num_prompt_tokens // self.block_size)
             if prompt_blocks > start:
-                self.external.save(request.block_hashes[start:prompt_blocks])
+                self.external.save(request, request.block_hashes[start:prompt_blocks])
 
     def free(self, request: Request) -> None:
         """Return all of the request's blocks (cached ones stay revivable)."""

@@ -48,7 +48,8 @@ class Request:
     deadline: float | None = None
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    num_cached_tokens: int = 0  # prefix-cache hit on first admission
+    num_cached_tokens: int = 0  # prefix-cache hit on first admission, loaded ones included
+    num_loaded_tokens: int = 0  # of those, loaded from an external store (kv_connector)
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
     # Chained hashes of the full blocks of token_ids, filled lazily by the KV

@@ -358,7 +358,8 @@ class Scheduler:
         load = self.kv.take_load(request)
         if request.first_scheduled_time is None:
             request.first_scheduled_time = self.clock()
-            request.num_cached_tokens = request.num_computed_tokens + (load[0] if load else 0)
+            request.num_loaded_tokens = load[0] if load else 0
+            request.num_cached_tokens = request.num_computed_tokens + request.num_loaded_tokens
             self.sessions.first_admitted(request)
         if load is not None:
             request.status = RequestStatus.LOADING

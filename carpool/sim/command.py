@@ -7,15 +7,13 @@ import dataclasses
 
 from carpool.config import EngineConfig, parse_size
 from carpool.machine import available_cpus
+from carpool.sim.cost_flags import add_cost_model_args, cost_model_from_args, pool_blocks
 from carpool.sim.costs import CostModel, machine_warning
 from carpool.sim.simulate import (
     ROUTING,
     SimRun,
     SimSettings,
-    add_cost_model_args,
-    cost_model_from_args,
     cyclic_gc_paused,
-    pool_blocks,
     simulate,
 )
 from carpool.workload.command import add_workload_args, arg_type, workload_spec
@@ -82,6 +80,40 @@ def kv_tier_from_args(args: argparse.Namespace):
                           args.kv_tier_latency, args.kv_tier_ttl).validate()
 
 
+def add_pd_args(parser: argparse.ArgumentParser, *, pools: bool = True) -> None:
+    """Group "prefill/decode": pools and the planner (pd.PDSettings); without
+    ``pools`` only the link and the planner's threshold (evaluate pd sets the rest)."""
+    from carpool.cluster.pd import Link
+
+    group = parser.add_argument_group("prefill/decode (analytic cost model)")
+    if pools:
+        group.add_argument("--prefill-replicas", type=int, default=0,
+                           help="replicas of the prefill pool (the rest decode); 0: all "
+                                "replicas mixed (colocated)")
+        group.add_argument("--pd-mode", choices=("conditional", "always"), default="conditional",
+                           help="conditional: prefill remotely only where it pays (default); "
+                                "always: every request")
+    group.add_argument("--pd-bandwidth", type=float, default=Link.bandwidth / 1e9,
+                       help=f"GB/s of the link between the pools (default "
+                            f"{Link.bandwidth / 1e9:g}: 400 Gb/s RDMA)")
+    group.add_argument("--pd-latency", type=float, default=Link.latency,
+                       help=f"seconds per transfer besides the bytes (default {Link.latency:g})")
+    group.add_argument("--pd-min-remote-tokens", type=int, default=512,
+                       help="shortest uncached prompt the planner prefills remotely")
+
+
+def pd_from_args(args: argparse.Namespace, prefill_replicas: int | None = None,
+                 mode: str | None = None):
+    """The ``PDSettings`` the flags ask for, or None for a colocated fleet."""
+    from carpool.sim.pd import PDSettings
+
+    prefill = getattr(args, "prefill_replicas", 0) if prefill_replicas is None else prefill_replicas
+    if not prefill:
+        return None
+    return PDSettings(prefill, mode or args.pd_mode, args.pd_bandwidth * 1e9, args.pd_latency,
+                      args.pd_min_remote_tokens)
+
+
 def add_simulate_args(parser: argparse.ArgumentParser) -> None:
     from carpool.slo import parse_slo
 
@@ -89,6 +121,7 @@ def add_simulate_args(parser: argparse.ArgumentParser) -> None:
     add_cost_model_args(parser)
     add_simulation_args(parser)
     add_kv_tier_args(parser)
+    add_pd_args(parser)
     out = parser.add_argument_group("results")
     out.add_argument("--slo", type=arg_type(parse_slo), default={},
                      help="per-request limits for goodput, e.g. ttft=500ms,tpot=100ms")
@@ -113,7 +146,7 @@ def settings_from_args(config: EngineConfig, cost: CostModel,
                        max_len, mooncake_block_tokens(args.token_scale),
                        args.workers or available_cpus(), autoscale=autoscale,
                        autoscale_config=scale_config,
-                       kv_tier=kv_tier_from_args(args)).validate()
+                       kv_tier=kv_tier_from_args(args), pd=pd_from_args(args)).validate()
 
 
 def run_simulate(config: EngineConfig, args: argparse.Namespace) -> int:
@@ -162,7 +195,7 @@ def simulation_result(label: str, args: argparse.Namespace, config: EngineConfig
         "cost_model_warning": machine_warning(cost),
         "num_blocks": num_blocks, "settings": dataclasses.asdict(settings),
         "speed": run.speed(), "replicas": run.per_replica, "scaling": run.scaling,
-        "kv_tier": run.kv_tier}
+        "kv_tier": run.kv_tier, "pd": run.pd}
     return result
 
 

@@ -8,8 +8,10 @@ of it, and every policy replays exactly those arrivals. (Busy time is no
 measure of load under continuous batching: a lighter load runs more,
 smaller steps, and its replicas were as busy as at twice the rate.)
 Per policy: TTFT p50 / p99, TPOT p99, goodput under the SLO, the fleet's
-prefix-cache hit rate against the plan's ideal (every prompt token whose
-leading blocks any earlier prompt had), the busiest / idlest replica's
+prefix-cache hit rate (prompt tokens cached or loaded from the shared tier
+on each request's first admission, over all prompt tokens) against the
+plan's ideal (every prompt token whose leading blocks any earlier prompt
+had), the busiest / idlest replica's
 busy time, and the wall time of the run.
 """
 from __future__ import annotations
@@ -21,17 +23,15 @@ import time
 
 from carpool.config import EngineConfig
 from carpool.sim.command import add_kv_tier_args, kv_tier_from_args
+from carpool.sim.cost_flags import cost_model_from_args, pool_blocks
 from carpool.sim.costs import CostModel
 from carpool.sim.fleet import ROUTING
 from carpool.sim.simulate import (
     SimSettings,
-    add_cost_model_args,
-    cost_model_from_args,
     cyclic_gc_paused,
-    pool_blocks,
     simulate,
 )
-from carpool.workload.command import add_workload_args, arg_type, workload_spec
+from carpool.workload.command import arg_type, workload_spec
 from carpool.workload.results import LoadRun, make_result
 from carpool.workload.spec import mooncake_block_tokens, plan_workload
 from carpool.workload.traces import TraceRequest
@@ -56,15 +56,8 @@ def _counts(text: str) -> tuple[int, ...]:
     return counts
 
 
-def add_evaluate_args(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
-    """The evaluations as sub-commands; returns them (each takes the engine flags)."""
-    from carpool.slo import parse_slo
-
-    kinds = parser.add_subparsers(dest="evaluation", required=True)
-    routing = kinds.add_parser("routing", help="routing policies side by side")
-    add_workload_args(routing, seed_flag="--workload-seed")
-    add_cost_model_args(routing)
-    group = routing.add_argument_group("evaluation")
+def add_routing_evaluation_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("evaluation")
     group.add_argument("--replicas", type=arg_type(_counts), default=(8, 16),
                        help="fleet sizes, comma separated (default 8,16)")
     group.add_argument("--policies", type=arg_type(_names), default=DEFAULT_POLICIES,
@@ -72,11 +65,8 @@ def add_evaluate_args(parser: argparse.ArgumentParser) -> list[argparse.Argument
     group.add_argument("--load", type=float, default=0.8,
                        help="offered rate as a share of the fleet's measured capacity "
                             "(default 0.8)")
-    group.add_argument("--slo", type=arg_type(parse_slo), default={"ttft": 2.0, "tpot": 0.05},
-                       help="per-request limits for goodput (default ttft=2s,tpot=50ms)")
     group.add_argument("--json", default=None, help="write every row here")
-    add_kv_tier_args(routing)
-    return [routing]
+    add_kv_tier_args(parser)
 
 
 def ideal_hit_rate(plan: list[TraceRequest], block_tokens: int) -> float:
@@ -103,7 +93,7 @@ def ideal_hit_rate(plan: list[TraceRequest], block_tokens: int) -> float:
     return hits / total if total else 0.0
 
 
-def _scaled(plan: list[TraceRequest], factor: float) -> list[TraceRequest]:
+def scaled(plan: list[TraceRequest], factor: float) -> list[TraceRequest]:
     return [dataclasses.replace(r, arrival=r.arrival * factor) for r in plan]
 
 
@@ -118,7 +108,7 @@ def fleet_capacity(plan, config, cost, num_blocks: int, replicas: int,
     """Requests completed per second by ``replicas`` round-robin replicas
     (sharing ``kv_tier``, if given) when the plan's arrivals come
     ``1 / PROBE_SQUEEZE`` times as fast."""
-    run = simulate(_scaled(plan, PROBE_SQUEEZE), config, cost, num_blocks, SimSettings(
+    run = simulate(scaled(plan, PROBE_SQUEEZE), config, cost, num_blocks, SimSettings(
         replicas=replicas, routing="round-robin", hash_block=block_tokens, workers=2,
         kv_tier=kv_tier))
     done = sum(1 for r in run.records if r.status == "ok")
@@ -137,19 +127,22 @@ def evaluate_row(policy: str, plan, config, cost, num_blocks, replicas: int, slo
     summary = make_result(policy, {}, LoadRun(run.records, run.duration, []), slo,
                           per_request=False)["summary"]
     busy = [r["busy_s"] for r in run.per_replica]
-    queries = sum(r["prefix_queries"] for r in run.per_replica)
+    rows = run.per_replica
+    prompt_tokens = max(1, sum(item.input_len for item in plan))
     return {"policy": policy, "replicas": replicas, "requests": len(plan),
             "ttft_p50": summary["ttft"]["p50"], "ttft_p99": summary["ttft"]["p99"],
             "tpot_p99": summary["tpot"]["p99"], "goodput": summary["goodput"],
             "slo_attainment": summary["slo_attainment"],
-            "hit_rate": sum(r["prefix_hits"] + r["external_hits"]
-                            for r in run.per_replica) / max(1, queries),
-            "local_hit_rate": sum(r["prefix_hits"] for r in run.per_replica) / max(1, queries),
+            # Each prompt once, cached or loaded on its first admission, over
+            # every prompt token of the plan (the ideal's denominator).
+            "hit_rate": sum(r["cached_tokens"] for r in rows) / prompt_tokens,
+            "local_hit_rate": sum(r["cached_tokens"] - r["loaded_tokens"]
+                                  for r in rows) / prompt_tokens,
             "busy_max_min": max(busy) / max(min(busy), 1e-9),
             "busy_share": _busy_share(run, replicas), "wall_s": run.wall_seconds}
 
 
-def run_evaluate(config: EngineConfig, args: argparse.Namespace) -> int:
+def run_routing_evaluation(config: EngineConfig, args: argparse.Namespace) -> int:
     cost: CostModel = cost_model_from_args(args)
     num_blocks = pool_blocks(config, cost, memory_set=args.engine_kv_cache_memory is not None)
     block_tokens = mooncake_block_tokens(args.token_scale)
@@ -163,7 +156,7 @@ def run_evaluate(config: EngineConfig, args: argparse.Namespace) -> int:
             capacity = fleet_capacity(base, config, cost, num_blocks, replicas, block_tokens,
                                       kv_tier)
             factor = offered_rate(base) / (args.load * capacity)
-            plan = _scaled(base, factor)
+            plan = scaled(base, factor)
             print(f"== {replicas} replicas: capacity {capacity:.2f} req/s (round-robin, "
                   f"{time.perf_counter() - started:.1f} s); arrivals x{factor:.3f} in time "
                   f"offer {offered_rate(plan):.2f} req/s", flush=True)

@@ -15,12 +15,15 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from carpool.cluster import POLICIES, Health, ReplicaView, Router, RouteRequest
+from carpool.cluster import POLICIES, Health, ReplicaView, Role, Router, RouteRequest
 from carpool.cluster.autoscaler import PoolScaler, PoolSignals
 from carpool.cluster.kv_tier import SharedKVTier, TierClient
+from carpool.cluster.pd import KVShape
 from carpool.config import EngineConfig
 from carpool.scheduler.block_pool import ROOT_HASH, BlockKeyChain
+from carpool.sim.pd import FleetPD, PDSettings
 from carpool.sim.replica import SimReplica, prompt_token_ids
+from carpool.workload.stats import RequestRecord
 from carpool.workload.traces import TraceRequest
 
 ROUTING = tuple(POLICIES)
@@ -91,6 +94,22 @@ def tier_report(tier: SharedKVTier) -> dict:
             **dataclasses.asdict(tier.stats)}
 
 
+class _PrefillEvents(_Events):
+    """A prefill replica's listener: its requests are prefill legs, and one
+    that leaves hands its decode leg over (``FleetPD.prefill_done``)."""
+
+    def __init__(self, router: Router, replica_id: str, pd) -> None:
+        super().__init__(router, replica_id)
+        self.pd = pd
+
+    def first_token(self, index: int, now: float) -> None:
+        self.router.first_token(f"{index}:prefill", now)
+
+    def finished(self, index: int, now: float, ok: bool, queued_s: float = 0.0) -> None:
+        self.router.finished(f"{index}:prefill", now, learn=ok, queued_s=queued_s)
+        self.pd.prefill_done(index, now, self.router)
+
+
 class FleetRouter:
     """Routes each arrival among the replicas active at that time (the first
     ``active(now)`` by index; the others drain) with a cluster policy."""
@@ -106,6 +125,7 @@ class FleetRouter:
         self._chain: BlockKeyChain | None = None
         self._hash_block = 1
         self._by_id: dict[str, SimReplica] = {}
+        self.pd: FleetPD | None = None  # the P/D planner, when attached with pools
 
     def active(self, now: float) -> int:
         count = self.replicas
@@ -122,12 +142,21 @@ class FleetRouter:
         return turn
 
     def attach(self, replicas: Sequence[SimReplica], config: EngineConfig,
-               hash_block: int = 1, shared_kv: TierClient | None = None) -> None:
+               hash_block: int = 1, shared_kv: TierClient | None = None,
+               pd: PDSettings | None = None, kv_shape: KVShape | None = None) -> None:
         """Build the cluster router over ``replicas`` (before any arrival);
-        ``shared_kv``: the fleet's KV tier, for the policies to price."""
+        ``shared_kv``: the fleet's KV tier, for the policies to price;
+        ``pd``: plan each request's prefill and decode (``self.pd``)."""
         self.router = Router(self.routing, shared_kv=shared_kv)
         self._config = config
-        if self.routing in _CACHE_POLICIES and config.cache.enable_prefix_caching:
+        self.pd = None
+        if pd is not None:
+            if kv_shape is None:
+                raise ValueError("prefill/decode needs the model's KV shape: an analytic cost "
+                                 "model (--hardware, --model-shape)")
+            self.pd = FleetPD(pd, self.router, kv_shape, self.replica)
+        if ((self.routing in _CACHE_POLICIES or any(r.role != "mixed" for r in replicas))
+                and config.cache.enable_prefix_caching):
             self._chain = BlockKeyChain(config.cache.block_size)
             self._hash_block = hash_block
         for replica in replicas:
@@ -139,17 +168,29 @@ class FleetRouter:
         replica_id = str(replica.index)
         self._by_id[replica_id] = replica
         self.router.add_replica(ReplicaView(
-            replica_id, max_num_seqs=config.scheduler.max_num_seqs,
+            replica_id, role=Role(replica.role), max_num_seqs=config.scheduler.max_num_seqs,
             max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
             block_size=config.cache.block_size,
             cost_model=replica.scheduler.admission.cost_model))
-        events = _Events(self.router, replica_id)
+        events = (_PrefillEvents(self.router, replica_id, self.pd) if replica.role == "prefill"
+                  else _Events(self.router, replica_id))
+        if replica.role == "decode":
+            self.pd.inboxes[replica_id] = replica.scheduler.kv.external
         replica.listener = events
         if self._chain is not None:
             replica.scheduler.kv.report_blocks_to(events)
 
     def replica(self, replica_id: str) -> SimReplica:
         return self._by_id[replica_id]
+
+    def place(self, replicas: Sequence[SimReplica], index: int, item: TraceRequest,
+              record: RequestRecord, now: float):
+        """(replica, what it receives, the record it keeps) for plan request
+        ``index`` arriving at ``now``: ``pick``'s replica, or under P/D the
+        planner's (a prefill leg has a record of its own)."""
+        if self.pd is not None:
+            return self.pd.route(index, item, record, self.hashes(index, item), now)
+        return self.pick(replicas, index, item, now), item, record
 
     def pick(self, replicas: Sequence[SimReplica], index: int, item: TraceRequest,
              now: float) -> SimReplica:
@@ -161,10 +202,12 @@ class FleetRouter:
                                        else Health.DRAINING)
             self._active = active
         decision = self.router.route(RouteRequest(str(index), item.input_len,
-                                                  self._hashes(index, item)), now)
+                                                  self.hashes(index, item)), now)
         return self._by_id[decision.replica_id]
 
-    def _hashes(self, index: int, item: TraceRequest) -> tuple[int, ...]:
+    def hashes(self, index: int, item: TraceRequest) -> tuple[int, ...]:
+        """The chained block hashes of plan request ``index``'s prompt (what
+        the replicas will key it by), when a policy or the planner reads them."""
         if self._chain is None:
             return ()
         tokens = prompt_token_ids(index, item.input_len, item.hash_ids, self._hash_block)

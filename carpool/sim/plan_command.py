@@ -11,9 +11,9 @@ import time
 
 from carpool.config import EngineConfig
 from carpool.sim.command import add_simulation_args, cost_label, settings_from_args
+from carpool.sim.cost_flags import add_cost_model_args, cost_model_from_args, pool_blocks
 from carpool.sim.costs import machine_warning
 from carpool.sim.plan import ASSUMED_PRICE, Batching, PeakProblem, plan_peak
-from carpool.sim.simulate import add_cost_model_args, cost_model_from_args, pool_blocks
 from carpool.workload.arrivals import rescale_offsets
 from carpool.workload.command import add_workload_args, arg_type, workload_spec
 from carpool.workload.spec import WorkloadSpec, describe_workload, plan_workload

@@ -93,8 +93,10 @@ class SimReplica:
     def __init__(self, index: int, config: EngineConfig, num_blocks: int, cost: CostModel,
                  clock: VirtualClock, *, max_model_len: int | None = None,
                  fast_forward: bool = True, token_times: bool = False,
-                 hash_block: int = 1, external_kv: ExternalKV | None = None) -> None:
+                 hash_block: int = 1, external_kv: ExternalKV | None = None,
+                 role: str = "mixed") -> None:
         self.index = index
+        self.role = role  # "mixed", "prefill" or "decode" (carpool.cluster.Role's values)
         self.executor = CostModelExecutor(cost, num_blocks, config.cache.block_size)
         self.clock = clock
         self.scheduler = Scheduler(config.scheduler, config.cache, self.executor.num_blocks,
@@ -112,6 +114,10 @@ class SimReplica:
         self.steps = 0  # scheduler steps simulated, fast-forwarded ones included
         self.fast_forwarded_steps = 0
         self.busy_seconds = 0.0  # virtual seconds spent in steps
+        # Prompt tokens of the requests that ran here, and of those the ones
+        # found cached (or loaded) on first admission: a hit rate that counts
+        # each prompt once (a preempted request's re-admission hits itself).
+        self.prompt_tokens = self.cached_tokens = self.loaded_tokens = 0
         self._inbox: list[tuple[TraceRequest, RequestRecord]] = []
         self._records: dict[str, RequestRecord] = {}
         self._output: SchedulerOutput | None = None
@@ -256,6 +262,9 @@ class SimReplica:
         if not self.token_times:
             record.chunk_times = [request.first_token_time]
         record.output_tokens = request.num_output_tokens
+        self.prompt_tokens += request.num_prompt_tokens
+        self.cached_tokens += request.num_cached_tokens
+        self.loaded_tokens += request.num_loaded_tokens
         queued = (request.first_scheduled_time or request.arrival_time) - request.arrival_time
         self._done(record, OK, now, None, max(0.0, queued))
 

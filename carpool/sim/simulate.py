@@ -12,7 +12,6 @@ Pure Python: nothing here imports torch.
 """
 from __future__ import annotations
 
-import argparse
 import bisect
 import contextlib
 import gc
@@ -21,21 +20,18 @@ import math
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from carpool.cluster import RoutingError
 from carpool.cluster.autoscaler import AutoscaleConfig, make_scaler
 from carpool.cluster.kv_tier import TierClient
-from carpool.config import EngineConfig, parse_size
+from carpool.config import EngineConfig
 from carpool.sim.costs import CostModel, kv_bytes_per_token
 from carpool.sim.fleet import ROUTING, FleetRouter, FleetScaling, KVTierSettings, tier_report
+from carpool.sim.pd import PDSettings, TransferInbox, kv_shape_of, pd_role
 from carpool.sim.replica import SimReplica, VirtualClock
 from carpool.workload.stats import REJECTED, RequestRecord
 from carpool.workload.traces import TraceRequest
 
-# The measured model of carpool's development machine (2-core CPU, default
-# model, bf16): what a simulation uses when given no cost model.
-DEFAULT_COST_MODEL = Path(__file__).parent / "data" / "dev-cpu-smollm2-bf16.json"
 _SAMPLES = 1000  # queue-gauge samples per run, about
 
 
@@ -61,6 +57,7 @@ class SimSettings:
     autoscale_config: AutoscaleConfig | None = None
     autoscale_schedule: tuple[tuple[float, int], ...] = ()
     kv_tier: KVTierSettings | None = None  # a shared external KV tier (fleet.py)
+    pd: PDSettings | None = None  # prefill and decode pools (pd.py); the planner routes
 
     def validate(self) -> SimSettings:
         if self.replicas < 1:
@@ -74,6 +71,11 @@ class SimSettings:
                              f"{self.replicas}, got {self.replica_schedule}")
         if self.autoscale is not None and self.replica_schedule:
             raise ValueError("a replica schedule and an autoscaler exclude each other")
+        if self.pd is not None:
+            self.pd.validate(self.replicas)
+            if self.autoscale or self.replica_schedule or self.kv_tier:
+                raise ValueError("prefill/decode pools do not yet combine with autoscaling, a "
+                                 "replica schedule or a KV tier")
         if self.routing not in ROUTING:
             raise ValueError(f"--routing must be one of {', '.join(ROUTING)}, got "
                              f"{self.routing!r}")
@@ -95,6 +97,7 @@ class SimRun:
     per_replica: list[dict] = field(default_factory=list)
     scaling: dict | None = None  # the autoscaler's timeline, events and replica-hours
     kv_tier: dict | None = None  # the shared KV tier's size and counters
+    pd: dict | None = None  # the P/D planner's choices
 
     def speed(self) -> dict:
         wall = max(self.wall_seconds, 1e-9)
@@ -120,7 +123,8 @@ def simulate(plan: Sequence[TraceRequest], config: EngineConfig, cost: CostModel
     started = time.perf_counter()
     order = sorted(range(len(plan)), key=lambda i: (plan[i].arrival, i))
     interval = max(max((r.arrival for r in plan), default=0.0) / _SAMPLES, 0.5)
-    if settings.routing == "round-robin" and settings.autoscale is None and not settings.kv_tier:
+    if (settings.routing == "round-robin" and settings.autoscale is None
+            and not settings.kv_tier and not settings.pd):
         router = FleetRouter(settings.routing, settings.replicas, settings.replica_schedule)
         shares: list[list[int]] = [[] for _ in range(settings.replicas)]
         for i in order:
@@ -142,7 +146,7 @@ def simulate(plan: Sequence[TraceRequest], config: EngineConfig, cost: CostModel
                   fast_forwarded_steps=sum(part.fast_forwarded_steps for part in parts),
                   wall_seconds=time.perf_counter() - started,
                   per_replica=[row for part in parts for row in part.per_replica],
-                  scaling=parts[0].scaling, kv_tier=parts[0].kv_tier)
+                  scaling=parts[0].scaling, kv_tier=parts[0].kv_tier, pd=parts[0].pd)
 
 
 @contextlib.contextmanager
@@ -194,18 +198,24 @@ def _event_loop(indices: list[int], arrivals: list[tuple[int, TraceRequest]],
                                   settings.replicas) if settings.kv_tier else None
 
     def make_replica(index: int) -> SimReplica:
+        role = pd_role(settings.pd, index)
+        external = (TierClient(tier, clock) if tier is not None else
+                    TransferInbox(clock) if role == "decode" else None)
         return SimReplica(index, config, num_blocks, cost, clock,
                           max_model_len=settings.max_model_len,
                           fast_forward=settings.fast_forward,
                           token_times=settings.token_times, hash_block=settings.hash_block,
-                          external_kv=TierClient(tier, clock) if tier is not None else None)
+                          external_kv=external, role=role)
 
     replicas = [make_replica(i) for i in indices]
     slot = {replica.index: position for position, replica in enumerate(replicas)}
     router = FleetRouter(settings.routing, settings.replicas, settings.replica_schedule)
-    if settings.routing != "round-robin" or settings.autoscale or tier is not None:
+    if (settings.routing != "round-robin" or settings.autoscale or tier is not None
+            or settings.pd):
         router.attach(replicas, config, settings.hash_block,
-                      TierClient(tier, clock) if tier is not None else None)
+                      TierClient(tier, clock) if tier is not None else None,
+                      settings.pd, kv_shape_of(cost))
+    pd = router.pd
     scaling = _scaling(settings, router, make_replica, arrivals)
     if scaling is not None:
         scaling.start(replicas, 0.0)
@@ -242,6 +252,11 @@ def _event_loop(indices: list[int], arrivals: list[tuple[int, TraceRequest]],
             sampler.until(now)
             replicas[position].advance(now)
             post(replicas[position])
+            if pd is not None:  # prefill legs done: their decode legs go over now
+                for replica, item, record in pd.take_handoffs():
+                    if replica.receive(item, record, now):
+                        post(replica)
+                    record.sent = record.scheduled  # the client sent it on arrival
             continue
         request = arrivals[next_arrival][1]
         record = records[next_arrival]
@@ -249,19 +264,19 @@ def _event_loop(indices: list[int], arrivals: list[tuple[int, TraceRequest]],
         sampler.until(arrival_time)
         clock.set(arrival_time)
         if router.router is None:
-            replica = replicas[0]  # one replica's share of a round-robin plan
+            replica, leg = replicas[0], record  # one replica's share of a round-robin plan
         else:
             if scaling is not None:
                 scaling.arrived()
                 scaling.promote(arrival_time)
             try:
-                replica = router.pick(replicas, arrivals[next_arrival - 1][0], request,
-                                      arrival_time)
+                replica, request, leg = router.place(replicas, arrivals[next_arrival - 1][0],
+                                                     request, record, arrival_time)
             except RoutingError as exc:  # what the front answers: 429, nothing queued
                 record.sent = arrival_time
                 record.status, record.reason, record.finished = REJECTED, exc.reason, arrival_time
                 continue
-        if replica.receive(request, record, arrival_time):
+        if replica.receive(request, leg, arrival_time):
             post(replica)
     sampler.until(clock.now)
     return SimRun(records, clock.now, sampler.samples,
@@ -269,7 +284,8 @@ def _event_loop(indices: list[int], arrivals: list[tuple[int, TraceRequest]],
                   fast_forwarded_steps=sum(r.fast_forwarded_steps for r in replicas),
                   per_replica=[_replica_stats(r) for r in replicas],
                   scaling=scaling.finish(clock.now) if scaling is not None else None,
-                  kv_tier=tier_report(tier) if tier is not None else None)
+                  kv_tier=tier_report(tier) if tier is not None else None,
+                  pd=pd.report() if pd is not None else None)
 
 
 def _scaling(settings: SimSettings, router: FleetRouter, make_replica,
@@ -322,71 +338,11 @@ class _GaugeSampler:
 def _replica_stats(replica: SimReplica) -> dict:
     scheduler = replica.scheduler
     kv = scheduler.kv.stats()
-    return {"replica": replica.index, "steps": replica.steps,
+    return {"replica": replica.index, "role": replica.role, "steps": replica.steps,
             "busy_s": replica.busy_seconds,
             "fast_forwarded_steps": replica.fast_forwarded_steps,
             "preemptions": scheduler.num_preemptions, "prefix_queries": kv.prefix_queries,
             "prefix_hits": kv.prefix_hits, "external_hits": kv.external_hits,
+            "prompt_tokens": replica.prompt_tokens, "cached_tokens": replica.cached_tokens,
+            "loaded_tokens": replica.loaded_tokens,
             "rejections": dict(scheduler.rejections)}
-
-
-# -- cost model and pool size from the command line ------------------------------------
-
-
-def add_cost_model_args(parser: argparse.ArgumentParser) -> None:
-    """Group "cost model": a saved model (``carpool measure``'s or an
-    analytic one) or an analytic model from presets."""
-    group = parser.add_argument_group("cost model")
-    group.add_argument("--cost-model", default=None,
-                       help="a cost model JSON (carpool measure --out); default: the analytic "
-                            "model when --hardware is given, else the measured model of "
-                            "carpool's 2-core development CPU (default model, bf16)")
-    group.add_argument("--hardware", default=None,
-                       help="analytic model: accelerator preset (h100-sxm, h200, a100-80gb, l4)")
-    group.add_argument("--model-shape", default=None,
-                       help="analytic model: model preset (llama-3-8b, llama-3-70b, qwen2-7b, "
-                            "smollm2-135m)")
-    group.add_argument("--dtype-bytes", type=float, default=2.0,
-                       help="analytic model: bytes per weight and KV value")
-
-
-def cost_model_from_args(args: argparse.Namespace) -> CostModel:
-    """The cost model the flags name; a measured one from another machine
-    (or one that does not say) is warned about on stderr."""
-    from carpool.sim.costs import load_cost_model, warn_if_elsewhere
-
-    if args.cost_model and (args.hardware or args.model_shape):
-        raise ValueError("give either --cost-model or --hardware/--model-shape, not both")
-    if args.cost_model:
-        cost = load_cost_model(args.cost_model)
-        warn_if_elsewhere(cost)
-        return cost
-    if args.hardware or args.model_shape:
-        if not (args.hardware and args.model_shape):
-            raise ValueError("the analytic cost model needs both --hardware and --model-shape")
-        from carpool.sim.analytic import analytic_from_names
-
-        return analytic_from_names(args.hardware, args.model_shape, args.dtype_bytes)
-    cost = load_cost_model(DEFAULT_COST_MODEL)
-    warn_if_elsewhere(cost)
-    return cost
-
-
-def pool_blocks(config: EngineConfig, cost: CostModel, memory_set: bool) -> int:
-    """KV blocks of one replica: ``--num-blocks``; else ``--kv-cache-memory``
-    over the KV bytes per token the cost model knows; an analytic model
-    without ``--kv-cache-memory`` (``memory_set``) fills 90% of the
-    accelerator after the weights, as a GPU engine would."""
-    cache = config.cache
-    if cache.num_blocks is not None:
-        return cache.num_blocks
-    if cost.kind == "analytic" and not memory_set:
-        return max(1, cost.max_kv_tokens(0.9) // cache.block_size)
-    per_token = kv_bytes_per_token(cost)
-    if not per_token:
-        raise ValueError("the cost model does not say how many KV bytes a token takes; "
-                         "pass --num-blocks")
-    blocks = int(parse_size(cache.kv_cache_memory) // (per_token * cache.block_size))
-    if blocks < 1:
-        raise ValueError(f"kv_cache_memory {cache.kv_cache_memory} holds no KV block")
-    return blocks

@@ -1,0 +1,39 @@
+"""``carpool evaluate``: fleet policies side by side in the simulator, as
+sub-commands (``routing``: carpool/sim/evaluate.py; ``pd``:
+carpool/sim/evaluate_pd.py) sharing the workload, cost-model and SLO flags."""
+from __future__ import annotations
+
+import argparse
+
+from carpool.config import EngineConfig
+from carpool.sim import evaluate, evaluate_pd
+from carpool.sim.cost_flags import add_cost_model_args
+from carpool.workload.command import add_workload_args, arg_type
+
+_KINDS = {
+    "routing": ("routing policies side by side", evaluate.add_routing_evaluation_args,
+                evaluate.run_routing_evaluation),
+    "pd": ("colocated against prefill/decode-disaggregated fleets of equal size",
+           evaluate_pd.add_pd_evaluation_args, evaluate_pd.run_pd_evaluation),
+}
+
+
+def add_evaluate_args(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    """The evaluations as sub-commands; returns them (each takes the engine flags)."""
+    from carpool.slo import parse_slo
+
+    kinds = parser.add_subparsers(dest="evaluation", required=True)
+    parsers = []
+    for name, (help_text, add_args, _) in _KINDS.items():
+        sub = kinds.add_parser(name, help=help_text)
+        add_workload_args(sub, seed_flag="--workload-seed")
+        add_cost_model_args(sub)
+        sub.add_argument("--slo", type=arg_type(parse_slo), default={"ttft": 2.0, "tpot": 0.05},
+                         help="per-request limits for goodput (default ttft=2s,tpot=50ms)")
+        add_args(sub)
+        parsers.append(sub)
+    return parsers
+
+
+def run_evaluate(config: EngineConfig, args: argparse.Namespace) -> int:
+    return _KINDS[args.evaluation][2](config, args)
