@@ -210,3 +210,20 @@ def test_a_request_no_replica_can_take_is_rejected_at_the_front(monkeypatch):
         expected = ("rejected", "predicted_ttft_miss") if record.index % 2 else ("ok", None)
         assert (record.status, record.reason) == expected
         assert record.finished is not None
+
+
+def test_fleet_admission_turns_away_at_the_front_what_no_replica_can_serve_in_time():
+    cost = analytic_from_names("l4", "llama-3-8b")
+    plan = _conversations(400, 60.0)  # beyond two L4 replicas
+    settings = dict(replicas=2, routing="predicted-ttft", hash_block=32)
+    queued = simulate(plan, EngineConfig(), cost, 2000, SimSettings(**settings))
+    admitted = simulate(plan, EngineConfig(), cost, 2000,
+                        SimSettings(**settings, fleet_ttft_target=1.0))
+    turned = [r for r in admitted.records if r.status == "rejected"]
+    assert turned and all(r.reason == "predicted_ttft_miss" for r in turned)
+    assert all(r.finished == r.sent == r.scheduled for r in turned)  # answered on arrival
+    p99 = [sorted(r.chunk_times[0] - r.sent for r in run.records if r.status == "ok")
+           for run in (queued, admitted)]
+    assert p99[1][int(0.99 * len(p99[1]))] < p99[0][int(0.99 * len(p99[0]))]
+    with pytest.raises(ValueError, match="predicted-ttft"):
+        SimSettings(replicas=2, fleet_ttft_target=1.0).validate()

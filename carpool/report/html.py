@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from carpool.report.fleet import fleet_section
 from carpool.report.run import html_page, serve_body
 from carpool.report.sweep import sweep_body
 
@@ -24,7 +25,7 @@ def write_report(result: dict, out_dir: Path, *, run_reports: bool = True) -> Pa
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if kind == "bench-serve":
-        body = serve_body(result, out_dir)
+        body = serve_body(result, out_dir, fleet_section(result, out_dir))
     else:
         body = sweep_body(result, out_dir, run_reports, write_report)
     path = out_dir / "report.html"

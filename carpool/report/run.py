@@ -306,11 +306,14 @@ def _header(doc: dict, title: str) -> list[str]:
             _p(f"Workload: {workload_line(doc)}.")]
 
 
-def serve_body(result: dict, out_dir: Path) -> str:
+def serve_body(result: dict, out_dir: Path, extra: Sequence[str] = ()) -> str:
+    """A bench-serve report's body; ``extra`` HTML parts go before the config."""
     plot_cdfs([result], out_dir / "latency_cdf.png", (result.get("summary") or {}).get("slo"))
     plot_timeseries(result, out_dir / "timeseries.png")
     parts = _header(result, str(result.get("label") or "bench serve"))
     parts += _serve_tables(result.get("summary") or {})
     parts += ["<h2>Plots</h2>", _img("latency_cdf.png", "latency CDFs"),
-              _img("timeseries.png", "the run over time"), _config_block(result)]
+              _img("timeseries.png", "the run over time")]
+    parts += extra
+    parts.append(_config_block(result))
     return "\n".join(parts)

@@ -9,6 +9,7 @@ from carpool.config import EngineConfig, parse_size
 from carpool.machine import available_cpus
 from carpool.sim.cost_flags import add_cost_model_args, cost_model_from_args, pool_blocks
 from carpool.sim.costs import CostModel, machine_warning
+from carpool.sim.failures import FailureSettings, parse_failures
 from carpool.sim.simulate import (
     ROUTING,
     SimRun,
@@ -28,6 +29,9 @@ def add_simulation_args(parser: argparse.ArgumentParser, *, fleet: bool = True) 
     if fleet:
         group.add_argument("--replicas", type=int, default=1)
     group.add_argument("--routing", choices=ROUTING, default="round-robin")
+    group.add_argument("--fleet-ttft-target", type=float, default=None, metavar="SECONDS",
+                       help="fleet admission: turn a request away at the front (429) when no "
+                            "replica's predicted TTFT is within this (predicted-ttft routing)")
     group.add_argument("--no-fast-forward", dest="fast_forward", action="store_false",
                        help="step through every decode step (same result, slower)")
     group.add_argument("--workers", type=int, default=None,
@@ -49,6 +53,14 @@ def add_simulation_args(parser: argparse.ArgumentParser, *, fleet: bool = True) 
                            help="requests one replica holds within the SLO (sizing)")
         scale.add_argument("--scale-tick", type=float, default=10.0,
                            help="seconds between autoscaler decisions")
+        faults = parser.add_argument_group("failure injection")
+        faults.add_argument("--fail", type=arg_type(parse_failures), default=None,
+                            metavar="SECONDS:REPLICA,...",
+                            help="kill replica REPLICA (its index) SECONDS into the run; its "
+                                 "streaming requests fail, the others are routed again")
+        faults.add_argument("--failure-restart-s", type=float, default=60.0,
+                            help="seconds until a fresh replica replaces a failed one "
+                                 "(without --autoscale; default 60)")
 
 
 def add_kv_tier_args(parser: argparse.ArgumentParser) -> None:
@@ -126,6 +138,8 @@ def add_simulate_args(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--slo", type=arg_type(parse_slo), default={},
                      help="per-request limits for goodput, e.g. ttft=500ms,tpot=100ms")
     out.add_argument("--label", default=None, help="name of this run in reports")
+    out.add_argument("--price-per-hour", type=float, default=None,
+                     help="$ per replica-hour for the fleet's cost (default: an assumed $1)")
     out.add_argument("--json", default=None, help="write the result here")
     out.add_argument("--html", default=None, help="write an HTML report with plots here (dir)")
 
@@ -146,7 +160,15 @@ def settings_from_args(config: EngineConfig, cost: CostModel,
                        max_len, mooncake_block_tokens(args.token_scale),
                        args.workers or available_cpus(), autoscale=autoscale,
                        autoscale_config=scale_config,
-                       kv_tier=kv_tier_from_args(args), pd=pd_from_args(args)).validate()
+                       kv_tier=kv_tier_from_args(args), pd=pd_from_args(args),
+                       failures=failures_from_args(args),
+                       fleet_ttft_target=getattr(args, "fleet_ttft_target", None)).validate()
+
+
+def failures_from_args(args: argparse.Namespace) -> FailureSettings | None:
+    if not getattr(args, "fail", None):
+        return None
+    return FailureSettings(args.fail, args.failure_restart_s)
 
 
 def run_simulate(config: EngineConfig, args: argparse.Namespace) -> int:
@@ -163,6 +185,7 @@ def run_simulate(config: EngineConfig, args: argparse.Namespace) -> int:
         result = simulation_result(label, args, config, cost, num_blocks, settings, plan, run)
     print(format_result(result))
     print(format_speed(result["simulation"]))
+    print(format_cost(result["simulation"]["cost"]))
     write_outputs(result, args.json, args.html)
     return 0
 
@@ -195,8 +218,26 @@ def simulation_result(label: str, args: argparse.Namespace, config: EngineConfig
         "cost_model_warning": machine_warning(cost),
         "num_blocks": num_blocks, "settings": dataclasses.asdict(settings),
         "speed": run.speed(), "replicas": run.per_replica, "scaling": run.scaling,
-        "kv_tier": run.kv_tier, "pd": run.pd}
+        "kv_tier": run.kv_tier, "pd": run.pd, "failures": run.failures,
+        "cost": fleet_cost(run, getattr(args, "price_per_hour", None)),
+        "timeline": run.timeline}
     return result
+
+
+def fleet_cost(run: SimRun, price_per_hour: float | None) -> dict:
+    """Replica-hours and their price (``ASSUMED_PRICE`` when none is given)."""
+    from carpool.sim.plan import ASSUMED_PRICE
+
+    hours = run.replica_seconds() / 3600
+    price = ASSUMED_PRICE if price_per_hour is None else price_per_hour
+    return {"replica_hours": hours, "price_per_hour": price, "dollars": hours * price,
+            "price_assumed": price_per_hour is None}
+
+
+def format_cost(cost: dict) -> str:
+    note = " (assumed price: --price-per-hour sets it)" if cost["price_assumed"] else ""
+    return (f"fleet cost: {cost['replica_hours']:.3f} replica-hours x ${cost['price_per_hour']:g}"
+            f" = ${cost['dollars']:.2f}{note}")
 
 
 def format_speed(simulation: dict) -> str:

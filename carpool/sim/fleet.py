@@ -143,11 +143,13 @@ class FleetRouter:
 
     def attach(self, replicas: Sequence[SimReplica], config: EngineConfig,
                hash_block: int = 1, shared_kv: TierClient | None = None,
-               pd: PDSettings | None = None, kv_shape: KVShape | None = None) -> None:
+               pd: PDSettings | None = None, kv_shape: KVShape | None = None,
+               ttft_target: float | None = None) -> None:
         """Build the cluster router over ``replicas`` (before any arrival);
         ``shared_kv``: the fleet's KV tier, for the policies to price;
-        ``pd``: plan each request's prefill and decode (``self.pd``)."""
-        self.router = Router(self.routing, shared_kv=shared_kv)
+        ``pd``: plan each request's prefill and decode (``self.pd``);
+        ``ttft_target``: fleet admission (``Router``)."""
+        self.router = Router(self.routing, shared_kv=shared_kv, ttft_target=ttft_target)
         self._config = config
         self.pd = None
         if pd is not None:
@@ -179,6 +181,14 @@ class FleetRouter:
         replica.listener = events
         if self._chain is not None:
             replica.scheduler.kv.report_blocks_to(events)
+
+    def is_ready(self, replica: SimReplica) -> bool:
+        """Whether the router sends ``replica`` new requests (always, without
+        a router: one replica's share of a round-robin plan)."""
+        if self.router is None:
+            return True
+        view = self.router.views.get(str(replica.index))
+        return view is not None and view.routable
 
     def replica(self, replica_id: str) -> SimReplica:
         return self._by_id[replica_id]
@@ -283,6 +293,20 @@ class FleetScaling:
         if times:
             self._calm_service = sum(times) / len(times)
         return self._calm_service
+
+    def replica_failed(self, replica_id: str, now: float) -> None:
+        """A replica died: it stops counting (and costing) from ``now``."""
+        self._ready_at.pop(replica_id, None)
+        self._draining.discard(replica_id)
+        self._stop(replica_id, now)
+
+    def fire(self, now: float, replicas: list[SimReplica]) -> tuple[list[SimReplica], list]:
+        """The event loop's timer interface: a tick (nothing to route again)."""
+        return self.tick(now, replicas), []
+
+    @property
+    def next_time(self) -> float:
+        return self.next_tick
 
     def finish(self, now: float) -> dict:
         for replica_id in list(self._alive_since):

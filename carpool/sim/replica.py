@@ -119,7 +119,11 @@ class SimReplica:
         # each prompt once (a preempted request's re-admission hits itself).
         self.prompt_tokens = self.cached_tokens = self.loaded_tokens = 0
         self._inbox: list[tuple[TraceRequest, RequestRecord]] = []
+        # Request id -> (its record, what was routed here) while it is here.
         self._records: dict[str, RequestRecord] = {}
+        self._items: dict[str, TraceRequest] = {}
+        self.failed_at: float | None = None
+        self.created_at = clock.now
         self._output: SchedulerOutput | None = None
         self._seconds = 0.0
         self._last_end = 0.0  # when the last step ended: a step later than it woke the engine
@@ -138,6 +142,8 @@ class SimReplica:
     def receive(self, request: TraceRequest, record: RequestRecord, now: float) -> bool:
         """A request routed here at ``now``; it joins at the next step
         boundary. Returns whether ``next_time`` changed."""
+        if self.failed_at is not None:
+            raise RuntimeError(f"replica {self.index} failed at {self.failed_at}: routed to")
         record.sent = now
         self._inbox.append((request, record))
         self.outstanding += 1
@@ -153,6 +159,8 @@ class SimReplica:
 
     def advance(self, now: float) -> None:
         """``next_time`` has come: finish what was in flight, start what is next."""
+        if self.failed_at is not None:
+            return  # a dead replica's last wake-up, left in the event queue
         self.clock.set(now)  # a step's tokens are committed at its end
         if self.state == State.STEP:
             self._commit(now)
@@ -160,6 +168,33 @@ class SimReplica:
             self._apply_run(len(self._run[0]))
             self._run_steps = min(_MAX_RUN, 2 * self._run_steps)
         self._boundary(now)
+
+    def fail(self, now: float) -> tuple[list[RequestRecord],
+                                        list[tuple[TraceRequest, RequestRecord]]]:
+        """The replica dies at ``now`` with everything it held (the step in
+        flight never ends). Returns (the records of requests that had
+        streamed tokens, failed here; the requests that had not, with their
+        records, for the caller to route again). It never acts again."""
+        streamed: list[RequestRecord] = []
+        unstarted = list(self._inbox)
+        for request_id, record in self._records.items():
+            request = self.scheduler.requests.get(request_id)
+            if request is not None and request.first_token_time is not None:
+                record.status, record.reason, record.finished = FAILED, "replica_failed", now
+                record.error = "the replica failed mid-stream"
+                record.output_tokens = request.num_output_tokens
+                streamed.append(record)
+            else:
+                unstarted.append((self._items[request_id], record))
+        for request_id in list(self.scheduler.requests):
+            self.scheduler.abort_request(request_id)
+        self.scheduler.pop_rejected()  # expired ones not yet handed out: retried above
+        self._inbox, self._records, self._items = [], {}, {}
+        self._output, self._sampled, self._run = None, [], ([], [])
+        self.outstanding = 0
+        self.failed_at = now
+        self._set(State.IDLE, None)
+        return streamed, unstarted
 
     # -- a step boundary -----------------------------------------------------------
 
@@ -211,6 +246,7 @@ class SimReplica:
             self._fail(record, now, str(exc))
         else:
             self._records[request_id] = record
+            self._items[request_id] = item
 
     def _fail(self, record: RequestRecord, now: float, message: str) -> None:
         record.error = message
@@ -226,6 +262,7 @@ class SimReplica:
     def _reject(self, expired: list[Request]) -> None:
         for request in expired:
             record = self._records.pop(request.request_id)
+            del self._items[request.request_id]
             self._done(record, REJECTED, self.clock.now, request.reject_reason or "shed")
 
     # -- one step ------------------------------------------------------------------
@@ -259,6 +296,7 @@ class SimReplica:
 
     def _finish(self, request: Request, now: float) -> None:
         record = self._records.pop(request.request_id)
+        del self._items[request.request_id]
         if not self.token_times:
             record.chunk_times = [request.first_token_time]
         record.output_tokens = request.num_output_tokens

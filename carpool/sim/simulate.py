@@ -26,9 +26,11 @@ from carpool.cluster.autoscaler import AutoscaleConfig, make_scaler
 from carpool.cluster.kv_tier import TierClient
 from carpool.config import EngineConfig
 from carpool.sim.costs import CostModel, kv_bytes_per_token
+from carpool.sim.failures import FailureSettings, FleetFailures
 from carpool.sim.fleet import ROUTING, FleetRouter, FleetScaling, KVTierSettings, tier_report
 from carpool.sim.pd import PDSettings, TransferInbox, kv_shape_of, pd_role
 from carpool.sim.replica import SimReplica, VirtualClock
+from carpool.sim.timeline import FleetSampler, merge_timelines, sum_samples
 from carpool.workload.stats import REJECTED, RequestRecord
 from carpool.workload.traces import TraceRequest
 
@@ -58,6 +60,10 @@ class SimSettings:
     autoscale_schedule: tuple[tuple[float, int], ...] = ()
     kv_tier: KVTierSettings | None = None  # a shared external KV tier (fleet.py)
     pd: PDSettings | None = None  # prefill and decode pools (pd.py); the planner routes
+    failures: FailureSettings | None = None  # replicas killed on a schedule (failures.py)
+    # Fleet admission: the router turns a request away (429) when no replica's
+    # predicted TTFT is within this many seconds (predicted-ttft routing).
+    fleet_ttft_target: float | None = None
 
     def validate(self) -> SimSettings:
         if self.replicas < 1:
@@ -76,6 +82,15 @@ class SimSettings:
             if self.autoscale or self.replica_schedule or self.kv_tier:
                 raise ValueError("prefill/decode pools do not yet combine with autoscaling, a "
                                  "replica schedule or a KV tier")
+        if self.failures is not None:
+            self.failures.validate(self.replicas)
+            if self.pd or self.replica_schedule:
+                raise ValueError("failures do not yet combine with P/D pools or a replica "
+                                 "schedule")
+        if self.fleet_ttft_target is not None and (
+                self.fleet_ttft_target <= 0 or self.routing != "predicted-ttft"):
+            raise ValueError("--fleet-ttft-target needs a target > 0 and --routing "
+                             "predicted-ttft (the policy that predicts TTFTs)")
         if self.routing not in ROUTING:
             raise ValueError(f"--routing must be one of {', '.join(ROUTING)}, got "
                              f"{self.routing!r}")
@@ -98,6 +113,16 @@ class SimRun:
     scaling: dict | None = None  # the autoscaler's timeline, events and replica-hours
     kv_tier: dict | None = None  # the shared KV tier's size and counters
     pd: dict | None = None  # the P/D planner's choices
+    failures: list[dict] | None = None  # what failed when, and what it took with it
+    timeline: dict | None = None  # per replica over time (timeline.FleetSampler)
+
+    def replica_seconds(self) -> float:
+        """Replica-seconds the fleet paid for: the autoscaler's account, else
+        each replica from its creation to its failure or the run's end."""
+        if self.scaling is not None:
+            return self.scaling["replica_seconds"]
+        return sum((row["failed_s"] if row["failed_s"] is not None else self.duration)
+                   - row["created_s"] for row in self.per_replica)
 
     def speed(self) -> dict:
         wall = max(self.wall_seconds, 1e-9)
@@ -124,7 +149,7 @@ def simulate(plan: Sequence[TraceRequest], config: EngineConfig, cost: CostModel
     order = sorted(range(len(plan)), key=lambda i: (plan[i].arrival, i))
     interval = max(max((r.arrival for r in plan), default=0.0) / _SAMPLES, 0.5)
     if (settings.routing == "round-robin" and settings.autoscale is None
-            and not settings.kv_tier and not settings.pd):
+            and not settings.kv_tier and not settings.pd and not settings.failures):
         router = FleetRouter(settings.routing, settings.replicas, settings.replica_schedule)
         shares: list[list[int]] = [[] for _ in range(settings.replicas)]
         for i in order:
@@ -141,12 +166,15 @@ def simulate(plan: Sequence[TraceRequest], config: EngineConfig, cost: CostModel
     for part in parts:
         for record in part.records:
             records[record.index] = record
-    return SimRun(records, max(part.duration for part in parts), _sum_samples(parts),
+    return SimRun(records, max(part.duration for part in parts),
+                  sum_samples([part.server_samples for part in parts]),
                   steps=sum(part.steps for part in parts),
                   fast_forwarded_steps=sum(part.fast_forwarded_steps for part in parts),
                   wall_seconds=time.perf_counter() - started,
                   per_replica=[row for part in parts for row in part.per_replica],
-                  scaling=parts[0].scaling, kv_tier=parts[0].kv_tier, pd=parts[0].pd)
+                  scaling=parts[0].scaling, kv_tier=parts[0].kv_tier, pd=parts[0].pd,
+                  failures=parts[0].failures,
+                  timeline=merge_timelines([part.timeline for part in parts]))
 
 
 @contextlib.contextmanager
@@ -211,19 +239,24 @@ def _event_loop(indices: list[int], arrivals: list[tuple[int, TraceRequest]],
     slot = {replica.index: position for position, replica in enumerate(replicas)}
     router = FleetRouter(settings.routing, settings.replicas, settings.replica_schedule)
     if (settings.routing != "round-robin" or settings.autoscale or tier is not None
-            or settings.pd):
+            or settings.pd or settings.failures):
         router.attach(replicas, config, settings.hash_block,
                       TierClient(tier, clock) if tier is not None else None,
-                      settings.pd, kv_shape_of(cost))
+                      settings.pd, kv_shape_of(cost), settings.fleet_ttft_target)
     pd = router.pd
     scaling = _scaling(settings, router, make_replica, arrivals)
     if scaling is not None:
         scaling.start(replicas, 0.0)
+    failures = (FleetFailures(settings.failures, router, make_replica, scaling)
+                if settings.failures is not None else None)
+    # Fleet events on their own clocks: (next_time, fire(now, replicas) ->
+    # (replicas created, requests to route again)).
+    timers = [timer for timer in (scaling, failures) if timer is not None]
     records = [RequestRecord(i, r.arrival, r.input_len, r.output_len) for i, r in arrivals]
     heap: list[tuple[float, int, int]] = []  # (time, sequence, slot), stale ones skipped
     posted = [-1] * len(replicas)  # sequence of each replica's live heap entry
     sequence = 0
-    sampler = _GaugeSampler(replicas, interval)
+    sampler = FleetSampler(replicas, interval, router.is_ready)
 
     def post(replica: SimReplica) -> None:
         nonlocal sequence
@@ -233,17 +266,39 @@ def _event_loop(indices: list[int], arrivals: list[tuple[int, TraceRequest]],
         if replica.next_time is not None:
             heapq.heappush(heap, (replica.next_time, sequence, position))
 
+    def route(index: int, request: TraceRequest, record: RequestRecord, now: float) -> None:
+        if router.router is None:
+            replica, leg = replicas[0], record  # one replica's share of a round-robin plan
+        else:
+            if scaling is not None:
+                scaling.arrived()
+                scaling.promote(now)
+            try:
+                replica, request, leg = router.place(replicas, index, request, record, now)
+            except RoutingError as exc:  # what the front answers: 429, nothing queued
+                record.sent = now
+                record.status, record.reason, record.finished = REJECTED, exc.reason, now
+                return
+        if replica.receive(request, leg, now):
+            post(replica)
+
     next_arrival = 0
     while next_arrival < len(arrivals) or heap:
         arrival_time = (arrivals[next_arrival][1].arrival if next_arrival < len(arrivals)
                         else math.inf)
-        if scaling is not None and scaling.next_tick <= min(arrival_time, heap[0][0] if heap
-                                                             else math.inf):
-            clock.set(scaling.next_tick)
-            for replica in scaling.tick(clock.now, replicas):
+        timer = min(timers, key=lambda t: t.next_time, default=None)
+        if timer is not None and timer.next_time <= min(arrival_time, heap[0][0] if heap
+                                                         else math.inf):
+            clock.set(timer.next_time)
+            created, retry = timer.fire(clock.now, replicas)
+            for replica in created:
                 slot[replica.index] = len(replicas)
                 replicas.append(replica)
                 posted.append(-1)
+            for request, record in retry:  # the client sent these once, at arrival
+                sent = record.sent
+                route(record.index, request, record, clock.now)
+                record.sent = sent
             continue
         if heap and heap[0][0] < arrival_time:
             now, seq, position = heapq.heappop(heap)
@@ -258,26 +313,12 @@ def _event_loop(indices: list[int], arrivals: list[tuple[int, TraceRequest]],
                         post(replica)
                     record.sent = record.scheduled  # the client sent it on arrival
             continue
-        request = arrivals[next_arrival][1]
+        index, request = arrivals[next_arrival]
         record = records[next_arrival]
         next_arrival += 1
         sampler.until(arrival_time)
         clock.set(arrival_time)
-        if router.router is None:
-            replica, leg = replicas[0], record  # one replica's share of a round-robin plan
-        else:
-            if scaling is not None:
-                scaling.arrived()
-                scaling.promote(arrival_time)
-            try:
-                replica, request, leg = router.place(replicas, arrivals[next_arrival - 1][0],
-                                                     request, record, arrival_time)
-            except RoutingError as exc:  # what the front answers: 429, nothing queued
-                record.sent = arrival_time
-                record.status, record.reason, record.finished = REJECTED, exc.reason, arrival_time
-                continue
-        if replica.receive(request, leg, arrival_time):
-            post(replica)
+        route(index, request, record, arrival_time)
     sampler.until(clock.now)
     return SimRun(records, clock.now, sampler.samples,
                   steps=sum(r.steps for r in replicas),
@@ -285,7 +326,9 @@ def _event_loop(indices: list[int], arrivals: list[tuple[int, TraceRequest]],
                   per_replica=[_replica_stats(r) for r in replicas],
                   scaling=scaling.finish(clock.now) if scaling is not None else None,
                   kv_tier=tier_report(tier) if tier is not None else None,
-                  pd=pd.report() if pd is not None else None)
+                  pd=pd.report() if pd is not None else None,
+                  failures=failures.events if failures is not None else None,
+                  timeline=sampler.timeline())
 
 
 def _scaling(settings: SimSettings, router: FleetRouter, make_replica,
@@ -305,40 +348,11 @@ def _scaling(settings: SimSettings, router: FleetRouter, make_replica,
     return FleetScaling(scaler, router, make_replica)
 
 
-def _sum_samples(parts: list[SimRun]) -> list[tuple[float, float, float]]:
-    """Gauges of all replicas on one time grid (every part sampled the same
-    grid; a part that ended early counts as empty from then on)."""
-    longest = max(parts, key=lambda part: len(part.server_samples)).server_samples
-    totals = []
-    for row, (t, _, _) in enumerate(longest):
-        waiting = sum(p.server_samples[row][1] for p in parts if row < len(p.server_samples))
-        running = sum(p.server_samples[row][2] for p in parts if row < len(p.server_samples))
-        totals.append((t, waiting, running))
-    return totals
-
-
-class _GaugeSampler:
-    """Waiting and running requests over all replicas, every ``interval``
-    seconds of virtual time (as ``bench serve`` polls a server's /metrics)."""
-
-    def __init__(self, replicas: Sequence[SimReplica], interval: float) -> None:
-        self.replicas = replicas
-        self.interval = interval
-        self.next = 0.0
-        self.samples: list[tuple[float, float, float]] = []
-
-    def until(self, now: float) -> None:
-        while self.next <= now:
-            waiting = sum(len(r.scheduler.waiting) for r in self.replicas)
-            running = sum(len(r.scheduler.running) for r in self.replicas)
-            self.samples.append((self.next, float(waiting), float(running)))
-            self.next += self.interval
-
-
 def _replica_stats(replica: SimReplica) -> dict:
     scheduler = replica.scheduler
     kv = scheduler.kv.stats()
     return {"replica": replica.index, "role": replica.role, "steps": replica.steps,
+            "created_s": replica.created_at, "failed_s": replica.failed_at,
             "busy_s": replica.busy_seconds,
             "fast_forwarded_steps": replica.fast_forwarded_steps,
             "preemptions": scheduler.num_preemptions, "prefix_queries": kv.prefix_queries,
