@@ -131,27 +131,39 @@ def _busy_share(run, replicas: int) -> float:
     return sum(r["busy_s"] for r in run.per_replica) / (replicas * max(run.duration, 1e-9))
 
 
+def latency_row(run, label: str, slo: dict) -> dict:
+    """The latency and goodput figures of a simulated run every evaluation reports."""
+    summary = make_result(label, {}, LoadRun(run.records, run.duration, []), slo,
+                          per_request=False)["summary"]
+    return {"requests": len(run.records), "ttft_p50": summary["ttft"]["p50"],
+            "ttft_p99": summary["ttft"]["p99"], "tpot_p99": summary["tpot"]["p99"],
+            "goodput": summary["goodput"], "slo_attainment": summary["slo_attainment"],
+            "wall_s": run.wall_seconds}
+
+
+def write_rows(path: str | None, rows: list[dict], args: argparse.Namespace) -> None:
+    """An evaluation's rows as JSON (with its SLO and load), if asked."""
+    if path:
+        with open(path, "w") as handle:
+            json.dump({"rows": rows, "slo": args.slo, "load": args.load}, handle, indent=1)
+
+
 def evaluate_row(policy: str, plan, config, cost, num_blocks, replicas: int, slo: dict,
                  block_tokens: int, kv_tier=None) -> dict:
     settings = SimSettings(replicas=replicas, routing=policy, hash_block=block_tokens,
                            workers=2, kv_tier=kv_tier).validate()
     run = simulate(plan, config, cost, num_blocks, settings)
-    summary = make_result(policy, {}, LoadRun(run.records, run.duration, []), slo,
-                          per_request=False)["summary"]
     busy = [r["busy_s"] for r in run.per_replica]
     rows = run.per_replica
     prompt_tokens = max(1, sum(item.input_len for item in plan))
-    return {"policy": policy, "replicas": replicas, "requests": len(plan),
-            "ttft_p50": summary["ttft"]["p50"], "ttft_p99": summary["ttft"]["p99"],
-            "tpot_p99": summary["tpot"]["p99"], "goodput": summary["goodput"],
-            "slo_attainment": summary["slo_attainment"],
+    return {"policy": policy, "replicas": replicas, **latency_row(run, policy, slo),
             # Each prompt once, cached or loaded on its first admission, over
             # every prompt token of the plan (the ideal's denominator).
             "hit_rate": sum(r["cached_tokens"] for r in rows) / prompt_tokens,
             "local_hit_rate": sum(r["cached_tokens"] - r["loaded_tokens"]
                                   for r in rows) / prompt_tokens,
             "busy_max_min": max(busy) / max(min(busy), 1e-9),
-            "busy_share": _busy_share(run, replicas), "wall_s": run.wall_seconds}
+            "busy_share": _busy_share(run, replicas)}
 
 
 def run_routing_evaluation(config: EngineConfig, args: argparse.Namespace) -> int:
@@ -180,9 +192,7 @@ def run_routing_evaluation(config: EngineConfig, args: argparse.Namespace) -> in
                 rows.append(row)
                 print(format_row(row), flush=True)
     print(format_table(rows))
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump({"rows": rows, "slo": args.slo, "load": args.load}, handle, indent=1)
+    write_rows(args.json, rows, args)
     return 0
 
 

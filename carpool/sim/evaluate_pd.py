@@ -13,16 +13,14 @@ that showed, and the wall time.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 from carpool.config import EngineConfig
 from carpool.sim.command import add_pd_args, pd_from_args
 from carpool.sim.cost_flags import cost_model_from_args, pool_blocks
-from carpool.sim.evaluate import fleet_capacity, offered_rate, scaled
+from carpool.sim.evaluate import fleet_capacity, latency_row, offered_rate, scaled, write_rows
 from carpool.sim.simulate import SimSettings, cyclic_gc_paused, simulate
 from carpool.workload.command import arg_type, workload_spec
-from carpool.workload.results import LoadRun, make_result
 from carpool.workload.spec import mooncake_block_tokens, plan_workload
 
 
@@ -53,16 +51,10 @@ def add_pd_evaluation_args(parser: argparse.ArgumentParser) -> None:
 def pd_row(label: str, plan, config, cost, num_blocks: int, settings: SimSettings,
            slo: dict) -> dict:
     run = simulate(plan, config, cost, num_blocks, settings)
-    summary = make_result(label, {}, LoadRun(run.records, run.duration, []), slo,
-                          per_request=False)["summary"]
     pd = run.pd or {"disaggregated": 0, "colocated": len(plan), "mean_exposed_transfer_s": 0.0}
-    return {"config": label, "replicas": settings.replicas, "requests": len(plan),
-            "ttft_p50": summary["ttft"]["p50"], "ttft_p99": summary["ttft"]["p99"],
-            "tpot_p99": summary["tpot"]["p99"], "goodput": summary["goodput"],
-            "slo_attainment": summary["slo_attainment"],
+    return {"config": label, "replicas": settings.replicas, **latency_row(run, label, slo),
             "disaggregated_share": pd["disaggregated"] / max(1, len(plan)),
-            "exposed_transfer_ms": pd["mean_exposed_transfer_s"] * 1e3,
-            "wall_s": run.wall_seconds}
+            "exposed_transfer_ms": pd["mean_exposed_transfer_s"] * 1e3}
 
 
 def run_pd_evaluation(config: EngineConfig, args: argparse.Namespace) -> int:
@@ -96,9 +88,7 @@ def run_pd_evaluation(config: EngineConfig, args: argparse.Namespace) -> int:
             rows.append(row)
             print(format_pd_row(row), flush=True)
     print(format_pd_table(rows))
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump({"rows": rows, "slo": args.slo, "load": args.load}, handle, indent=1)
+    write_rows(args.json, rows, args)
     return 0
 
 
