@@ -20,6 +20,8 @@ def server(tiny_model_dir):
 
 
 def test_default_serve_measures_its_targets_and_says_so(server):
+    # The targets line follows the "serving" line the fixture waits for.
+    assert server.wait_for_output("controller keeps them"), server.text()
     line = re.search(r"carpool: SLO ttft ([0-9.]+) s, tpot ([0-9.]+) s \((.*)\); the adaptive "
                      r"controller keeps them", server.text())
     assert line, server.text()
@@ -49,7 +51,7 @@ def test_default_serve_measures_its_targets_and_says_so(server):
 def test_a_predicted_ttft_miss_is_rejected_at_once_with_retry_after(tiny_model_dir):
     flags = [str(tiny_model_dir), *TINY, "--slo", "ttft=250ms,tpot=1s", "--max-num-seqs", "1"]
     with ServerProcess(flags) as server, server.client() as c:
-        assert "(ttft from flag; tpot from flag)" in server.text()
+        assert server.wait_for_output("(ttft from flag; tpot from flag)"), server.text()
         body = {"prompt": "a long story", "max_tokens": 480, "ignore_eos": True, "stream": True}
         with c.stream("POST", "/v1/completions", json=body) as long_one:
             lines = long_one.iter_lines()
@@ -72,7 +74,7 @@ def test_a_predicted_ttft_miss_is_rejected_at_once_with_retry_after(tiny_model_d
 def test_adaptive_false_serves_without_targets(tiny_model_dir):
     with ServerProcess([str(tiny_model_dir), *TINY, "--adaptive", "false"]) as server, \
             server.client() as c:
-        assert "adaptive controller off" in server.text()
+        assert server.wait_for_output("adaptive controller off"), server.text()
         assert "measuring the unloaded" not in server.text()
         policy = c.get("/carpool/policy").json()
         assert policy["adaptive"] is False and policy["slo"] is None
