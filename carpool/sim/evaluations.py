@@ -1,12 +1,12 @@
 """``carpool evaluate``: fleet policies side by side in the simulator, as
 sub-commands (``routing``: carpool/sim/evaluate.py; ``pd``:
-carpool/sim/evaluate_pd.py) sharing the workload, cost-model and SLO flags."""
+carpool/sim/evaluate_pd.py; ``autoscale``: carpool/sim/evaluate_day.py) sharing the workload, cost-model and SLO flags."""
 from __future__ import annotations
 
 import argparse
 
 from carpool.config import EngineConfig
-from carpool.sim import evaluate, evaluate_pd
+from carpool.sim import evaluate, evaluate_day, evaluate_pd
 from carpool.sim.cost_flags import add_cost_model_args
 from carpool.workload.command import add_workload_args, arg_type
 
@@ -15,6 +15,8 @@ _KINDS = {
                 evaluate.run_routing_evaluation),
     "pd": ("colocated against prefill/decode-disaggregated fleets of equal size",
            evaluate_pd.add_pd_evaluation_args, evaluate_pd.run_pd_evaluation),
+    "autoscale": ("autoscaling policies over a full-size day (fluid, calibrated per request)",
+                  evaluate_day.add_day_evaluation_args, evaluate_day.run_day_evaluation),
 }
 
 

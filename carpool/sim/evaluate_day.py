@@ -1,0 +1,356 @@
+"""``carpool evaluate autoscale``: autoscaling policies over a full-size day.
+
+1. *Calibration* (per-request): ``--calibration-replicas`` replicas
+   (predicted-TTFT routing) replay the workload at several shares of
+   their measured capacity (``--calibration-loads``); each load gives a
+   ``fluid.LoadPoint`` (per replica: in flight, waiting, service time, and
+   every request's TTFT / TPOT). The rate the pool is sized for comes from
+   it: ``replica_concurrency`` is the in-flight count per replica at the
+   highest load whose SLO attainment is at least ``--hour-goal``.
+2. *The day* (fluid, carpool/sim/fluid.py): ``day_load.DayLoad`` peaking
+   where the sizing rule wants ``--peak-replicas`` (275: the seeds' day
+   swings between 75 and 275 nodes), with ``--surges`` nobody planned for,
+   under each policy: static peak provisioning (sized for the day's real
+   peak), reactive, predictive, a time-of-day schedule (from the curve
+   without the surges: what past days show), and the oracle that knows
+   the day's real rate. The real ``PoolScaler`` objects decide every
+   ``--scale-tick`` seconds with the real start-up time.
+3. *A per-request check* of the fluid model: a ``--check-replicas``-sized
+   pool through a step surge (``--check-surge``) simulated request by
+   request with the same scalers, beside the fluid model of the same
+   window: replica-seconds, SLO attainment and scale events of both.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from dataclasses import replace
+
+import numpy as np
+
+from carpool.cluster.autoscaler import (
+    AutoscaleConfig,
+    PoolScaler,
+    SchedulePolicy,
+    make_scaler,
+    replicas_for,
+)
+from carpool.config import EngineConfig
+from carpool.sim.cost_flags import cost_model_from_args, pool_blocks
+from carpool.sim.day_load import (
+    DAY_S,
+    HOUR_S,
+    SEEDS_TROUGH,
+    DayLoad,
+    TraceArrivals,
+    parse_surges,
+    retime,
+    swing,
+)
+from carpool.sim.evaluate import fleet_capacity, latency_row, offered_rate, scaled
+from carpool.sim.fluid import LoadPoint, ReplicaResponse, run_fluid
+from carpool.sim.plan import ASSUMED_PRICE
+from carpool.sim.plan_day import DIURNAL_CURVE, parse_curve
+from carpool.sim.simulate import SimSettings, cyclic_gc_paused, simulate
+from carpool.workload.command import arg_type, workload_spec
+from carpool.workload.spec import mooncake_block_tokens, plan_workload
+
+DAY_POLICIES = ("static", "reactive", "predictive", "schedule", "oracle")
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    values = tuple(float(v) for v in text.split(",") if v.strip())
+    if not values or min(values) <= 0:
+        raise ValueError(f"need positive numbers, comma separated; got {text!r}")
+    return values
+
+
+def _policies(text: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in DAY_POLICIES]
+    if unknown or not names:
+        raise ValueError(f"unknown policies {unknown}; choose from {', '.join(DAY_POLICIES)}")
+    return names
+
+
+def add_day_evaluation_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("evaluation")
+    group.add_argument("--policies", type=arg_type(_policies), default=DAY_POLICIES,
+                       help=f"comma separated, of {', '.join(DAY_POLICIES)}")
+    group.add_argument("--peak-replicas", type=int, default=275,
+                       help="replicas the sizing rule wants at the curve's peak (default 275)")
+    group.add_argument("--trough", type=float, default=SEEDS_TROUGH,
+                       help="the quietest hour's share of the peak (default 75/275)")
+    group.add_argument("--daily-curve", type=arg_type(parse_curve), default=DIURNAL_CURVE,
+                       metavar="M0,...,M23", help="hourly shape (default: an assumed typical "
+                                                  "diurnal shape, not data), rescaled to --trough")
+    group.add_argument("--surges", type=arg_type(parse_surges), default=parse_surges("20:20:1.25"),
+                       help="unplanned surges HOUR:MINUTES:FACTOR,... or none (default "
+                            "20:20:1.25: +25%% for 20 minutes from 20:00)")
+    group.add_argument("--calibration-replicas", type=int, default=4)
+    group.add_argument("--calibration-loads", type=arg_type(_floats),
+                       default=(0.2, 0.4, 0.6, 0.7, 0.8, 0.9, 1.0, 1.25),
+                       help="shares of the calibration fleet's capacity to measure")
+    group.add_argument("--hour-goal", type=float, default=0.99,
+                       help="an hour meets the SLO when this share of what the calibrated "
+                            "replicas reached at their lightest load does (default 0.99)")
+    group.add_argument("--startup-s", type=float, default=60.0,
+                       help="a replica's start-up time (default 60)")
+    group.add_argument("--scale-tick", type=float, default=10.0)
+    group.add_argument("--target-utilization", type=arg_type(_floats), default=(0.7, 0.9),
+                       help="the sizing rule's target utilisation of the calibrated SLO rate, "
+                            "comma separated: every policy runs the day at each; the first "
+                            "sizes the day (--peak-replicas) and the check (default 0.7,0.9)")
+    group.add_argument("--price-per-hour", type=float, default=None,
+                       help=f"$ per replica-hour (default an assumed ${ASSUMED_PRICE:g})")
+    group.add_argument("--check-replicas", type=int, default=4,
+                       help="the per-request check's pool before its surge (0: no check)")
+    group.add_argument("--check-surge", type=float, default=1.5,
+                       help="the check's step: this many times the rate for 10 of its 20 minutes")
+    group.add_argument("--check-policies", type=arg_type(_policies),
+                       default=("reactive", "predictive"))
+    group.add_argument("--json", default=None, help="write every row here")
+
+
+def load_point(run, plan, replicas: int) -> LoadPoint:
+    """A ``LoadPoint`` of a calibration run (gauges averaged between 10% of
+    the arrivals' span, past the warm-up, and the last arrival)."""
+    ttft, tpot, e2e = [], [], []
+    for record in run.records:
+        latencies = record.latencies()
+        if latencies is None:
+            ttft.append(math.inf)
+            tpot.append(math.inf)
+            continue
+        ttft.append(latencies[0])
+        tpot.append(latencies[1] or 0.0)
+        e2e.append(latencies[2])
+    first, last = plan[0].arrival, plan[-1].arrival
+    begin = first + 0.1 * (last - first)
+    samples = [(w, r) for t, w, r in run.server_samples if begin <= t <= last] or \
+        [(w, r) for _, w, r in run.server_samples]
+    waiting = float(np.mean([w for w, _ in samples])) / replicas
+    running = float(np.mean([r for _, r in samples])) / replicas
+    return LoadPoint(offered_rate(plan) / replicas, waiting + running, waiting,
+                     float(np.mean(e2e)) if e2e else math.inf, np.array(ttft), np.array(tpot))
+
+
+def completed_rate(run, plan) -> float:
+    """Requests completed per second between 10% and 90% of the arrivals'
+    span (the steady part: no warm-up, no drain)."""
+    first, last = plan[0].arrival, plan[-1].arrival
+    begin, end = first + 0.1 * (last - first), first + 0.9 * (last - first)
+    done = sum(1 for r in run.records if r.ok and begin <= r.finished < end)
+    return done / max(end - begin, 1e-9)
+
+
+def calibrate(base, config, cost, num_blocks, args, block_tokens) -> tuple[ReplicaResponse, float]:
+    """The replica response of ``--calibration-replicas`` replicas; and the
+    seconds it took. A replica's capacity is the most it completed per
+    second, in the capacity probe or at any load; loads it could not keep up
+    with (completed under 95% of the offered rate) set the capacity only:
+    their queues are the fluid model's own to build."""
+    replicas = args.calibration_replicas
+    started = time.perf_counter()
+    capacity = fleet_capacity(base, config, cost, num_blocks, replicas, block_tokens)
+    print(f"== calibration: {replicas} replicas complete {capacity:.2f} req/s in the probe "
+          f"({time.perf_counter() - started:.0f} s)", flush=True)
+    points, most_running = [], 0.0
+    for load in args.calibration_loads:
+        plan = scaled(base, offered_rate(base) / (load * capacity))
+        run = simulate(plan, config, cost, num_blocks, SimSettings(
+            replicas=replicas, routing="predicted-ttft", hash_block=block_tokens).validate())
+        point, completed = load_point(run, plan, replicas), completed_rate(run, plan)
+        kept = completed >= 0.95 * offered_rate(plan)
+        if kept:
+            points.append(point)
+        capacity = max(capacity, completed)
+        most_running = max(most_running, point.in_flight - point.waiting)
+        row = point.summary(args.slo)
+        print(f"  load {load:.0%}: {row['rate']:.2f} req/s per replica, completed "
+              f"{completed / replicas:.2f}, in flight {row['in_flight']:.1f}, waiting "
+              f"{row['waiting']:.2f}, service {row['service_s']:.2f} s, "
+              f"{row['slo_attainment']:.2%} in SLO{'' if kept else ' (behind: capacity only)'}"
+              f" ({run.wall_seconds:.0f} s wall)", flush=True)
+    return (ReplicaResponse(points, capacity / replicas, most_running),
+            time.perf_counter() - started)
+
+
+def hour_goal(response: ReplicaResponse, args) -> float:
+    """The share of an hour's requests within the SLO for the hour to meet it:
+    ``--hour-goal`` of what the calibrated replicas reached at their best
+    (their lightest load): a prompt too long to prefill within the TTFT
+    limit misses it on an idle replica, and no policy can change that."""
+    return args.hour_goal * response.points[0].attainment(0.0, args.slo)  # by rate
+
+
+def sizing_config(response: ReplicaResponse, args,
+                  max_replicas: int) -> tuple[AutoscaleConfig, float]:
+    """The autoscaler's settings: the seeds' rules, the start-up and tick
+    asked for, and ``replica_concurrency`` from the calibration: the
+    highest calibrated rate per replica whose SLO attainment is at least
+    ``--hour-goal`` (x_ok) times the service time at ``target_utilization``
+    of it, so that ``demand()`` sizes the pool for ``target_utilization x
+    x_ok`` requests per second per replica; and that service time."""
+    goal = hour_goal(response, args)
+    good = [p for p in response.points if p.attainment(0.0, args.slo) >= goal]
+    if not good:
+        raise ValueError(f"no calibrated load meets the SLO for {goal:.1%} of its "
+                         f"requests: add lower --calibration-loads or loosen --slo")
+    best = max(p.rate for p in good)
+    service = response.gauges(args.target_utilization[0] * best)[2]
+    return AutoscaleConfig(min_replicas=1, max_replicas=max_replicas, tick_s=args.scale_tick,
+                           startup_s=args.startup_s,
+                           target_utilization=args.target_utilization[0],
+                           replica_concurrency=best * service).validate(), service
+
+
+def day_scaler(name: str, load: DayLoad, config: AutoscaleConfig, service: float,
+               start: int) -> PoolScaler:
+    """A ``PoolScaler`` for the day; ``static`` is a one-entry schedule sized
+    for the day's real peak, ``schedule`` a table per hour from the
+    planned curve (no surges), the oracle sees the real rate."""
+    peak = max(load.rate_at(t) for t in np.arange(0, DAY_S, config.tick_s))
+    if name == "static":
+        policy = SchedulePolicy(config, ((0.0, replicas_for(peak, service, config)),))
+        policy.name = "static peak"
+        return PoolScaler(policy, config, replicas_for(peak, service, config))
+    table = []
+    for hour in range(24):
+        busiest = max(load.planned_rate_at(hour * HOUR_S + s) for s in range(0, 3600, 60))
+        table.append((hour * HOUR_S, replicas_for(busiest, service, config)))
+    return make_scaler(name, config, start, schedule=table, rate_at=load.rate_at)
+
+
+def run_day_rows(base, load: DayLoad, response: ReplicaResponse, config: AutoscaleConfig,
+                 service: float, args, price: float) -> list[dict]:
+    """Every policy over the same day (the same seeded arrivals) at each
+    target utilisation; ratios are to the oracle and static peak at the same."""
+    rate_ok = config.replica_concurrency / service  # x_ok (see sizing_config)
+    return [row for target in args.target_utilization for row in _day_rows(
+        base, load, response, replace(config, target_utilization=target),
+        response.gauges(target * rate_ok)[2], args, price)]
+
+
+def _day_rows(base, load: DayLoad, response: ReplicaResponse, config: AutoscaleConfig,
+              service: float, args, price: float) -> list[dict]:
+    start = replicas_for(load.rate_at(0.0), service, config)
+    rows = []
+    for name in args.policies:
+        started = time.perf_counter()
+        scaler = day_scaler(name, load, config, service, start)
+        day = run_fluid(scaler, load.rate_at, response, args.slo, 0.0, DAY_S,
+                        arrivals_in=TraceArrivals(base, load.rate_at))
+        row = {"policy": scaler.policy.name, "target_utilization": config.target_utilization,
+               **day.summary(hour_goal(response, args)),
+               "hourly_attainment": [h["within_slo"] / h["arrivals"] if h["arrivals"] else 1.0
+                                     for h in day.hourly],
+               "hourly_replicas": [h["replica_seconds"] / HOUR_S for h in day.hourly],
+               "wall_s": time.perf_counter() - started}
+        row["cost"] = row["replica_hours"] * price
+        rows.append(row)
+    oracle = next((r for r in rows if r["policy"] == "oracle"), None)
+    static = next((r for r in rows if r["policy"] == "static peak"), None)
+    for row in rows:
+        row["vs_oracle"] = row["replica_hours"] / oracle["replica_hours"] if oracle else None
+        row["vs_static"] = row["replica_hours"] / static["replica_hours"] if static else None
+    return rows
+
+
+def run_check_rows(base, config, cost, num_blocks, block_tokens, response: ReplicaResponse,
+                   scale: AutoscaleConfig, service: float, args) -> list[dict]:
+    """The per-request check: 20 minutes, the rate stepping to
+    ``--check-surge`` x from minute 5 to 15, request by request and fluid."""
+    from carpool.sim.day_load import Surge
+
+    base_rate = (args.check_replicas * scale.replica_concurrency * scale.target_utilization
+                 / service)
+    load = DayLoad(base_rate, (1.0,) * 24, (Surge(300.0, 600.0, args.check_surge),))
+    window = 1200.0
+    plan = retime(base, load.rate_at, 0.0, window)
+    check = replace(scale, max_replicas=4 * args.check_replicas)
+    rows = []
+    for name in args.check_policies:
+        settings = SimSettings(replicas=args.check_replicas, routing="predicted-ttft",
+                               hash_block=block_tokens, autoscale=name,
+                               autoscale_config=check).validate()
+        run = simulate(plan, config, cost, num_blocks, settings)
+        measured = latency_row(run, name, args.slo)
+        scaler = make_scaler(name, check, args.check_replicas, rate_at=load.rate_at)
+        fluid = run_fluid(scaler, load.rate_at, response, args.slo, 0.0, window,
+                          arrivals_in=TraceArrivals(base, load.rate_at))
+        fluid_row = fluid.summary(hour_goal(response, args))
+        rows.append({"policy": name, "requests": len(plan), "offered_base": base_rate,
+                     "per_request": {"replica_seconds": run.replica_seconds(),
+                                     "slo_attainment": measured["slo_attainment"],
+                                     "ttft_p99": measured["ttft_p99"],
+                                     "scale_events": len(run.scaling["events"]),
+                                     "wall_s": run.wall_seconds},
+                     "fluid": {"replica_seconds": fluid.replica_seconds,
+                               "slo_attainment": fluid_row["slo_attainment"],
+                               "scale_events": fluid_row["scale_events"]}})
+        print(format_check_row(rows[-1]), flush=True)
+    return rows
+
+
+def run_day_evaluation(config: EngineConfig, args: argparse.Namespace) -> int:
+    cost = cost_model_from_args(args)
+    num_blocks = pool_blocks(config, cost, memory_set=args.engine_kv_cache_memory is not None)
+    block_tokens = mooncake_block_tokens(args.token_scale)
+    price = args.price_per_hour if args.price_per_hour is not None else ASSUMED_PRICE
+    with cyclic_gc_paused():
+        base = plan_workload(workload_spec(args))
+        response, calibration_s = calibrate(base, config, cost, num_blocks, args, block_tokens)
+        scale, service = sizing_config(response, args, max_replicas=4 * args.peak_replicas)
+        peak_rate = (args.peak_replicas * scale.replica_concurrency * scale.target_utilization
+                     / service)
+        load = DayLoad(peak_rate, swing(args.daily_curve, args.trough), args.surges)
+        print(f"== goal: {hour_goal(response, args):.2%} of an hour's requests within the "
+              f"SLO; sizing: {scale.replica_concurrency:.1f} in flight per replica at most, "
+              f"service {service:.2f} s; the day peaks at {peak_rate:.0f} req/s "
+              f"({sum(load.rate_at(t) for t in range(0, 86400, 60)) * 60 / 1e6:.0f}M requests "
+              f"a day)", flush=True)
+        rows = run_day_rows(base, load, response, scale, service, args, price)
+        print(format_day_table(rows, price))
+        checks = []
+        if args.check_replicas:
+            print(f"== per-request check: {args.check_replicas} replicas, x{args.check_surge} "
+                  f"for 10 of 20 minutes", flush=True)
+            checks = run_check_rows(base, config, cost, num_blocks, block_tokens, response,
+                                    scale, service, args)
+    if args.json:
+        import json
+
+        with open(args.json, "w") as handle:
+            json.dump({"rows": rows, "checks": checks, "slo": args.slo, "price_per_hour": price,
+                       "peak_rate": peak_rate, "calibration_s": calibration_s,
+                       "calibration": [p.summary(args.slo) for p in response.points],
+                       "replica_capacity": response.capacity,
+                       "replica_concurrency": scale.replica_concurrency}, handle, indent=1)
+    return 0
+
+
+def format_day_table(rows: list[dict], price: float) -> str:
+    lines = [f"| target util | policy | replica-hours | $ at ${price:g}/h | vs oracle | "
+             "vs static | in SLO (day) | hours under goal | worst hour | scale events | "
+             "replicas | wall |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        ratio = (lambda v: f"{v:.2f}" if v is not None else "-")
+        lines.append(
+            f"| {row['target_utilization']:g} | {row['policy']} | {row['replica_hours']:.0f} | "
+            f"{row['cost']:.0f} | "
+            f"{ratio(row['vs_oracle'])} | {ratio(row['vs_static'])} | "
+            f"{row['slo_attainment']:.2%} | {row['hours_missing_slo']} | "
+            f"{row['worst_hour_attainment']:.1%} | {row['scale_events']} | "
+            f"{row['min_replicas']}-{row['peak_replicas']} | {row['wall_s']:.1f} s |")
+    return "\n".join(lines)
+
+
+def format_check_row(row: dict) -> str:
+    measured, fluid = row["per_request"], row["fluid"]
+    return (f"  {row['policy']:<11} per-request: {measured['replica_seconds'] / 60:.1f} "
+            f"replica-min, {measured['slo_attainment']:.2%} in SLO, "
+            f"{measured['scale_events']} scale events ({measured['wall_s']:.0f} s wall, "
+            f"{row['requests']} requests); fluid: {fluid['replica_seconds'] / 60:.1f} "
+            f"replica-min, {fluid['slo_attainment']:.2%} in SLO, {fluid['scale_events']} events")
