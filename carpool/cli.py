@@ -32,7 +32,10 @@ ENGINE_FLAGS: list[tuple[str, str, type, str]] = [
                               "CPUs with native bf16, else fp32)"),
     ("--device", "device", str, "auto | cpu | cuda[:N]"),
     ("--max-model-len", "max_model_len", int, "context limit (default: the model's)"),
-    ("--attention-backend", "attention_backend", str, "auto | torch | sdpa | cpu (our C++ decode kernel)"),
+    ("--attention-backend", "attention_backend", str,
+     "auto | torch | sdpa | cpu (our C++ decode kernel) | triton (our GPU kernels; auto on CUDA)"),
+    ("--cuda-graph-sizes", "cuda_graph_sizes", str,
+     "decode batch sizes captured as CUDA graphs: auto or a comma list, e.g. 1,2,4,8,16,32"),
     ("--cache-dir", "cache_dir", str, "where models are fetched and converted "
                                       "(default: $CARPOOL_CACHE or ~/.cache/carpool)"),
     ("--threads", "threads", int, "torch CPU threads (default: torch's choice)"),
@@ -152,6 +155,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--config", help="YAML file of engine settings (flags override it)")
     for flag, key, kind, help_text in ENGINE_FLAGS:
         group.add_argument(flag, dest=f"engine_{key}", type=kind, default=None, help=help_text)
+    group.add_argument("--enforce-eager", dest="engine_enforce_eager", action="store_true",
+                       default=None, help="CUDA: run every step eagerly (no CUDA graphs)")
     group.add_argument("--no-prefix-caching", dest="engine_enable_prefix_caching",
                        action="store_false", default=None, help="disable prefix caching")
 

@@ -138,7 +138,8 @@ def test_every_config_field_has_a_flag():
     )
     from carpool.server.config import ServerConfig
 
-    engine = {key for _, key, _, _ in ENGINE_FLAGS} | {"enable_prefix_caching"}  # --no-prefix-caching
+    # --no-prefix-caching and --enforce-eager are store flags, outside ENGINE_FLAGS
+    engine = {key for _, key, _, _ in ENGINE_FLAGS} | {"enable_prefix_caching", "enforce_eager"}
     server = {key for _, key, _, _ in SERVER_FLAGS} | {"cors_origins", "allowed_hosts"}  # nargs
     for section in (ModelSettings, CacheConfig, SchedulerConfig, ControllerConfig):
         missing = [f.name for f in dataclasses.fields(section) if f.name not in engine]
@@ -146,8 +147,10 @@ def test_every_config_field_has_a_flag():
     missing = [f.name for f in dataclasses.fields(ServerConfig) if f.name not in server]
     assert not missing, missing
     args = build_parser().parse_args(["serve", "--hysteresis-ticks", "3", "--predictive-shedding",
-                                      "false", "--bucket-tolerance", "0.2", "--max-stop", "4"])
+                                      "false", "--bucket-tolerance", "0.2", "--max-stop", "4",
+                                      "--enforce-eager", "--cuda-graph-sizes", "1,8"])
     config = engine_config_from_args(args)
+    assert config.model.enforce_eager and config.model.cuda_graph_sizes == "1,8"
     assert config.controller.hysteresis_ticks == 3 and config.scheduler.bucket_tolerance == 0.2
     assert config.scheduler.predictive_shedding is False
     assert args.server_max_stop == 4

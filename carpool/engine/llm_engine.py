@@ -150,7 +150,8 @@ class LLMEngine:
             max_len = min(max_len, loaded.config.sliding_window)
         if config.model.max_model_len:
             max_len = min(max_len, config.model.max_model_len)
-        executor = TorchExecutor(loaded.config, loaded.weights, config.model, config.cache, max_len)
+        executor = TorchExecutor(loaded.config, loaded.weights, config.model, config.cache, max_len,
+                                 max_num_seqs=config.scheduler.max_num_seqs)
         loaded.weights.clear()
         return cls(config, loaded.tokenizer, loaded.config, executor, max_len)
 

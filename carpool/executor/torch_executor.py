@@ -15,10 +15,12 @@ from dataclasses import dataclass
 
 import torch
 
-from carpool.config import CacheConfig, ModelSettings, parse_size
+from carpool.config import CacheConfig, ModelSettings, capture_sizes, parse_size
 from carpool.executor.base import BatchItem, Executor, Padding
+from carpool.executor.cuda_graphs import CudaGraph, DecodeGraphs
 from carpool.executor.shapes import padded_rows
-from carpool.model.attention import SeqSpan, build_metadata, select_backend
+from carpool.model.attention import SeqSpan
+from carpool.model.backends import select_backend
 from carpool.model.config import ModelConfig
 from carpool.model.llama import LlamaModel
 from carpool.model.sampler import Sampler, SampleResult
@@ -76,14 +78,21 @@ class TorchExecutor(Executor):
     """
 
     def __init__(self, model_config: ModelConfig, weights: dict[str, torch.Tensor],
-                 settings: ModelSettings, cache: CacheConfig, max_model_len: int) -> None:
+                 settings: ModelSettings, cache: CacheConfig, max_model_len: int,
+                 max_num_seqs: int = 256, graph_type: type | None = None) -> None:
+        """``graph_type``: how decode steps are captured (``CudaGraph`` by
+        default on CUDA unless ``settings.enforce_eager``; tests pass
+        ``EagerGraph`` to drive the same path on the CPU); None: no graphs
+        on the CPU."""
         if settings.threads:
             torch.set_num_threads(settings.threads)
         self.device = resolve_device(settings.device)
         self.dtype = resolve_dtype(settings.dtype, self.device)
         self.block_size = cache.block_size
         self.row_bucket = settings.row_bucket
-        self.model = LlamaModel(model_config, max_model_len)
+        # Built on the device: an 8B model's init never runs on the host.
+        with torch.device(self.device):
+            self.model = LlamaModel(model_config, max_model_len)
         self.model.load_hf_weights(weights)
         self.model.to(device=self.device, dtype=self.dtype).eval()
         # Rotary tables stay fp32 whatever the weights' dtype.
@@ -94,7 +103,8 @@ class TorchExecutor(Executor):
 
             self.cpu_ops = load_cpu_ops()
         self.model.ops = self.cpu_ops
-        self.attention = select_backend(settings.attention_backend, self.device, self.cpu_ops)
+        self.attention = select_backend(settings.attention_backend, self.device, self.cpu_ops,
+                                        model_config.head_dim)
         self.num_blocks = self._num_blocks(model_config, cache)
         # Layouts: see carpool/model/attention.py (K blocks are stored transposed).
         heads, dim = model_config.num_kv_heads, model_config.head_dim
@@ -105,6 +115,25 @@ class TorchExecutor(Executor):
                            torch.zeros(v_shape, dtype=self.dtype, device=self.device))
                           for _ in range(model_config.num_layers)]
         self.sampler = Sampler(model_config.vocab_size)
+        self.graphs = self._capture_graphs(settings, max_model_len, max_num_seqs, graph_type)
+
+    def _capture_graphs(self, settings: ModelSettings, max_model_len: int, max_num_seqs: int,
+                        graph_type: type | None) -> DecodeGraphs | None:
+        """One decode graph per bucket size, when the device and the
+        attention backend allow it (see ``carpool/executor/cuda_graphs.py``)."""
+        if graph_type is None and self.device.type == "cuda" and not settings.enforce_eager:
+            graph_type = CudaGraph
+        if graph_type is None or not self.attention.graph_safe:
+            return None
+
+        def forward(ids: torch.Tensor, meta) -> torch.Tensor:  # noqa: ANN001
+            return self.model(ids, meta, self.kv_caches, self.attention)
+
+        with torch.inference_mode():
+            return DecodeGraphs(forward, capture_sizes(settings.cuda_graph_sizes, max_num_seqs),
+                                table_width=-(-max_model_len // self.block_size),
+                                scratch_block=self.num_blocks, device=self.device,
+                                graph_type=graph_type)
 
     def _num_blocks(self, config: ModelConfig, cache: CacheConfig) -> int:
         if cache.num_blocks is not None:
@@ -122,6 +151,9 @@ class TorchExecutor(Executor):
     def execute(self, items: Sequence[BatchItem],
                 padding: Padding | None = None) -> list[SampleResult]:
         runs = self._runs(items, padding)
+        bucket = self._graph_bucket(runs) if padding is None else None
+        if bucket is not None:  # pad the batch to its graph's size
+            runs += [pad for _ in range(bucket - len(runs)) for pad in self._pad_run(1)]
         input_ids: list[int] = []
         sample_rows: list[int] = []  # rows of the flattened batch to sample
         sampled_items: list[int] = []  # their indices in `items`
@@ -130,12 +162,17 @@ class TorchExecutor(Executor):
             if run.item is not None and items[run.item].sampling is not None:
                 sample_rows.append(len(input_ids) - 1)
                 sampled_items.append(run.item)
-        meta = build_metadata([run.span for run in runs], self.block_size, self.device)
-        # Pad rows: the same kernels serve every step of a bucket (shapes.py).
-        input_ids += [PAD_TOKEN_ID] * (padded_rows(len(input_ids), self.row_bucket)
-                                       - len(input_ids))
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        hidden = self.model(ids, meta, self.kv_caches, self.attention)
+        meta = self.attention.build_metadata([run.span for run in runs], self.block_size,
+                                             self.device)
+        if bucket is not None:
+            ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+            hidden = self.graphs.replay(ids, meta, len(items))
+        else:
+            # Pad rows: the same kernels serve every step of a bucket (shapes.py).
+            input_ids += [PAD_TOKEN_ID] * (padded_rows(len(input_ids), self.row_bucket)
+                                           - len(input_ids))
+            ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+            hidden = self.model(ids, meta, self.kv_caches, self.attention)
         if not sampled_items:
             return []
         # The LM head's rows are bucketed too: the last sampled row repeated.
@@ -147,6 +184,13 @@ class TorchExecutor(Executor):
         results = self.sampler.sample(logits, [items[i].sampling for i in sampled_items])
         # Back to item order (indices are unique, so results are never compared).
         return [result for _, result in sorted(zip(sampled_items, results))]
+
+    def _graph_bucket(self, runs: list[_Run]) -> int | None:
+        """The captured batch size a step of decodes only replays in, else None."""
+        if self.graphs is None or not runs or any(r.span.num_tokens != 1 for r in runs):
+            return None
+        longest = max(r.span.start for r in runs) + 1
+        return self.graphs.bucket(len(runs), -(-longest // self.block_size))
 
     def _runs(self, items: Sequence[BatchItem], padding: Padding | None) -> list[_Run]:
         """The batch's stretches in flattened order."""

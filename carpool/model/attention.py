@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +54,7 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None = None  # [B, max_blocks * block_size] True where attended
     decode_context_lens: torch.Tensor | None = None  # [B]
     prefills: list[PrefillChunk] = field(default_factory=list)
+    extend: Any = None  # the Triton backend's packed prefill chunks (triton_attention.py)
 
 
 def build_metadata(spans: Sequence[SeqSpan], block_size: int,
@@ -123,6 +125,13 @@ class TorchAttention:
     K/V head repetition); prefill chunks use SDPA one chunk at a time."""
 
     name = "torch"
+    #: Whether decode steps read only tensors of fixed shape (CUDA graphs).
+    graph_safe = False
+
+    def build_metadata(self, spans: Sequence[SeqSpan], block_size: int,
+                       device: torch.device) -> AttentionMetadata:
+        """This backend's step metadata (spans ordered decodes first)."""
+        return build_metadata(spans, block_size, device)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
@@ -214,15 +223,3 @@ class CpuPagedAttention(TorchAttention):
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         return self._kernel.paged_decode_attention(q, k_cache, v_cache, meta.decode_blocks,
                                                    meta.decode_context_lens, scale)
-
-
-def select_backend(name: str, device: torch.device, cpu_ops=None) -> TorchAttention:  # noqa: ANN001
-    """``auto``: SDPA on CUDA; on CPU our C++ decode kernel when ``cpu_ops``
-    (the compiled extension) is available, else the portable torch path."""
-    if name == "sdpa" or (name == "auto" and device.type == "cuda"):
-        return SdpaAttention()
-    if name in ("auto", "cpu") and device.type == "cpu" and cpu_ops is not None:
-        return CpuPagedAttention(cpu_ops)
-    if name == "cpu":
-        raise ValueError("attention_backend=cpu needs the C++ kernels (a C++ compiler and ninja)")
-    return TorchAttention()

@@ -1,4 +1,4 @@
-"""Batched token sampling on CPU: penalties, temperature, top-k/top-p/min-p, logprobs.
+"""Batched token sampling: penalties, temperature, top-k/top-p/min-p, logprobs.
 
 A row's randomness comes from a ``torch.Generator`` seeded with a 64-bit mix
 of ``(seed, step)``, and tokens are drawn by inverse CDF over the kept tokens
@@ -9,11 +9,14 @@ batch mates or its position in the batch.
 Order (as vLLM): penalties, temperature, then min-p, top-k and top-p on the
 tempered distribution, top-p measured against the mass min-p/top-k kept.
 Filters cut by probability value, so tied tokens are kept or dropped together.
-Logits on another device are argmaxed there when every row is plain greedy,
-otherwise copied to the CPU and sampled there.
+Sampling runs on the logits' device, in float32. Each row's uniforms are drawn
+on the CPU, so they are the same numbers on any device. Off the CPU, row sums
+and running sums are spelled out in a fixed order, so a row's token ignores
+its batch there too; it may differ from the CPU's where rounding differs.
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -63,9 +66,66 @@ def mix_seed(seed: int, step: int) -> int:
 
 
 def _row_uniforms(seed: int, step: int, n: int) -> torch.Tensor:
-    gen = torch.Generator()
+    """A row's ``n`` float64 uniforms, always drawn on the CPU (even under a
+    device context): the same numbers whatever device the logits are on."""
+    gen = torch.Generator(device="cpu")
     gen.manual_seed(mix_seed(seed, step))
-    return torch.rand(n, generator=gen, dtype=torch.float64)
+    return torch.rand(n, generator=gen, dtype=torch.float64, device="cpu")
+
+
+def _host_f32(values: list[float]) -> torch.Tensor:
+    """Per-row parameters as a float32 CPU tensor: checks on it need no device sync."""
+    return torch.tensor(values, dtype=torch.float32, device="cpu")
+
+
+def _on(device: torch.device) -> contextlib.AbstractContextManager:
+    """Make new tensors on ``device`` (no context where it is the default already:
+    a device context adds overhead to every torch call)."""
+    default = device == torch.get_default_device()
+    return contextlib.nullcontext() if default else torch.device(device)
+
+
+def _index(idx: list[int]) -> slice | torch.Tensor:
+    """Rows ``idx`` as an index: a slice where consecutive (no tensor to copy to a device)."""
+    if idx == list(range(idx[0], idx[0] + len(idx))):
+        return slice(idx[0], idx[0] + len(idx))
+    return torch.tensor(idx, dtype=torch.long)
+
+
+def _off_cpu(t: torch.Tensor) -> bool:
+    """Off the CPU, row reductions are spelled out in a fixed order (kernels there lay
+    threads out by the batch's shape) and host syncs are avoided."""
+    return not t.is_cpu
+
+
+def _row_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sums over the last dim; off the CPU by pairwise halving (elementwise adds)."""
+    if not _off_cpu(t):
+        return t.sum(dim=-1)
+    width = 1 << (t.shape[-1] - 1).bit_length()
+    if width != t.shape[-1]:
+        t = torch.nn.functional.pad(t, (0, width - t.shape[-1]))
+    while width > 1:
+        width //= 2
+        t = t[..., :width] + t[..., width:]
+    return t.squeeze(-1)
+
+
+def _row_cumsum(t: torch.Tensor) -> torch.Tensor:
+    """Running sums along rows, in order and in float64 like the CPU's. Off the CPU
+    as an outer-dim scan (a thread per row) over >= 2 rows (one takes a parallel scan)."""
+    if not _off_cpu(t):
+        return t.cumsum(dim=-1)
+    cols = t.double().t()
+    cols = torch.cat([cols, cols], dim=1) if cols.shape[1] == 1 else cols.contiguous()
+    return cols.cumsum(dim=0)[:, :t.shape[0]].t().to(t.dtype).contiguous()
+
+
+def _softmax(z: torch.Tensor) -> torch.Tensor:
+    if not _off_cpu(z):
+        return torch.softmax(z, dim=-1)
+    e = (z - z.amax(dim=-1, keepdim=True)).exp_()
+    return e.div_(_row_sum(e).unsqueeze(1))
 
 
 def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -110,7 +170,7 @@ def _nucleus_cut(vals: torch.Tensor, floor: torch.Tensor, need: torch.Tensor) ->
     """For rows of descending ``vals``: the value at which the running sum of
     those >= ``floor`` first reaches ``need`` (at most the last one kept)."""
     kept = vals * (vals >= floor.unsqueeze(1))
-    cum = kept.cumsum(dim=-1)
+    cum = _row_cumsum(kept)
     n_kept = (kept > 0).sum(dim=-1).clamp(min=1)
     j = torch.minimum((cum < need.unsqueeze(1)).sum(dim=-1), n_kept - 1)
     return torch.maximum(floor, _col(vals, j))
@@ -133,6 +193,7 @@ class Sampler:
 
     ATTEMPTS = 32  # rejection tries before a row's nucleus is found by sorting
     CHUNK_ELEMENTS = 1 << 22  # float32 logits processed per chunk of rows
+    DEVICE_CHUNK_ELEMENTS = 1 << 26  # the same off the CPU, where fewer calls pay
 
     def __init__(self, vocab_size: int, candidates: int = 256, block: int = 256) -> None:
         if vocab_size < 1:
@@ -152,8 +213,13 @@ class Sampler:
         logits = logits[:, :self.vocab_size]
         if all(_is_plain_greedy(r.params) and r.params.logprobs is None for r in rows):
             return [SampleResult(t) for t in _argmax(logits).tolist()]
-        x = logits.to(device="cpu", dtype=torch.float32).contiguous()
-        aliased = logits.device.type == "cpu" and _shares(x, logits)
+        with _on(logits.device):
+            return self._sample(logits, rows)
+
+    def _sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampleResult]:
+        """``sample`` past its checks, with new tensors made on the logits' device."""
+        x = logits.to(dtype=torch.float32).contiguous()
+        aliased = _shares(x, logits)  # no copy was made: x must not be edited in place
         logprob_rows = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         tokens = [0] * len(rows)
         plain = [i for i, r in enumerate(rows) if _is_plain_greedy(r.params)]
@@ -165,19 +231,23 @@ class Sampler:
             self._sample_work(x, aliased or bool(logprob_rows), work, rows, tokens)
         return self._results(x, tokens, rows, logprob_rows)
 
+    def _chunk_rows(self, x: torch.Tensor) -> int:
+        chunk = self.DEVICE_CHUNK_ELEMENTS if _off_cpu(x) else self.CHUNK_ELEMENTS
+        return max(1, chunk // self.vocab_size)
+
     @staticmethod
     def _take(x: torch.Tensor, idx: list[int]) -> torch.Tensor:
         # Consecutive rows come as a view, others as a copy.
-        if idx == list(range(idx[0], idx[0] + len(idx))):
-            return x[idx[0]:idx[0] + len(idx)]
-        return x.index_select(0, torch.tensor(idx, dtype=torch.long))
+        at = _index(idx)
+        return x[at] if isinstance(at, slice) else x.index_select(0, at)
 
     def _sample_work(self, x: torch.Tensor, aliased: bool, work: list[int],
                      rows: Sequence[SamplingRow], tokens: list[int]) -> None:
         """Rows with penalties or temperature > 0, in chunks of CHUNK_ELEMENTS: the
-        float32 temporaries stay cache-sized and below glibc's mmap threshold.
+        float32 temporaries stay cache-sized and below glibc's mmap threshold
+        (off the CPU, DEVICE_CHUNK_ELEMENTS: only memory bounds them).
         Penalized rows are chunked apart, so only their chunks get copied."""
-        step = max(1, self.CHUNK_ELEMENTS // self.vocab_size)
+        step = self._chunk_rows(x)
         penal = [i for i in work if rows[i].params.needs_penalties]
         clean = [i for i in work if not rows[i].params.needs_penalties]
         for group in (penal, clean):
@@ -207,7 +277,7 @@ class Sampler:
         if not logprob_rows:
             return results
         n = min(max(rows[i].params.logprobs or 0 for i in logprob_rows), self.vocab_size)
-        step = max(1, self.CHUNK_ELEMENTS // self.vocab_size)
+        step = self._chunk_rows(x)
         for lo in range(0, len(logprob_rows), step):
             part = logprob_rows[lo:lo + step]
             z = self._take(x, part)
@@ -229,7 +299,8 @@ class Sampler:
         z = logits[:, :self.vocab_size].to(torch.float32, copy=True).contiguous()
         pos = [j for j, r in enumerate(rows) if r.params.needs_penalties]
         if pos:
-            self._apply_penalties(z, [rows[j] for j in pos], pos)
+            with _on(z.device):
+                self._apply_penalties(z, [rows[j] for j in pos], pos)
         return z
 
     def _token_keys(self, ids: list[int], owners: list[int], counts: list[int]) -> torch.Tensor:
@@ -276,31 +347,33 @@ class Sampler:
         """Temperature > 0 rows: temper, filter, draw with each row's own randomness.
         (Row views of ``probs`` may get masked in place below a row's floor; that
         is harmless, as every later cut of a row is >= its floor.)"""
-        temps = torch.tensor([[r.params.temperature] for r in rows], dtype=torch.float32)
+        temps = _host_f32([r.params.temperature for r in rows]).unsqueeze(1)
         if bool((temps != 1.0).any()):
+            temps = temps.to(z.device)
             z = z.div_(temps) if owned else z / temps
-        probs = torch.softmax(z, dim=-1)
+        probs = _softmax(z)
         n = len(rows)
-        unit = torch.cat([_row_uniforms(r.seed, r.step, 1) for r in rows])
+        unit = torch.cat([_row_uniforms(r.seed, r.step, 1) for r in rows]).to(z.device)
         tokens, route = [0] * n, [_first_route(r.params) for r in rows]
-        min_p = torch.tensor([r.params.min_p for r in rows], dtype=torch.float32)
+        min_p = _host_f32([r.params.min_p for r in rows])
         # Per row, the probability below which tokens are dropped; min-p's to start.
-        cut = min_p * probs.amax(dim=-1) if bool((min_p > 0).any()) else torch.zeros(n)
+        cut = (min_p.to(z.device) * probs.amax(dim=-1) if bool((min_p > 0).any())
+               else torch.zeros(n))
         cand = [j for j in range(n) if route[j] == _CANDIDATES]
         if cand:
-            idx = torch.tensor(cand)
+            idx = _index(cand)
             got, got_route, cut[idx] = self._sample_filtered(
                 self._take(probs, cand), [rows[j].params for j in cand], unit[idx])
             _put(tokens, cand, got)
             _put(route, cand, got_route)
         full = [j for j in range(n) if route[j] == _FULL]
         if full:
-            idx = torch.tensor(full)
+            idx = _index(full)
             _put(tokens, full, self._sample_full(self._take(probs, full), cut[idx],
                                                  unit[idx]).tolist())
         deep = [j for j in range(n) if route[j] == _NUCLEUS]
         if deep:
-            got = self._sample_nucleus(self._take(probs, deep), cut[torch.tensor(deep)],
+            got = self._sample_nucleus(self._take(probs, deep), cut[_index(deep)],
                                        [rows[j] for j in deep])
             _put(tokens, deep, got)
         return tokens
@@ -312,18 +385,19 @@ class Sampler:
         row's route, and its cut-off (the min-p/top-k floor on ``_NUCLEUS`` rows)."""
         vocab = self.vocab_size
         # top_k + 1 candidates show whether ties straddle the k-th place.
-        k_row = torch.tensor([min(vocab, p.top_k + 1 if p.top_k > 0 else self.candidates)
-                              for p in params])
-        vals, ids = probs.topk(int(k_row.max()), dim=-1)
+        ks = [min(vocab, p.top_k + 1 if p.top_k > 0 else self.candidates) for p in params]
+        k_row = torch.tensor(ks)
+        vals, ids = probs.topk(max(ks), dim=-1)
         top_k = torch.tensor([min(p.top_k, vocab) for p in params])
         min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
-        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
+        top_p = _host_f32([p.top_p for p in params])
         kth = torch.where(top_k > 0, _col(vals, (top_k - 1).clamp(min=0)), 0.0)
         thr = torch.maximum(kth, min_p * vals[:, 0])
         last = _col(vals, k_row - 1)
         deep = torch.zeros(len(params), dtype=torch.bool)
         if bool((top_p < 1.0).any()):
-            thr, deep = self._nucleus_thresholds(probs, vals, thr, k_row, last, top_p)
+            thr, deep = self._nucleus_thresholds(probs, vals, thr, k_row, last,
+                                                 top_p.to(probs.device))
         covered = (k_row == vocab) | (last < thr)
         tokens = self._pick_candidates(vals, ids, thr, unit)
         route = torch.where(deep, _NUCLEUS, torch.where(covered, _CANDIDATES, _FULL))
@@ -336,14 +410,14 @@ class Sampler:
         nucleus is the shortest run of the highest kept probabilities reaching
         ``top_p`` of the kept mass. Also flags rows whose nucleus outgrew the
         candidates (left at ``floor``, for rejection)."""
-        cum = (vals * (vals >= floor.unsqueeze(1))).cumsum(dim=-1)
+        cum = _row_cumsum(vals * (vals >= floor.unsqueeze(1)))
         mass = _col(cum, k_row - 1)
         inside = (k_row == self.vocab_size) | (last < floor)
         wide = ((top_p < 1.0) & ~inside).nonzero().flatten().tolist()
         if wide:
             # The kept set reaches past the candidates: its mass needs the whole row.
-            idx = torch.tensor(wide)
-            mass[idx] = self._block_sums(self._take(probs, wide), floor[idx]).sum(dim=-1)
+            idx = _index(wide)
+            mass[idx] = _row_sum(self._block_sums(self._take(probs, wide), floor[idx]))
         need = top_p * mass
         fits = inside | (_col(cum, k_row - 1) >= need)
         nucleus = top_p < 1.0
@@ -358,11 +432,12 @@ class Sampler:
         in the nucleus). Accepted draws are exact nucleus samples; P(accept) >= top_p."""
         sums = self._block_sums(probs, floor)
         top_p = torch.tensor([r.params.top_p for r in rows], dtype=torch.float32)
-        need = top_p * sums.sum(dim=-1)
-        units = torch.stack([_row_uniforms(r.seed, r.step, max(1, self.ATTEMPTS)) for r in rows])
+        need = top_p * _row_sum(sums)
+        units = torch.stack([_row_uniforms(r.seed, r.step, max(1, self.ATTEMPTS))
+                             for r in rows]).to(probs.device)
         tokens, pending = [0] * len(rows), list(range(len(rows)))
         for attempt in range(self.ATTEMPTS):
-            idx = torch.tensor(pending)
+            idx = _index(pending)
             q = self._take(probs, pending)
             picked = self._sample_full(q, floor[idx], units[idx, attempt], sums[idx])
             value = q.gather(1, picked.unsqueeze(1))
@@ -372,7 +447,7 @@ class Sampler:
             if not pending:
                 return tokens
         # Still unlucky (or ATTEMPTS == 0): the exact cut-off by sorting, slow but rare.
-        idx = torch.tensor(pending)
+        idx = _index(pending)
         rest = self._take(probs, pending)
         cut = _nucleus_cut(rest.sort(dim=-1, descending=True).values, floor[idx], need[idx])
         _put(tokens, pending, self._sample_full(rest, cut, units[idx, 0]).tolist())
@@ -380,23 +455,25 @@ class Sampler:
 
     def _mass_above(self, probs: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """Per row, the sum of probabilities strictly above ``value`` ([n, 1]), as
-        sum(relu(p - v)) + v * count(p > v): plain float passes, cheap on CPU."""
+        sum(relu(p - v)) + v * count(p > v): plain float passes, cheap on CPU. (The
+        count is exact in any order.)"""
         excess = torch.sub(probs, value).clamp_(min=0.0)
-        over = self._block_sums(excess).sum(dim=-1)
-        count = self._block_sums(excess.sign_()).sum(dim=-1)
+        over = _row_sum(self._block_sums(excess))
+        count = excess.sign_().sum(dim=-1)
         return over + value.squeeze(1) * count
 
     def _block_sums(self, probs: torch.Tensor, thr: torch.Tensor | None = None) -> torch.Tensor:
         """Per-row sums over fixed vocabulary blocks; zeroes ``probs`` below ``thr``
         in place first. Fixed blocks keep a row's sums bit-identical for any
-        batch size (a whole-row sum of a single row may be split across threads)."""
-        if thr is not None and bool((thr > 0).any()):
+        batch size (a whole-row sum of a single row may be split across threads).
+        Off the CPU the mask is applied unchecked (a no-op where ``thr <= 0``): no sync."""
+        if thr is not None and (_off_cpu(probs) or bool((thr > 0).any())):
             probs.masked_fill_(probs < thr.unsqueeze(1), 0.0)
         n, block = probs.shape[0], self.block
         nb, tail = divmod(self.vocab_size, block)
-        sums = probs.as_strided((n, nb, block), (probs.stride(0), block, 1)).sum(dim=-1)
+        sums = _row_sum(probs.as_strided((n, nb, block), (probs.stride(0), block, 1)))
         if tail:
-            sums = torch.cat([sums, probs[:, nb * block:].sum(dim=-1, keepdim=True)], dim=1)
+            sums = torch.cat([sums, _row_sum(probs[:, nb * block:]).unsqueeze(1)], dim=1)
         return sums
 
     def _pick_candidates(self, vals: torch.Tensor, ids: torch.Tensor, thr: torch.Tensor,
@@ -405,7 +482,7 @@ class Sampler:
         keep = vals >= thr.unsqueeze(1)
         # Token-id order (not topk's, which may shuffle ties) makes the draw canonical.
         order = ids.masked_fill(~keep, self.vocab_size).argsort(dim=-1)
-        at = _pick((vals * keep).gather(1, order).cumsum(dim=-1), unit)
+        at = _pick(_row_cumsum((vals * keep).gather(1, order)), unit)
         return _col(ids, _col(order, at)).tolist()
 
     def _sample_full(self, probs: torch.Tensor, thr: torch.Tensor, unit: torch.Tensor,
@@ -415,10 +492,10 @@ class Sampler:
         unless the block ``sums`` are given (then it must be masked already)."""
         vocab, block = self.vocab_size, self.block
         sums = self._block_sums(probs, thr) if sums is None else sums
-        cum = sums.cumsum(dim=-1)
+        cum = _row_cumsum(sums)
         b = _pick(cum, unit)
         before = torch.where(b > 0, _col(cum, (b - 1).clamp(min=0)), 0.0).double()
         rest = ((unit * cum[:, -1].double() - before) / _col(sums, b).double())
         cols = b.unsqueeze(1) * block + torch.arange(block)
         inner = probs.gather(1, cols.clamp(max=vocab - 1)) * (cols < vocab)
-        return b * block + _pick(inner.cumsum(dim=-1), rest.clamp(0.0, 1.0 - 2 ** -53))
+        return b * block + _pick(_row_cumsum(inner), rest.clamp(0.0, 1.0 - 2 ** -53))

@@ -1,0 +1,30 @@
+"""Which attention backend a replica runs (``--attention-backend``)."""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from carpool.model.attention import CpuPagedAttention, SdpaAttention, TorchAttention
+from carpool.model.triton_attention import TritonAttention, triton_unavailable
+
+
+def select_backend(name: str, device: torch.device, cpu_ops=None,  # noqa: ANN001
+                   head_dim: int = 64) -> TorchAttention:
+    """``auto``: on CUDA our Triton kernels when Triton is installed, else
+    SDPA; on CPU our C++ decode kernel when ``cpu_ops`` (the compiled
+    extension) is available, else the portable torch path."""
+    if name == "triton" or (name == "auto" and device.type == "cuda"):
+        why = triton_unavailable(device, head_dim)
+        if why is None:
+            return TritonAttention()
+        if name == "triton":
+            raise ValueError(f"attention_backend=triton is unavailable: {why}")
+        print(f"carpool: Triton attention unavailable ({why}); using SDPA", file=sys.stderr)
+    if name == "sdpa" or (name == "auto" and device.type == "cuda"):
+        return SdpaAttention()
+    if name in ("auto", "cpu") and device.type == "cpu" and cpu_ops is not None:
+        return CpuPagedAttention(cpu_ops)
+    if name == "cpu":
+        raise ValueError("attention_backend=cpu needs the C++ kernels (a C++ compiler and ninja)")
+    return TorchAttention()
