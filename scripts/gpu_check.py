@@ -263,10 +263,39 @@ def bench_model(ctx, label: str, shape: dict) -> dict:
                          "output_tok_per_s": tokens / wall, "decode_step_ms": step_s * 1e3,
                          "roofline_ms": roofline_s(executor, batch, context) * 1e3})
             print(json.dumps(rows[-1]), flush=True)
+    executor.graphs = None  # profile eager steps: the same kernels, each visible
+    profiles = {batch: profile_decode(ctx, executor, batch, context) for batch in (1, batches[-1])}
     executor.graphs = graphs
     waste = graphs.stats.padding_waste if graphs is not None else None
     del llm, executor, graphs
-    return {"rows": rows, "graph_padding_waste": waste}
+    return {"rows": rows, "graph_padding_waste": waste, "eager_decode_profile": profiles}
+
+
+def profile_decode(ctx, executor, batch: int, context: int, steps: int = 5) -> dict:
+    """Device time per kernel over eager decode steps (torch.profiler): where
+    a step's time goes, and device busy time against the wall."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    decode_step_seconds(ctx, executor, batch, context, repeats=1)  # warm
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA]
+                                           if ctx.device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        decode_step_seconds(ctx, executor, batch, context, repeats=steps)
+        wall = time.perf_counter() - start
+    attr = "device_time_total" if ctx.device.type == "cuda" else "cpu_time_total"
+    kernels = [(e.key, getattr(e, attr, 0.0), e.count) for e in prof.key_averages()
+               if ctx.device.type != "cuda" or getattr(e, "device_type", None)
+               == torch.autograd.DeviceType.CUDA]
+    kernels.sort(key=lambda k: -k[1])
+    total_us = sum(k[1] for k in kernels) if ctx.device.type == "cuda" else float("nan")
+    per_step = steps + 1  # decode_step_seconds runs one untimed step first
+    return {"wall_ms_per_step": wall / per_step * 1e3,
+            "device_busy_ms_per_step": total_us / per_step / 1e3,
+            "kernels_per_step": sum(k[2] for k in kernels) / per_step,
+            "top": [{"name": name[:80], "ms_per_step": us / per_step / 1e3,
+                     "calls_per_step": count / per_step} for name, us, count in kernels[:10]]}
 
 
 def decode_step_seconds(ctx, executor, batch: int, context: int, repeats: int = 20) -> float:

@@ -102,9 +102,13 @@ class TorchExecutor(Executor):
             from carpool.model.cpu_kernels import load_cpu_ops
 
             self.cpu_ops = load_cpu_ops()
-        self.model.ops = self.cpu_ops
         self.attention = select_backend(settings.attention_backend, self.device, self.cpu_ops,
                                         model_config.head_dim)
+        self.model.ops = self.cpu_ops
+        if self.attention.name == "triton":  # fused norm, rotary and SwiGLU kernels too
+            from carpool.model.triton_ops import TritonOps
+
+            self.model.ops = TritonOps()
         self.num_blocks = self._num_blocks(model_config, cache)
         # Layouts: see carpool/model/attention.py (K blocks are stored transposed).
         heads, dim = model_config.num_kv_heads, model_config.head_dim

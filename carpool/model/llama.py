@@ -103,15 +103,17 @@ class DecoderLayer(nn.Module):
     def forward(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata, kv: tuple[torch.Tensor, torch.Tensor],
                 attention: TorchAttention, ops=None) -> torch.Tensor:  # noqa: ANN001
-        """``ops``: our compiled CPU kernels (fused RMSNorm and SwiGLU), or None."""
+        """``ops``: fused kernels (RMSNorm, SwiGLU; rotary where they have it):
+        our compiled CPU kernels or the Triton ones on a GPU; or None."""
         # ``hidden`` may hold pad rows past the step's tokens (see
         # ``LlamaModel.forward``); every op but attention is row by row, so
         # they never touch a real row, and attention sees only real ones.
         rows, tokens = hidden.shape[0], meta.positions.shape[0]
         qkv = self.qkv_proj(self.input_layernorm(hidden, ops))[:tokens]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = Rotary.apply(q.view(tokens, self.num_heads, self.head_dim), *rope)
-        k = Rotary.apply(k.view(tokens, self.num_kv_heads, self.head_dim), *rope)
+        rotate = getattr(ops, "rotary", Rotary.apply)
+        q = rotate(q.view(tokens, self.num_heads, self.head_dim), *rope)
+        k = rotate(k.view(tokens, self.num_kv_heads, self.head_dim), *rope)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         attn = attention.forward(q, k, v, kv[0], kv[1], meta, self.scale)
         attn = attn.reshape(tokens, self.q_size)
@@ -137,7 +139,7 @@ class LlamaModel(nn.Module):
         self.rotary = Rotary(config, max_positions)
         self.lm_head = (None if config.tie_word_embeddings
                         else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
-        self.ops = None  # compiled CPU kernels, set by the executor when available
+        self.ops = None  # fused kernels (CPU or Triton), set by the executor when available
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],

@@ -16,8 +16,9 @@ import torch
 
 from carpool.model.attention import AttentionMetadata, SeqSpan, TorchAttention
 
-#: Slots of context one decode program reads per loop iteration.
-DECODE_TILE = 64
+#: Slots of context one decode program reads per loop iteration when a KV
+#: block is smaller (tl.dot wants >= 16); larger blocks are read one a tile.
+DECODE_MIN_TILE = 16
 #: Query rows and key slots of one extend tile.
 EXTEND_BLOCK_M = 64
 EXTEND_BLOCK_N = 64
@@ -157,7 +158,8 @@ class TritonAttention(TorchAttention):
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), tables.stride(0),
             *k_cache.stride()[:3], *v_cache.stride()[:3],
             GROUP=group, BLOCK_G=_pow2(group), HEAD_DIM=dim, BLOCK_D=_pow2(dim),
-            BLOCK_SIZE=block_size, TILE=DECODE_TILE, PRECISION=_precision(q.dtype))
+            BLOCK_SIZE=block_size, TILE=max(block_size, DECODE_MIN_TILE),
+            PRECISION=_precision(q.dtype))
 
     def extend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                batch: ExtendBatch, scale: float, out: torch.Tensor) -> None:

@@ -10,7 +10,8 @@ gathered into a dense tensor and nothing is padded across sequences.
 - ``store_kv``: writes a step's new K/V rows into their slots.
 - ``paged_decode``: one query token per sequence; one program per
   (sequence, KV head) holds that KV head's whole query group (GQA), walks
-  the context a tile of ``TILE`` slots at a time with an online softmax,
+  the context a tile of ``TILE`` slots at a time (one block per tile for
+  blocks of 16 slots or more, else several) with an online softmax,
   and stops at the sequence's own length (read from a tensor, so a CUDA
   graph replays it for any context length).
 - ``paged_extend``: prefill chunks (``q_len`` new tokens over ``context_len
@@ -76,12 +77,20 @@ def _paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, tables_ptr, l
     for start in range(0, context, TILE):
         pos = start + n
         valid = pos < context
-        block = tl.load(tables_ptr + seq * stride_table + pos // BLOCK_SIZE, mask=valid,
-                        other=0).to(tl.int64)
-        offset = pos % BLOCK_SIZE
+        if TILE == BLOCK_SIZE:
+            # One whole block per tile: a scalar block index keeps the
+            # loads contiguous (vectorized) along the block's slots.
+            block = tl.load(tables_ptr + seq * stride_table + start // BLOCK_SIZE).to(tl.int64)
+            offset = n
+        else:
+            block = tl.load(tables_ptr + seq * stride_table + pos // BLOCK_SIZE, mask=valid,
+                            other=0).to(tl.int64)
+            offset = pos % BLOCK_SIZE
+        k_cols = block * stride_kb + offset  # [TILE] either way
+        v_rows = block * stride_vb + offset * stride_vo
         kmask = valid[None, :] & (d[:, None] < HEAD_DIM)
-        k = tl.load(k_base + block[None, :] * stride_kb + d[:, None] * stride_kd + offset[None, :],
-                    mask=kmask, other=0.0)  # [BLOCK_D, TILE]
+        k = tl.load(k_base + k_cols[None, :] + d[:, None] * stride_kd, mask=kmask,
+                    other=0.0)  # [BLOCK_D, TILE]
         scores = tl.dot(q, k, input_precision=PRECISION) * scale
         scores = tl.where(valid[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
@@ -89,8 +98,7 @@ def _paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, tables_ptr, l
         alpha = tl.exp(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         vmask = valid[:, None] & (d[None, :] < HEAD_DIM)
-        v = tl.load(v_base + block[:, None] * stride_vb + offset[:, None] * stride_vo + d[None, :],
-                    mask=vmask, other=0.0)  # [TILE, BLOCK_D]
+        v = tl.load(v_base + v_rows[:, None] + d[None, :], mask=vmask, other=0.0)  # [TILE, BLOCK_D]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     out = acc / l_i[:, None]
