@@ -124,3 +124,24 @@ def test_schedule_and_oracle_and_bounds():
         make_scaler("guess", config)
     with pytest.raises(ValueError, match="min_replicas"):
         make_scaler("reactive", AutoscaleConfig(min_replicas=5, max_replicas=2))
+
+
+@pytest.mark.parametrize("policy", ["reactive", "predictive"])
+def test_an_ordinary_wait_on_a_big_fleet_does_not_scale_it_out(policy):
+    """Little's law: 200 replicas at 190 req/s where every request waits
+    ~0.8 s behind long prefills hold ~150 waiting at any fleet size. That
+    is no backlog to scale out for (wait under scale_out_wait_s); the same
+    count at 10 req/s (a 15 s wait) is, and so is the seeds' count alone."""
+    def run(rate: float, wait_s: float) -> int:
+        config = AutoscaleConfig(max_replicas=1000, scale_out_wait_s=wait_s)
+        scaler = make_scaler(policy, config, replicas=200)
+        for tick in range(1, 60):
+            utilization = min(1.0, rate * SERVICE / (200 * config.replica_concurrency))
+            scaler.tick(PoolSignals(tick * config.tick_s, scaler.replicas, 200, 150, 800,
+                                    round(rate * config.tick_s), max(0.5, utilization),
+                                    SERVICE))
+        return scaler.replicas
+
+    assert run(190.0, 1.0) == 200
+    assert run(10.0, 1.0) > 200
+    assert run(190.0, 0.0) > 200  # the seeds' rule: any 100 waiting

@@ -41,7 +41,13 @@ class AutoscaleConfig:
     min_replicas: int = 1
     max_replicas: int = 64
     tick_s: float = 10.0
-    scale_out_backlog: int = 100  # scale out when more than this many wait
+    scale_out_backlog: int = 100  # scale out when more than this many wait ...
+    # ... and they would wait longer than this: backlog / the arrival rate of
+    # the last panic window, in seconds (0: the seeds' count alone). A count
+    # alone grows with the fleet: by Little's law a pool where every request
+    # waits a little (behind long prefills) holds rate x wait waiting at any
+    # size, so at 190 req/s "100 waiting" is ~0.5 s of ordinary wait.
+    scale_out_wait_s: float = 1.0
     scale_in_utilization: float = 0.5  # scale in when under this ...
     scale_in_after_s: float = 300.0  # ... for this long
     scale_out_cooldown_s: float = 30.0
@@ -137,7 +143,8 @@ def _service(signals: PoolSignals) -> float:
 
 
 class ReactivePolicy:
-    """Scale out by one replica per ``scale_out_backlog`` waiting requests;
+    """Scale out by one replica per ``scale_out_backlog`` waiting requests
+    when they would wait over ``scale_out_wait_s``;
     scale in to the target utilisation once utilisation has stayed under
     ``scale_in_utilization`` for ``scale_in_after_s``; panic when the short
     window's arrivals want ``panic_factor`` x the pool."""
@@ -157,14 +164,15 @@ class ReactivePolicy:
             return Want(math.ceil(short), f"panic: {config.panic_window_s:.0f} s of arrivals "
                                           f"want {short:.1f} replicas", urgent=True,
                         demand=short)
-        if signals.backlog > config.scale_out_backlog:
+        if self._backlog_waits(signals, rates):
             # Counted from the ready replicas: those still starting will take
             # this backlog, and counting from the total added replicas for the
             # same backlog at every tick of a start-up (a 12x step went to 11
             # replicas where 7 served everything).
             more = math.ceil(signals.backlog / config.scale_out_backlog)
             return Want(max(signals.replicas, signals.ready + more),
-                        f"backlog {signals.backlog} > {config.scale_out_backlog}")
+                        f"backlog {signals.backlog} > {config.scale_out_backlog}"
+                        + self._wait_cause(signals, rates))
         if signals.utilization < config.scale_in_utilization:
             self._low_since = signals.now if self._low_since is None else self._low_since
             if signals.now - self._low_since >= config.scale_in_after_s:
@@ -176,6 +184,21 @@ class ReactivePolicy:
         else:
             self._low_since = None
         return Want(signals.replicas, "steady")
+
+    def _wait(self, signals: PoolSignals, rates: RateHistory) -> float:
+        """Seconds the backlog would wait at the recent arrival rate (Little's law)."""
+        rate = rates.rate(signals.now, self.config.panic_window_s)
+        return signals.backlog / rate if rate > 0 else math.inf
+
+    def _backlog_waits(self, signals: PoolSignals, rates: RateHistory) -> bool:
+        config = self.config
+        return signals.backlog > config.scale_out_backlog and (
+            config.scale_out_wait_s <= 0 or self._wait(signals, rates) > config.scale_out_wait_s)
+
+    def _wait_cause(self, signals: PoolSignals, rates: RateHistory) -> str:
+        if self.config.scale_out_wait_s <= 0:
+            return ""
+        return f", {self._wait(signals, rates):.1f} s wait > {self.config.scale_out_wait_s:g} s"
 
 
 class PredictivePolicy:

@@ -10,6 +10,7 @@ from carpool.machine import available_cpus
 from carpool.sim.cost_flags import add_cost_model_args, cost_model_from_args, pool_blocks
 from carpool.sim.costs import CostModel, machine_warning
 from carpool.sim.failures import FailureSettings, parse_failures
+from carpool.sim.scale_flags import add_reactive_args, reactive_knobs
 from carpool.sim.simulate import (
     ROUTING,
     SimRun,
@@ -53,6 +54,7 @@ def add_simulation_args(parser: argparse.ArgumentParser, *, fleet: bool = True) 
                            help="requests one replica holds within the SLO (sizing)")
         scale.add_argument("--scale-tick", type=float, default=10.0,
                            help="seconds between autoscaler decisions")
+        add_reactive_args(scale)
         faults = parser.add_argument_group("failure injection")
         faults.add_argument("--fail", type=arg_type(parse_failures), default=None,
                             metavar="SECONDS:REPLICA,...",
@@ -155,7 +157,7 @@ def settings_from_args(config: EngineConfig, cost: CostModel,
         scale_config = AutoscaleConfig(
             min_replicas=args.min_replicas, max_replicas=args.max_replicas or 4 * args.replicas,
             tick_s=args.scale_tick, startup_s=args.startup_s,
-            replica_concurrency=args.replica_concurrency).validate()
+            replica_concurrency=args.replica_concurrency, **reactive_knobs(args)).validate()
     return SimSettings(args.replicas, args.routing, args.fast_forward, args.token_times,
                        max_len, mooncake_block_tokens(args.token_scale),
                        args.workers or available_cpus(), autoscale=autoscale,

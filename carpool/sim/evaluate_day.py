@@ -52,6 +52,7 @@ from carpool.sim.evaluate import fleet_capacity, latency_row, offered_rate, scal
 from carpool.sim.fluid import LoadPoint, ReplicaResponse, run_fluid
 from carpool.sim.plan import ASSUMED_PRICE
 from carpool.sim.plan_day import DIURNAL_CURVE, parse_curve
+from carpool.sim.scale_flags import add_reactive_args, reactive_knobs
 from carpool.sim.simulate import SimSettings, cyclic_gc_paused, simulate
 from carpool.workload.command import arg_type, workload_spec
 from carpool.workload.spec import mooncake_block_tokens, plan_workload
@@ -98,6 +99,7 @@ def add_day_evaluation_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--startup-s", type=float, default=60.0,
                        help="a replica's start-up time (default 60)")
     group.add_argument("--scale-tick", type=float, default=10.0)
+    add_reactive_args(group)
     group.add_argument("--target-utilization", type=arg_type(_floats), default=(0.7, 0.9),
                        help="the sizing rule's target utilisation of the calibrated SLO rate, "
                             "comma separated: every policy runs the day at each; the first "
@@ -203,7 +205,8 @@ def sizing_config(response: ReplicaResponse, args,
     return AutoscaleConfig(min_replicas=1, max_replicas=max_replicas, tick_s=args.scale_tick,
                            startup_s=args.startup_s,
                            target_utilization=args.target_utilization[0],
-                           replica_concurrency=best * service).validate(), service
+                           replica_concurrency=best * service,
+                           **reactive_knobs(args)).validate(), service
 
 
 def day_scaler(name: str, load: DayLoad, config: AutoscaleConfig, service: float,
