@@ -68,6 +68,38 @@ def test_short_prompts_slow_links_and_no_prefill_pool_stay_colocated():
     assert not alone.disaggregated and alone.decode.replica_id.startswith("mixed")
 
 
+def test_a_pair_with_its_own_link_is_priced_by_it():
+    """One slow link (decode0 sits elsewhere): a transfer to decode0 costs
+    its link's time, and one too slow to pay keeps the request colocated."""
+    def plan(links):
+        router = fleet(prefill=1, decode=1)
+        for view in router.candidates(Role.DECODE):
+            view.in_flight, view.prefilling, view.pending_prefill_tokens = 20, 2, 6000
+        return PDPlanner(router, LLAMA_8B, Link(bandwidth=50e9), links=links).plan(
+            RouteRequest("q", 8000), 0.0)
+
+    fast = plan({})
+    assert fast.disaggregated and fast.transfer_s == pytest.approx(
+        8000 * LLAMA_8B.bytes_per_token / 50e9 + Link.latency)
+    slower = plan({("prefill0", "decode0"): Link(bandwidth=25e9, latency=1e-3)})
+    assert slower.disaggregated and slower.transfer_s == pytest.approx(
+        8000 * LLAMA_8B.bytes_per_token / 25e9 + 1e-3)
+    assert not plan({("prefill0", "decode0"): Link(bandwidth=1e9)}).disaggregated
+
+
+def test_pd_links_from_the_command_line():
+    from carpool.sim.command import parse_pd_links
+    from carpool.sim.pd import PDSettings
+
+    links = parse_pd_links("0:3:25,1:2:10:0.001")
+    assert links == ((0, 3, 25e9, Link.latency), (1, 2, 10e9, 0.001))
+    assert PDSettings(2, links=links).validate(4).link_table()[("1", "2")] == Link(10e9, 0.001)
+    with pytest.raises(ValueError, match="decode replica"):
+        PDSettings(2, links=((0, 1, 1e9, 0.0),)).validate(4)  # 1 is a prefill replica
+    with pytest.raises(ValueError, match="P:D:GBPS"):
+        parse_pd_links("0:3")
+
+
 @settings(max_examples=150, deadline=None)
 @given(tokens=st.integers(1, 40_000), bandwidth=st.floats(1e8, 1e11),
        latency=st.floats(0, 0.05), decode_queue=st.integers(0, 60_000),

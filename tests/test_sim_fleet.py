@@ -227,3 +227,29 @@ def test_fleet_admission_turns_away_at_the_front_what_no_replica_can_serve_in_ti
     assert p99[1][int(0.99 * len(p99[1]))] < p99[0][int(0.99 * len(p99[0]))]
     with pytest.raises(ValueError, match="predicted-ttft"):
         SimSettings(replicas=2, fleet_ttft_target=1.0).validate()
+
+
+def test_a_scheduled_fleet_follows_its_table():
+    """carpool simulate --autoscale schedule --scale-schedule: the pool takes
+    each count at its time, new replicas after their start-up."""
+    import argparse
+
+    from carpool.sim.command import add_simulate_args, settings_from_args
+
+    parser = argparse.ArgumentParser()
+    add_simulate_args(parser)
+    args = parser.parse_args(["--replicas", "1", "--autoscale", "schedule",
+                              "--scale-schedule", "0:1,100:3,300:2", "--startup-s", "30"])
+    cost = analytic_from_names("l4", "llama-3-8b")
+    settings = settings_from_args(EngineConfig(), cost, args)
+    assert settings.autoscale == "schedule" and settings.autoscale_schedule[1] == (100.0, 3)
+    run = simulate(_step_plan(2.0, 2.0, 900.0, 0.0), EngineConfig(), cost, 3000, settings)
+    rows = sorted((row["t"], row["replicas"], row["ready"]) for row in run.scaling["timeline"])
+    # Asked one start-up ahead of 100 s (at 70 s), ready 30 s later.
+    assert all(n == 1 for t, n, _ in rows if t < 70) and max(n for _, n, _ in rows) == 3
+    assert all(ready == 1 for t, _, ready in rows if t < 100)
+    assert any(ready == 3 for t, _, ready in rows if t <= 110)
+    # Down to 2 once the 5-minute scale-in window has passed (asked at 270 s).
+    assert rows[-1][1] == 2 and all(n == 3 for t, n, _ in rows if 100 <= t < 560)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--autoscale", "schedule", "--scale-schedule", "100:2,0:1"])

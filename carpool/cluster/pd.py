@@ -20,6 +20,7 @@ conditional disaggregation). ``always`` disaggregates every request
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from carpool.cluster.policies import Scored, score_replicas
@@ -99,9 +100,13 @@ class PDPlanner:
     """Plans and counts each request's placement on a ``Router``'s fleet."""
 
     def __init__(self, router: Router, kv: KVShape, link: Link | None = None,
-                 min_remote_tokens: int = 512, always: bool = False) -> None:
+                 min_remote_tokens: int = 512, always: bool = False,
+                 links: Mapping[tuple[str, str], Link] | None = None) -> None:
+        """``link``: between any prefill and decode replica; ``links``: the
+        ones that differ, by (prefill replica id, decode replica id)."""
         self.router, self.kv = router, kv
         self.link = link or Link()
+        self.links = dict(links or {})
         self.min_remote_tokens = min_remote_tokens
         # Every request prefilled remotely while there is a prefill replica
         # (static disaggregation, the baseline the conditional choice beats).
@@ -149,16 +154,17 @@ class PDPlanner:
             return None
         worker, cached, ttft = self._best(request, prefill_pool)
         compute = _prefill_seconds(worker, request.prompt_tokens - cached, self.router)
+        link = self.link_between(worker.replica_id, home.replica_id)
         # Blocks the decode replica holds need not move.
-        total = uncached * self.kv.bytes_per_token / self.link.bandwidth
+        total = uncached * self.kv.bytes_per_token / link.bandwidth
         exposed = exposed_transfer_seconds(total, compute or 0.0, self.kv.num_layers,
-                                           self.link.latency)
+                                           link.latency)
         remote_ttft = None if ttft is None else ttft + exposed
         if not self.always:
             saved = _prefill_seconds(home, uncached, self.router)
             if remote_ttft is None or saved is None or compute is None:
                 return None
-            if total + self.link.latency >= saved:
+            if total + link.latency >= saved:
                 return None  # the transfer alone costs more than the prefill it saves
             if remote_ttft > home_ttft:
                 return None
@@ -168,4 +174,8 @@ class PDPlanner:
                  + f", transfer {total * 1e3:.1f} ms ({exposed * 1e3:.1f} ms exposed)")
         return PDPlan(RouteDecision(home.replica_id, cause, home_cached, remote_ttft),
                       RouteDecision(worker.replica_id, cause, cached, ttft), cause,
-                      total + self.link.latency, exposed, remote_ttft)
+                      total + link.latency, exposed, remote_ttft)
+
+    def link_between(self, prefill_id: str, decode_id: str) -> Link:
+        """The link a transfer from ``prefill_id`` to ``decode_id`` takes."""
+        return self.links.get((prefill_id, decode_id), self.link)

@@ -6,10 +6,12 @@ failed (so a supervisor restarts the process).
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import math
 import os
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -169,6 +171,27 @@ def _inject_fault(engine: LLMEngine, at_step: int) -> None:
     engine.step = faulty_step
 
 
+def address_problem(host: str, port: int) -> str | None:
+    """Why the server could not listen on ``host:port`` (one line), or None.
+    Binds and closes a socket as uvicorn will (SO_REUSEADDR: a port in
+    TIME_WAIT is free, one another server listens on is not)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        return f"unknown host ({exc.strerror})"
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            hint = " (another server is listening there: pick another --port)" \
+                if exc.errno == errno.EADDRINUSE else ""
+            return f"{exc.strerror or exc}{hint}"
+    return None
+
+
 def run_server(engine_config: EngineConfig, server_config: ServerConfig,
                schedule=None, slo_sources: dict[str, str] | None = None) -> int:
     """Load the model and serve until a signal drains the server or the engine fails.
@@ -181,6 +204,11 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig,
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     prometheus_client.disable_created_metrics()  # as vLLM: no *_created series
     server_config.validate()
+    problem = address_problem(server_config.host, server_config.port)
+    if problem:  # found now, not after the model has loaded
+        print(f"carpool: cannot listen on {server_config.host}:{server_config.port}: {problem}",
+              file=sys.stderr, flush=True)
+        return 2
     server_config.resolve_api_key()
     if server_config.api_keys:  # a bad keys file fails now, before the model loads
         from carpool.server.auth import read_keys_file

@@ -10,7 +10,7 @@ from carpool.machine import available_cpus
 from carpool.sim.cost_flags import add_cost_model_args, cost_model_from_args, pool_blocks
 from carpool.sim.costs import CostModel, machine_warning
 from carpool.sim.failures import FailureSettings, parse_failures
-from carpool.sim.scale_flags import add_reactive_args, reactive_knobs
+from carpool.sim.scale_flags import add_reactive_args, parse_scale_schedule, reactive_knobs
 from carpool.sim.simulate import (
     ROUTING,
     SimRun,
@@ -43,8 +43,11 @@ def add_simulation_args(parser: argparse.ArgumentParser, *, fleet: bool = True) 
                            help="keep every token's time, for inter-token latency (memory "
                                 "grows with output tokens)")
         scale = parser.add_argument_group("autoscaling (--replicas is then the start)")
-        scale.add_argument("--autoscale", choices=("reactive", "predictive", "oracle"),
+        scale.add_argument("--autoscale", choices=("reactive", "predictive", "schedule", "oracle"),
                            default=None, help="scale the fleet with this policy")
+        scale.add_argument("--scale-schedule", type=arg_type(parse_scale_schedule), default=(),
+                           metavar="SECONDS:REPLICAS,...",
+                           help="--autoscale schedule: the replicas from each time on")
         scale.add_argument("--min-replicas", type=int, default=1)
         scale.add_argument("--max-replicas", type=int, default=None,
                            help="default: 4x --replicas")
@@ -112,6 +115,10 @@ def add_pd_args(parser: argparse.ArgumentParser, *, pools: bool = True) -> None:
                             f"{Link.bandwidth / 1e9:g}: 400 Gb/s RDMA)")
     group.add_argument("--pd-latency", type=float, default=Link.latency,
                        help=f"seconds per transfer besides the bytes (default {Link.latency:g})")
+    group.add_argument("--pd-link", type=arg_type(parse_pd_links), default=(),
+                       metavar="P:D:GBPS[:LATENCY],...",
+                       help="links that differ from --pd-bandwidth/--pd-latency, between "
+                            "prefill replica P and decode replica D (indices)")
     group.add_argument("--pd-min-remote-tokens", type=int, default=512,
                        help="shortest uncached prompt the planner prefills remotely")
 
@@ -125,7 +132,24 @@ def pd_from_args(args: argparse.Namespace, prefill_replicas: int | None = None,
     if not prefill:
         return None
     return PDSettings(prefill, mode or args.pd_mode, args.pd_bandwidth * 1e9, args.pd_latency,
-                      args.pd_min_remote_tokens)
+                      args.pd_min_remote_tokens, getattr(args, "pd_link", ()))
+
+
+def parse_pd_links(text: str) -> tuple[tuple[int, int, float, float], ...]:
+    """``P:D:GBPS[:LATENCY_S],...`` as (prefill, decode, bytes/s, seconds)."""
+    from carpool.cluster.pd import Link
+
+    links = []
+    for part in text.split(","):
+        fields = part.split(":")
+        try:
+            if len(fields) not in (3, 4):
+                raise ValueError
+            latency = float(fields[3]) if len(fields) == 4 else Link.latency
+            links.append((int(fields[0]), int(fields[1]), float(fields[2]) * 1e9, latency))
+        except ValueError:
+            raise ValueError(f"a link is P:D:GBPS[:LATENCY_S], got {part!r}") from None
+    return tuple(links)
 
 
 def add_simulate_args(parser: argparse.ArgumentParser) -> None:
@@ -162,6 +186,7 @@ def settings_from_args(config: EngineConfig, cost: CostModel,
                        max_len, mooncake_block_tokens(args.token_scale),
                        args.workers or available_cpus(), autoscale=autoscale,
                        autoscale_config=scale_config,
+                       autoscale_schedule=getattr(args, "scale_schedule", ()),
                        kv_tier=kv_tier_from_args(args), pd=pd_from_args(args),
                        failures=failures_from_args(args),
                        fleet_ttft_target=getattr(args, "fleet_ttft_target", None)).validate()

@@ -39,6 +39,9 @@ class PDSettings:
     bandwidth: float = Link.bandwidth
     latency: float = Link.latency
     min_remote_tokens: int = 512
+    # Links that differ from the pools' one: (prefill index, decode index,
+    # bytes per second, latency seconds), e.g. a decode replica in another rack.
+    links: tuple[tuple[int, int, float, float], ...] = ()
 
     def validate(self, replicas: int) -> PDSettings:
         if not 1 <= self.prefill_replicas < replicas:
@@ -47,7 +50,18 @@ class PDSettings:
         if self.mode not in PD_MODES:
             raise ValueError(f"--pd-mode must be one of {', '.join(PD_MODES)}, got {self.mode!r}")
         Link(self.bandwidth, self.latency)  # validates
+        for prefill, decode, bandwidth, latency in self.links:
+            if not (0 <= prefill < self.prefill_replicas <= decode < replicas):
+                raise ValueError(f"--pd-link {prefill}:{decode}: needs a prefill replica "
+                                 f"(0..{self.prefill_replicas - 1}) and a decode replica "
+                                 f"({self.prefill_replicas}..{replicas - 1})")
+            Link(bandwidth, latency)
         return self
+
+    def link_table(self) -> dict[tuple[str, str], Link]:
+        """``links`` as the planner takes them (replica ids are indices)."""
+        return {(str(p), str(d)): Link(bandwidth, latency)
+                for p, d, bandwidth, latency in self.links}
 
 
 class TransferInbox:
@@ -81,7 +95,8 @@ class FleetPD:
                  replica: Callable[[str], object]) -> None:
         self.settings = settings
         self.planner = PDPlanner(router, kv, Link(settings.bandwidth, settings.latency),
-                                 settings.min_remote_tokens, always=settings.mode == "always")
+                                 settings.min_remote_tokens, always=settings.mode == "always",
+                                 links=settings.link_table())
         self.replica = replica
         self.inboxes: dict[str, TransferInbox] = {}
         # Plan index -> (plan, request, its record, its prefill leg's record).

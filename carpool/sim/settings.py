@@ -51,6 +51,8 @@ class SimSettings:
                              f"{self.replicas}, got {self.replica_schedule}")
         if self.autoscale is not None and self.replica_schedule:
             raise ValueError("a replica schedule and an autoscaler exclude each other")
+        if (self.autoscale == "schedule") != bool(self.autoscale_schedule):
+            raise ValueError("--autoscale schedule and --scale-schedule go together")
         if self.pd is not None:
             self.pd.validate(self.replicas)
             if self.autoscale or self.replica_schedule or self.kv_tier:
