@@ -10,6 +10,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from carpool import __version__
 from carpool.config import EngineConfig, read_yaml
 from carpool.sampling_params import SamplingParams
 from carpool.slo import parse_target, slo_arg, slo_sources
@@ -28,8 +29,8 @@ def _flag_bool(value: str) -> bool:
 
 ENGINE_FLAGS: list[tuple[str, str, type, str]] = [
     ("--model", "model", str, "HF model directory or .gguf file (default: SmolLM2-135M-Instruct)"),
-    ("--dtype", "dtype", str, "auto | float32 | bfloat16 | float16 (auto: bf16 on GPU and on "
-                              "CPUs with native bf16, else fp32)"),
+    ("--dtype", "dtype", str, "auto | float32 (float) | bfloat16 | float16 (half) (auto: bf16 "
+                              "on GPU and on CPUs with native bf16, else fp32)"),
     ("--device", "device", str, "auto | cpu | cuda[:N]"),
     ("--max-model-len", "max_model_len", int, "context limit (default: the model's)"),
     ("--attention-backend", "attention_backend", str,
@@ -157,8 +158,12 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         group.add_argument(flag, dest=f"engine_{key}", type=kind, default=None, help=help_text)
     group.add_argument("--enforce-eager", dest="engine_enforce_eager", action="store_true",
                        default=None, help="CUDA: run every step eagerly (no CUDA graphs)")
-    group.add_argument("--no-prefix-caching", dest="engine_enable_prefix_caching",
-                       action="store_false", default=None, help="disable prefix caching")
+    group.add_argument("--enable-prefix-caching", dest="engine_enable_prefix_caching",
+                       action="store_true", default=None,
+                       help="reuse cached KV blocks of shared prefixes (the default)")
+    group.add_argument("--no-enable-prefix-caching", "--no-prefix-caching",
+                       dest="engine_enable_prefix_caching", action="store_false", default=None,
+                       help="disable prefix caching")
 
 
 def _config_layers(args: argparse.Namespace) -> list[dict]:
@@ -282,6 +287,7 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="carpool", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"carpool {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     generate = commands.add_parser("generate", help="complete one prompt, streaming to stdout")

@@ -267,6 +267,11 @@ def capture_sizes(spec: str, max_num_seqs: int) -> list[int]:
     return sizes
 
 
+#: ``--dtype`` spellings vLLM accepts for the same types.
+DTYPE_ALIASES = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
+                 "fp32": "float32"}
+
+
 @dataclass
 class ModelSettings:
     """Which model to run and how."""
@@ -292,6 +297,8 @@ class ModelSettings:
     cuda_graph_sizes: str = "auto"
 
     def validate(self) -> None:
+        # vLLM's spellings of the same types.
+        self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto|float32|bfloat16|float16, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):

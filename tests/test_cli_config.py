@@ -156,3 +156,30 @@ def test_every_config_field_has_a_flag():
     assert args.server_max_stop == 4
     with pytest.raises(SystemExit):  # a misspelt boolean is an error, not a silent false
         build_parser().parse_args(["serve", "--predictive-shedding", "ture"])
+
+
+def test_vllm_spellings(monkeypatch):
+    """vLLM's spellings of the same settings (issue 21, item 4, in part)."""
+    from carpool import __version__
+    from carpool.server.config import ServerConfig
+
+    done = subprocess.run([sys.executable, "-m", "carpool.cli", "--version"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == f"carpool {__version__}"
+    for given, dtype in (("half", "float16"), ("float", "float32"), ("bfloat16", "bfloat16")):
+        args = build_parser().parse_args(["serve", "--dtype", given])
+        assert engine_config_from_args(args).validate().model.dtype == dtype
+    for flags, enabled in ((["--enable-prefix-caching"], True),
+                           (["--no-enable-prefix-caching"], False),
+                           (["--no-prefix-caching"], False), ([], True)):
+        args = build_parser().parse_args(["serve", *flags])
+        assert engine_config_from_args(args).cache.enable_prefix_caching is enabled
+    monkeypatch.delenv("CARPOOL_API_KEY", raising=False)
+    monkeypatch.setenv("VLLM_API_KEY", "from-vllm")
+    config = ServerConfig()
+    config.resolve_api_key()
+    assert config.api_key == "from-vllm"
+    monkeypatch.setenv("CARPOOL_API_KEY", "ours")
+    config = ServerConfig()
+    config.resolve_api_key()
+    assert config.api_key == "ours"  # carpool's own variable wins

@@ -81,14 +81,16 @@ class ServerConfig:
         return CHARS_PER_CONTEXT_TOKEN * max_model_len
 
     def resolve_api_key(self) -> None:
-        """Fill ``api_key`` from ``api_key_file`` or $CARPOOL_API_KEY when not given."""
+        """Fill ``api_key`` from ``api_key_file``, $CARPOOL_API_KEY or (as
+        vLLM reads it) $VLLM_API_KEY when not given."""
         if self.api_key is None and self.api_key_file:
             with open(self.api_key_file, encoding="utf-8") as f:
                 self.api_key = f.readline().strip() or None
             if self.api_key is None:
                 raise ValueError(f"{self.api_key_file}: the first line holds no key")
         if self.api_key is None:
-            self.api_key = os.environ.get("CARPOOL_API_KEY") or None
+            self.api_key = (os.environ.get("CARPOOL_API_KEY")
+                            or os.environ.get("VLLM_API_KEY") or None)
 
     def host_allow_list(self, keyed: bool) -> frozenset[str] | None:
         """Host names the Host header may carry, or None for any."""
