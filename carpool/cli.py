@@ -148,6 +148,8 @@ SERVER_FLAGS: list[tuple[str, str, type, str]] = [
      "threads that parse, template and tokenize requests off the event loop"),
     ("--stall-timeout", "stall_timeout", float,
      "seconds busy without a step before /health answers 503"),
+    ("--uvicorn-log-level", "uvicorn_log_level", str,
+     "uvicorn's own log level: critical | error | warning (default) | info | debug | trace"),
 ]
 
 
@@ -285,8 +287,16 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
                           stop=args.stop)
 
 
+class _Parser(argparse.ArgumentParser):
+    """A bad flag or value is one line (which flag, what was wrong, where
+    help is), not the whole usage; sub-commands inherit it."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="carpool", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="carpool", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"carpool {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 

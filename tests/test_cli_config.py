@@ -183,3 +183,18 @@ def test_vllm_spellings(monkeypatch):
     config = ServerConfig()
     config.resolve_api_key()
     assert config.api_key == "ours"  # carpool's own variable wins
+
+
+def test_a_bad_value_is_one_line_and_uvicorn_log_level_is_checked():
+    done = subprocess.run([sys.executable, "-m", "carpool.cli", "serve", "--max-num-seqs", "abc"],
+                          capture_output=True, text=True, timeout=60)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert "--max-num-seqs" in lines[0] and "'abc'" in lines[0] and "--help" in lines[0]
+    from carpool.cli import server_config_from_args
+
+    args = build_parser().parse_args(["serve", "--uvicorn-log-level", "info"])
+    assert server_config_from_args(args).validate().uvicorn_log_level == "info"
+    args = build_parser().parse_args(["serve", "--uvicorn-log-level", "loud"])
+    with pytest.raises(ValueError, match="uvicorn_log_level"):
+        server_config_from_args(args).validate()

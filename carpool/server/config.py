@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from carpool import limits
 
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
 
 @dataclass
 class ServerConfig:
@@ -51,6 +53,7 @@ class ServerConfig:
     shutdown_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
     status_interval: float = 5.0  # seconds between status lines while busy
     stall_timeout: float = 120.0  # /health turns 503 if busy with no step for this long
+    uvicorn_log_level: str = "warning"  # critical | error | warning | info | debug | trace
 
     def validate(self) -> "ServerConfig":
         if not 0 <= self.port <= 65535:
@@ -72,6 +75,9 @@ class ServerConfig:
             raise ValueError("header_timeout and keep_alive_timeout must be > 0 seconds")
         if self.prep_workers < 1:
             raise ValueError(f"prep_workers must be >= 1, got {self.prep_workers}")
+        if self.uvicorn_log_level not in UVICORN_LOG_LEVELS:
+            raise ValueError(f"uvicorn_log_level must be one of {', '.join(UVICORN_LOG_LEVELS)}, "
+                             f"got {self.uvicorn_log_level!r}")
         return self
 
     def prompt_chars_cap(self, max_model_len: int) -> int:

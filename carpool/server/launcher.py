@@ -75,7 +75,8 @@ class _Runner:
         self.exit_code = 0
         self.draining_since: float | None = None
         uv_config = uvicorn.Config(
-            build_app(ctx), host=config.host, port=config.port, log_level="warning",
+            build_app(ctx), host=config.host, port=config.port,
+            log_level=config.uvicorn_log_level,
             access_log=False, lifespan="off", timeout_graceful_shutdown=5,
             http=with_head_timeout(config.header_timeout),
             timeout_keep_alive=config.keep_alive_timeout,
