@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from carpool.model import sampler as sampler_module
+from carpool.model import row_reductions
 from carpool.model.sampler import Sampler, SamplingRow, _row_uniforms
 from carpool.sampling_params import SamplingParams
 
@@ -76,26 +76,26 @@ def test_cpu_logits_sample_alike_under_a_default_device(default):
 @pytest.fixture
 def device_path(monkeypatch):
     """Take the path of logits off the CPU (fixed-order reductions, no syncs) on the CPU."""
-    monkeypatch.setattr(sampler_module, "_off_cpu", lambda t: True)
+    monkeypatch.setattr(row_reductions, "off_cpu", lambda t: True)
 
 
 def test_device_path_reductions_are_fixed_per_row(device_path):
     x = torch.rand(9, 1000) ** 8
-    sums, cums = sampler_module._row_sum(x), sampler_module._row_cumsum(x)
+    sums, cums = row_reductions.row_sum(x), row_reductions.row_cumsum(x)
     for i in range(len(x)):
         one = x[i:i + 1].clone()
-        assert torch.equal(sampler_module._row_sum(one)[0], sums[i])
-        assert torch.equal(sampler_module._row_cumsum(one)[0], cums[i])
+        assert torch.equal(row_reductions.row_sum(one)[0], sums[i])
+        assert torch.equal(row_reductions.row_cumsum(one)[0], cums[i])
     assert torch.equal(cums, x.cumsum(dim=-1))  # in order, in float64, like the CPU's
     assert torch.allclose(sums, x.double().sum(dim=-1).float(), rtol=1e-6)
-    assert torch.allclose(sampler_module._softmax(x), torch.softmax(x, dim=-1), atol=1e-7)
+    assert torch.allclose(row_reductions.softmax(x), torch.softmax(x, dim=-1), atol=1e-7)
 
 
 def test_device_path_samples_like_the_cpu_path_and_ignores_batch_mates(monkeypatch):
     logits, rows = mixed_batch(40, 2000, seed=4)
     sampler = Sampler(2000, candidates=64)
     expected = [r.token_id for r in sampler.sample(logits, rows)]
-    monkeypatch.setattr(sampler_module, "_off_cpu", lambda t: True)
+    monkeypatch.setattr(row_reductions, "off_cpu", lambda t: True)
     alone, batch = tokens_alone_and_shuffled(sampler, logits, rows)
     assert batch == alone
     got = [r.token_id for r in sampler.sample(logits, rows)]
@@ -131,13 +131,13 @@ def test_cuda_sampling_agrees_with_cpu(dtype):
 @pytest.mark.parametrize("vocab", [1000, 50257])
 def test_cuda_row_reductions_do_not_depend_on_batch(vocab):
     x = torch.rand(37, vocab, device="cuda") ** 8
-    sums, cums = sampler_module._row_sum(x), sampler_module._row_cumsum(x)
-    probs = sampler_module._softmax(x)
+    sums, cums = row_reductions.row_sum(x), row_reductions.row_cumsum(x)
+    probs = row_reductions.softmax(x)
     for i in range(len(x)):
         one = x[i:i + 1].clone()
-        assert torch.equal(sampler_module._row_sum(one)[0], sums[i])
-        assert torch.equal(sampler_module._row_cumsum(one)[0], cums[i])
-        assert torch.equal(sampler_module._softmax(one)[0], probs[i])
+        assert torch.equal(row_reductions.row_sum(one)[0], sums[i])
+        assert torch.equal(row_reductions.row_cumsum(one)[0], cums[i])
+        assert torch.equal(row_reductions.softmax(one)[0], probs[i])
 
 
 @needs_cuda

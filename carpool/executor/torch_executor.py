@@ -168,14 +168,15 @@ class TorchExecutor(Executor):
                 sampled_items.append(run.item)
         meta = self.attention.build_metadata([run.span for run in runs], self.block_size,
                                              self.device)
-        if bucket is not None:
-            ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-            hidden = self.graphs.replay(ids, meta, len(items))
-        else:
-            # Pad rows: the same kernels serve every step of a bucket (shapes.py).
+        if bucket is None:
+            # Pad rows: the same kernels serve every step of a bucket (shapes.py);
+            # a graph's batch is padded to its size already.
             input_ids += [PAD_TOKEN_ID] * (padded_rows(len(input_ids), self.row_bucket)
                                            - len(input_ids))
-            ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        if bucket is not None:
+            hidden = self.graphs.replay(ids, meta, len(items))
+        else:
             hidden = self.model(ids, meta, self.kv_caches, self.attention)
         if not sampled_items:
             return []

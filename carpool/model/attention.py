@@ -60,11 +60,8 @@ class AttentionMetadata:
 def build_metadata(spans: Sequence[SeqSpan], block_size: int,
                    device: torch.device) -> AttentionMetadata:
     """Metadata for spans ordered decodes (num_tokens == 1) first."""
-    num_decodes = 0
-    while num_decodes < len(spans) and spans[num_decodes].num_tokens == 1:
-        num_decodes += 1
-    assert all(s.num_tokens > 1 for s in spans[num_decodes:]), "decodes must come first"
-    positions, slots = _positions_and_slots(spans, block_size)
+    num_decodes = count_decodes(spans)
+    positions, slots = positions_and_slots(spans, block_size)
     slots_t = torch.tensor(slots, dtype=torch.long, device=device)
     meta = AttentionMetadata(
         slot_blocks=slots_t // block_size, slot_offsets=slots_t % block_size,
@@ -79,7 +76,17 @@ def build_metadata(spans: Sequence[SeqSpan], block_size: int,
     return meta
 
 
-def _positions_and_slots(spans: Sequence[SeqSpan], block_size: int) -> tuple[list[int], list[int]]:
+def count_decodes(spans: Sequence[SeqSpan]) -> int:
+    """How many leading spans are single-token (decodes); the rest must not be."""
+    num_decodes = 0
+    while num_decodes < len(spans) and spans[num_decodes].num_tokens == 1:
+        num_decodes += 1
+    assert all(s.num_tokens > 1 for s in spans[num_decodes:]), "decodes must come first"
+    return num_decodes
+
+
+def positions_and_slots(spans: Sequence[SeqSpan], block_size: int) -> tuple[list[int], list[int]]:
+    """Every new token's position and its KV slot (block * block_size + offset)."""
     positions: list[int] = []
     slots: list[int] = []
     for span in spans:

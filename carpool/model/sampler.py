@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from carpool.model import row_reductions as rows_ops
 from carpool.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -92,42 +93,6 @@ def _index(idx: list[int]) -> slice | torch.Tensor:
     return torch.tensor(idx, dtype=torch.long)
 
 
-def _off_cpu(t: torch.Tensor) -> bool:
-    """Off the CPU, row reductions are spelled out in a fixed order (kernels there lay
-    threads out by the batch's shape) and host syncs are avoided."""
-    return not t.is_cpu
-
-
-def _row_sum(t: torch.Tensor) -> torch.Tensor:
-    """Sums over the last dim; off the CPU by pairwise halving (elementwise adds)."""
-    if not _off_cpu(t):
-        return t.sum(dim=-1)
-    width = 1 << (t.shape[-1] - 1).bit_length()
-    if width != t.shape[-1]:
-        t = torch.nn.functional.pad(t, (0, width - t.shape[-1]))
-    while width > 1:
-        width //= 2
-        t = t[..., :width] + t[..., width:]
-    return t.squeeze(-1)
-
-
-def _row_cumsum(t: torch.Tensor) -> torch.Tensor:
-    """Running sums along rows, in order and in float64 like the CPU's. Off the CPU
-    as an outer-dim scan (a thread per row) over >= 2 rows (one takes a parallel scan)."""
-    if not _off_cpu(t):
-        return t.cumsum(dim=-1)
-    cols = t.double().t()
-    cols = torch.cat([cols, cols], dim=1) if cols.shape[1] == 1 else cols.contiguous()
-    return cols.cumsum(dim=0)[:, :t.shape[0]].t().to(t.dtype).contiguous()
-
-
-def _softmax(z: torch.Tensor) -> torch.Tensor:
-    if not _off_cpu(z):
-        return torch.softmax(z, dim=-1)
-    e = (z - z.amax(dim=-1, keepdim=True)).exp_()
-    return e.div_(_row_sum(e).unsqueeze(1))
-
-
 def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
@@ -170,7 +135,7 @@ def _nucleus_cut(vals: torch.Tensor, floor: torch.Tensor, need: torch.Tensor) ->
     """For rows of descending ``vals``: the value at which the running sum of
     those >= ``floor`` first reaches ``need`` (at most the last one kept)."""
     kept = vals * (vals >= floor.unsqueeze(1))
-    cum = _row_cumsum(kept)
+    cum = rows_ops.row_cumsum(kept)
     n_kept = (kept > 0).sum(dim=-1).clamp(min=1)
     j = torch.minimum((cum < need.unsqueeze(1)).sum(dim=-1), n_kept - 1)
     return torch.maximum(floor, _col(vals, j))
@@ -232,7 +197,7 @@ class Sampler:
         return self._results(x, tokens, rows, logprob_rows)
 
     def _chunk_rows(self, x: torch.Tensor) -> int:
-        chunk = self.DEVICE_CHUNK_ELEMENTS if _off_cpu(x) else self.CHUNK_ELEMENTS
+        chunk = self.DEVICE_CHUNK_ELEMENTS if rows_ops.off_cpu(x) else self.CHUNK_ELEMENTS
         return max(1, chunk // self.vocab_size)
 
     @staticmethod
@@ -351,7 +316,7 @@ class Sampler:
         if bool((temps != 1.0).any()):
             temps = temps.to(z.device)
             z = z.div_(temps) if owned else z / temps
-        probs = _softmax(z)
+        probs = rows_ops.softmax(z)
         n = len(rows)
         unit = torch.cat([_row_uniforms(r.seed, r.step, 1) for r in rows]).to(z.device)
         tokens, route = [0] * n, [_first_route(r.params) for r in rows]
@@ -410,14 +375,14 @@ class Sampler:
         nucleus is the shortest run of the highest kept probabilities reaching
         ``top_p`` of the kept mass. Also flags rows whose nucleus outgrew the
         candidates (left at ``floor``, for rejection)."""
-        cum = _row_cumsum(vals * (vals >= floor.unsqueeze(1)))
+        cum = rows_ops.row_cumsum(vals * (vals >= floor.unsqueeze(1)))
         mass = _col(cum, k_row - 1)
         inside = (k_row == self.vocab_size) | (last < floor)
         wide = ((top_p < 1.0) & ~inside).nonzero().flatten().tolist()
         if wide:
             # The kept set reaches past the candidates: its mass needs the whole row.
             idx = _index(wide)
-            mass[idx] = _row_sum(self._block_sums(self._take(probs, wide), floor[idx]))
+            mass[idx] = rows_ops.row_sum(self._block_sums(self._take(probs, wide), floor[idx]))
         need = top_p * mass
         fits = inside | (_col(cum, k_row - 1) >= need)
         nucleus = top_p < 1.0
@@ -432,7 +397,7 @@ class Sampler:
         in the nucleus). Accepted draws are exact nucleus samples; P(accept) >= top_p."""
         sums = self._block_sums(probs, floor)
         top_p = torch.tensor([r.params.top_p for r in rows], dtype=torch.float32)
-        need = top_p * _row_sum(sums)
+        need = top_p * rows_ops.row_sum(sums)
         units = torch.stack([_row_uniforms(r.seed, r.step, max(1, self.ATTEMPTS))
                              for r in rows]).to(probs.device)
         tokens, pending = [0] * len(rows), list(range(len(rows)))
@@ -458,7 +423,7 @@ class Sampler:
         sum(relu(p - v)) + v * count(p > v): plain float passes, cheap on CPU. (The
         count is exact in any order.)"""
         excess = torch.sub(probs, value).clamp_(min=0.0)
-        over = _row_sum(self._block_sums(excess))
+        over = rows_ops.row_sum(self._block_sums(excess))
         count = excess.sign_().sum(dim=-1)
         return over + value.squeeze(1) * count
 
@@ -467,13 +432,13 @@ class Sampler:
         in place first. Fixed blocks keep a row's sums bit-identical for any
         batch size (a whole-row sum of a single row may be split across threads).
         Off the CPU the mask is applied unchecked (a no-op where ``thr <= 0``): no sync."""
-        if thr is not None and (_off_cpu(probs) or bool((thr > 0).any())):
+        if thr is not None and (rows_ops.off_cpu(probs) or bool((thr > 0).any())):
             probs.masked_fill_(probs < thr.unsqueeze(1), 0.0)
         n, block = probs.shape[0], self.block
         nb, tail = divmod(self.vocab_size, block)
-        sums = _row_sum(probs.as_strided((n, nb, block), (probs.stride(0), block, 1)))
+        sums = rows_ops.row_sum(probs.as_strided((n, nb, block), (probs.stride(0), block, 1)))
         if tail:
-            sums = torch.cat([sums, _row_sum(probs[:, nb * block:]).unsqueeze(1)], dim=1)
+            sums = torch.cat([sums, rows_ops.row_sum(probs[:, nb * block:]).unsqueeze(1)], dim=1)
         return sums
 
     def _pick_candidates(self, vals: torch.Tensor, ids: torch.Tensor, thr: torch.Tensor,
@@ -482,7 +447,7 @@ class Sampler:
         keep = vals >= thr.unsqueeze(1)
         # Token-id order (not topk's, which may shuffle ties) makes the draw canonical.
         order = ids.masked_fill(~keep, self.vocab_size).argsort(dim=-1)
-        at = _pick(_row_cumsum((vals * keep).gather(1, order)), unit)
+        at = _pick(rows_ops.row_cumsum((vals * keep).gather(1, order)), unit)
         return _col(ids, _col(order, at)).tolist()
 
     def _sample_full(self, probs: torch.Tensor, thr: torch.Tensor, unit: torch.Tensor,
@@ -492,10 +457,10 @@ class Sampler:
         unless the block ``sums`` are given (then it must be masked already)."""
         vocab, block = self.vocab_size, self.block
         sums = self._block_sums(probs, thr) if sums is None else sums
-        cum = _row_cumsum(sums)
+        cum = rows_ops.row_cumsum(sums)
         b = _pick(cum, unit)
         before = torch.where(b > 0, _col(cum, (b - 1).clamp(min=0)), 0.0).double()
         rest = ((unit * cum[:, -1].double() - before) / _col(sums, b).double())
         cols = b.unsqueeze(1) * block + torch.arange(block)
         inner = probs.gather(1, cols.clamp(max=vocab - 1)) * (cols < vocab)
-        return b * block + _pick(_row_cumsum(inner), rest.clamp(0.0, 1.0 - 2 ** -53))
+        return b * block + _pick(rows_ops.row_cumsum(inner), rest.clamp(0.0, 1.0 - 2 ** -53))

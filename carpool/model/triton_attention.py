@@ -14,7 +14,13 @@ from dataclasses import dataclass
 
 import torch
 
-from carpool.model.attention import AttentionMetadata, SeqSpan, TorchAttention
+from carpool.model.attention import (
+    AttentionMetadata,
+    SeqSpan,
+    TorchAttention,
+    count_decodes,
+    positions_and_slots,
+)
 
 #: Slots of context one decode program reads per loop iteration when a KV
 #: block is smaller (tl.dot wants >= 16); larger blocks are read one a tile.
@@ -50,11 +56,16 @@ def _decode_layout(spans: Sequence[SeqSpan], block_size: int) -> tuple[list[int]
     """Context lengths, 0-padded block tables (flat), and the table width."""
     lens = [s.start + 1 for s in spans]
     width = -(-max(lens) // block_size)
+    return lens, _padded_tables(spans, width), width
+
+
+def _padded_tables(spans: Sequence[SeqSpan], width: int) -> list[int]:
+    """The spans' block tables cut or 0-padded to ``width``, row after row."""
     flat: list[int] = []
     for span in spans:
         row = list(span.block_table[:width])
         flat += row + [0] * (width - len(row))
-    return lens, flat, width
+    return flat
 
 
 def _extend_layout(spans: Sequence[SeqSpan], q_offset: int, block_size: int,
@@ -62,7 +73,7 @@ def _extend_layout(spans: Sequence[SeqSpan], q_offset: int, block_size: int,
     """Per-chunk lists (starts, lens, contexts, tile chunks, tile rows) and the table width."""
     contexts = [s.start + s.num_tokens for s in spans]
     width = -(-max(contexts) // block_size)
-    starts, lens, tile_chunks, tile_rows, tables = [], [], [], [], []
+    starts, lens, tile_chunks, tile_rows = [], [], [], []
     for index, span in enumerate(spans):
         starts.append(q_offset)
         lens.append(span.num_tokens)
@@ -70,8 +81,7 @@ def _extend_layout(spans: Sequence[SeqSpan], q_offset: int, block_size: int,
         for row in range(0, span.num_tokens, block_m):
             tile_chunks.append(index)
             tile_rows.append(row)
-        table = list(span.block_table[:width])
-        tables += table + [0] * (width - len(table))
+    tables = _padded_tables(spans, width)
     return [tables, starts, lens, contexts, tile_chunks, tile_rows], width
 
 
@@ -91,15 +101,8 @@ class TritonAttention(TorchAttention):
     def build_metadata(self, spans: Sequence[SeqSpan], block_size: int,
                        device: torch.device) -> AttentionMetadata:
         """Spans ordered decodes first (``build_metadata``'s contract)."""
-        num_decodes = 0
-        while num_decodes < len(spans) and spans[num_decodes].num_tokens == 1:
-            num_decodes += 1
-        positions, slots = [], []
-        for span in spans:
-            table = span.block_table
-            for pos in range(span.start, span.start + span.num_tokens):
-                positions.append(pos)
-                slots.append(table[pos // block_size] * block_size + pos % block_size)
+        num_decodes = count_decodes(spans)
+        positions, slots = positions_and_slots(spans, block_size)
         parts = [positions, [s // block_size for s in slots], [s % block_size for s in slots]]
         decode_width = extend_width = 0
         if num_decodes:
