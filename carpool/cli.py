@@ -29,6 +29,10 @@ def _flag_bool(value: str) -> bool:
 
 ENGINE_FLAGS: list[tuple[str, str, type, str]] = [
     ("--model", "model", str, "HF model directory or .gguf file (default: SmolLM2-135M-Instruct)"),
+    ("--tokenizer", "tokenizer", str,
+     "tokenizer directory or .gguf when not the model's own (default: the model's)"),
+    ("--chat-template", "chat_template", str,
+     "chat template: a Jinja file or the template text (default: the model's own)"),
     ("--dtype", "dtype", str, "auto | float32 (float) | bfloat16 | float16 (half) (auto: bf16 "
                               "on GPU and on CPUs with native bf16, else fp32)"),
     ("--device", "device", str, "auto | cpu | cuda[:N]"),
@@ -150,6 +154,8 @@ SERVER_FLAGS: list[tuple[str, str, type, str]] = [
      "seconds busy without a step before /health answers 503"),
     ("--uvicorn-log-level", "uvicorn_log_level", str,
      "uvicorn's own log level: critical | error | warning (default) | info | debug | trace"),
+    ("--metrics-prefix", "metrics_prefix", str,
+     "Prometheus series names: carpool (default) | vllm (vLLM's dashboards unchanged) | both"),
 ]
 
 

@@ -277,6 +277,11 @@ class ModelSettings:
     """Which model to run and how."""
 
     model: str | None = None  # HF directory or .gguf file; None = the default model
+    # The tokenizer's directory (or .gguf) when it is not the model's own (vLLM's --tokenizer).
+    tokenizer: str | None = None
+    # A Jinja chat template, as a file path or the template text itself
+    # (vLLM's --chat-template); None = the model's own.
+    chat_template: str | None = None
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda
     max_model_len: int | None = None  # defaults to the model's context length

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from carpool import limits
 
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+METRICS_PREFIXES = ("carpool", "vllm", "both")
 
 
 @dataclass
@@ -54,6 +55,9 @@ class ServerConfig:
     status_interval: float = 5.0  # seconds between status lines while busy
     stall_timeout: float = 120.0  # /health turns 503 if busy with no step for this long
     uvicorn_log_level: str = "warning"  # critical | error | warning | info | debug | trace
+    # Prefix of the Prometheus series: carpool (default), vllm (an existing
+    # vLLM dashboard and its alert rules work unchanged) or both.
+    metrics_prefix: str = "carpool"
 
     def validate(self) -> "ServerConfig":
         if not 0 <= self.port <= 65535:
@@ -75,6 +79,9 @@ class ServerConfig:
             raise ValueError("header_timeout and keep_alive_timeout must be > 0 seconds")
         if self.prep_workers < 1:
             raise ValueError(f"prep_workers must be >= 1, got {self.prep_workers}")
+        if self.metrics_prefix not in METRICS_PREFIXES:
+            raise ValueError(f"metrics_prefix must be one of {', '.join(METRICS_PREFIXES)}, "
+                             f"got {self.metrics_prefix!r}")
         if self.uvicorn_log_level not in UVICORN_LOG_LEVELS:
             raise ValueError(f"uvicorn_log_level must be one of {', '.join(UVICORN_LOG_LEVELS)}, "
                              f"got {self.uvicorn_log_level!r}")
