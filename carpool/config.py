@@ -36,7 +36,11 @@ class CacheConfig:
 
     block_size: int = 16
     kv_cache_memory: str = "1GiB"  # budget for the whole pool, all layers, K and V
-    num_blocks: int | None = None  # overrides kv_cache_memory when set
+    # vLLM's --gpu-memory-utilization: the pool is this fraction of the memory
+    # free once the weights are loaded (CUDA: mem_get_info; CPU: MemAvailable),
+    # and kv_cache_memory is unused (see carpool.cli for the layers' precedence).
+    gpu_memory_utilization: float | None = None
+    num_blocks: int | None = None  # overrides kv_cache_memory and gpu_memory_utilization
     enable_prefix_caching: bool = True
     # Free blocks kept back when admitting new requests, as a fraction of the
     # pool: admitting into the last few blocks only to preempt next step thrashes.
@@ -49,6 +53,11 @@ class CacheConfig:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if not 0.0 <= self.watermark < 0.5:
             raise ValueError(f"watermark must be in [0, 0.5), got {self.watermark}")
+        fraction = self.gpu_memory_utilization
+        if fraction is not None and (isinstance(fraction, bool) or
+                                     not isinstance(fraction, (int, float)) or
+                                     not 0.0 < fraction <= 1.0):  # also rejects NaN
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {fraction!r}")
         parse_size(self.kv_cache_memory)
 
 

@@ -56,7 +56,8 @@ def test_generate_and_chat_on_tiny_model(tiny_model_dir):
     chat = run_cli("chat", "--model", str(tiny_model_dir), "--max-tokens", "4",
                    stdin="hello\n/reset\nagain\n")
     assert chat.returncode == 0, chat.stderr
-    assert chat.stdout.count("> ") >= 3
+    # two replies, one line each (prompts are shown only on a terminal)
+    assert chat.stdout.count("\n") >= 2, chat.stdout
 
 
 @pytest.mark.real_model
@@ -129,7 +130,7 @@ def test_every_config_field_has_a_flag():
     hysteresis_ticks, shed_on_ttft_target and seven server limits had none)."""
     import dataclasses
 
-    from carpool.cli import ENGINE_FLAGS, SERVER_FLAGS
+    from carpool.cli_flags import ENGINE_FLAGS, SERVER_FLAGS
     from carpool.config import (
         CacheConfig,
         ControllerConfig,
@@ -138,9 +139,8 @@ def test_every_config_field_has_a_flag():
     )
     from carpool.server.config import ServerConfig
 
-    # --no-prefix-caching and --enforce-eager are store flags, outside ENGINE_FLAGS
-    engine = {key for _, key, _, _ in ENGINE_FLAGS} | {"enable_prefix_caching", "enforce_eager"}
-    server = {key for _, key, _, _ in SERVER_FLAGS} | {"cors_origins", "allowed_hosts"}  # nargs
+    engine = {flag.key for flag in ENGINE_FLAGS}
+    server = {flag.key for flag in SERVER_FLAGS} | {"cors_origins", "allowed_hosts"}  # nargs
     for section in (ModelSettings, CacheConfig, SchedulerConfig, ControllerConfig):
         missing = [f.name for f in dataclasses.fields(section) if f.name not in engine]
         assert not missing, (section.__name__, missing)

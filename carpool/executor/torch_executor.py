@@ -60,6 +60,25 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
+def free_memory(device: torch.device) -> int:
+    """Bytes free for the KV pool now. CUDA: the device's free memory
+    (``torch.cuda.mem_get_info``, after returning the caching allocator's
+    unused blocks); CPU: ``MemAvailable`` of /proc/meminfo (what can be
+    allocated without swapping)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # the file counts kB
+    except OSError:
+        pass
+    raise ValueError("cannot tell the free memory on this system (no /proc/meminfo): "
+                     "size the KV cache with --kv-cache-memory")
+
+
 @dataclass
 class _Run:
     """A stretch of the flattened batch: an item's span, or padding (``item`` None)."""
@@ -72,8 +91,9 @@ class _Run:
 class TorchExecutor(Executor):
     """Holds the model weights and one preallocated KV pool.
 
-    The pool is ``num_blocks`` blocks per layer for K and for V, sized from
-    ``cache.kv_cache_memory`` unless ``cache.num_blocks`` is given, plus
+    The pool is ``num_blocks`` blocks per layer for K and for V, sized by
+    ``_num_blocks`` (``cache.num_blocks``, ``gpu_memory_utilization`` or
+    ``kv_cache_memory``), plus
     ``SCRATCH_BLOCKS`` scratch blocks for padding.
     """
 
@@ -140,15 +160,24 @@ class TorchExecutor(Executor):
                                 graph_type=graph_type)
 
     def _num_blocks(self, config: ModelConfig, cache: CacheConfig) -> int:
+        """The pool's blocks: ``num_blocks``, else ``gpu_memory_utilization``
+        of the memory free now (the weights are loaded), else ``kv_cache_memory``."""
         if cache.num_blocks is not None:
             return cache.num_blocks
         elem = torch.tensor([], dtype=self.dtype).element_size()
         per_block = 2 * config.num_layers * self.block_size * config.num_kv_heads \
             * config.head_dim * elem
-        num_blocks = parse_size(cache.kv_cache_memory) // per_block
+        if cache.gpu_memory_utilization is not None:
+            free = free_memory(self.device)
+            budget = int(free * cache.gpu_memory_utilization)
+            source = (f"gpu_memory_utilization {cache.gpu_memory_utilization} of "
+                      f"{free / 2**20:.0f} MiB free")
+        else:
+            budget = parse_size(cache.kv_cache_memory)
+            source = f"kv_cache_memory {cache.kv_cache_memory}"
+        num_blocks = budget // per_block
         if num_blocks < 1:
-            raise ValueError(f"kv_cache_memory {cache.kv_cache_memory} holds no block "
-                             f"({per_block} bytes each)")
+            raise ValueError(f"{source} holds no KV block ({per_block} bytes each)")
         return int(num_blocks)
 
     @torch.inference_mode()

@@ -1,6 +1,7 @@
 """Server settings: listening address, auth, client-controlled size limits."""
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 
@@ -8,6 +9,7 @@ from carpool import limits
 
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 METRICS_PREFIXES = ("carpool", "vllm", "both")
+LOG_DATE_FORMAT = "%Y-%m-%d %H:%M:%S"  # %(asctime)s in log_format
 
 
 @dataclass
@@ -58,6 +60,10 @@ class ServerConfig:
     # Prefix of the Prometheus series: carpool (default), vllm (an existing
     # vLLM dashboard and its alert rules work unchanged) or both.
     metrics_prefix: str = "carpool"
+    # The server's log lines (listening, targets, status while busy, drain):
+    # Python logging's %-style fields; asctime is local time to the second
+    # (LOG_DATE_FORMAT), e.g. "2026-12-04 19:30:01 carpool: serving ...".
+    log_format: str = "%(asctime)s carpool: %(message)s"
 
     def validate(self) -> "ServerConfig":
         if not 0 <= self.port <= 65535:
@@ -82,6 +88,7 @@ class ServerConfig:
         if self.metrics_prefix not in METRICS_PREFIXES:
             raise ValueError(f"metrics_prefix must be one of {', '.join(METRICS_PREFIXES)}, "
                              f"got {self.metrics_prefix!r}")
+        _check_log_format(self.log_format)
         if self.uvicorn_log_level not in UVICORN_LOG_LEVELS:
             raise ValueError(f"uvicorn_log_level must be one of {', '.join(UVICORN_LOG_LEVELS)}, "
                              f"got {self.uvicorn_log_level!r}")
@@ -112,6 +119,17 @@ class ServerConfig:
         if not keyed and is_loopback(self.host):
             return LOOPBACK_NAMES
         return None
+
+
+def _check_log_format(text: str) -> None:
+    """A log format that cannot format a line is an error now, not a
+    traceback on every line later."""
+    try:
+        record = logging.makeLogRecord({"msg": "x", "levelname": "INFO", "name": "carpool"})
+        logging.Formatter(text, LOG_DATE_FORMAT).format(record)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"log_format {text!r} cannot format a line ({exc}); use logging's "
+                         f"%-style fields, e.g. '%(asctime)s carpool: %(message)s'") from None
 
 
 # Generous: real text runs ~3-5 characters per token, code up to ~10.

@@ -14,17 +14,16 @@ import signal
 import socket
 import sys
 import time
-from pathlib import Path
 
 import prometheus_client
 import uvicorn
 
 from carpool.config import EngineConfig
 from carpool.engine.async_engine import AsyncEngine
-from carpool.engine.calibrate import prepare_serving, print_log
+from carpool.engine.calibrate import prepare_serving
 from carpool.engine.llm_engine import LLMEngine
 from carpool.server.app import build_app
-from carpool.server.config import ServerConfig
+from carpool.server.config import LOG_DATE_FORMAT, ServerConfig
 from carpool.server.http import with_head_timeout
 from carpool.server.metrics import Metrics
 from carpool.server.serving import ServerContext
@@ -44,12 +43,26 @@ FAULT_ENV = "CARPOOL_FAULT_AT_STEP"
 
 
 def model_name(engine_config: EngineConfig, server_config: ServerConfig) -> str:
+    """The name the API serves: ``--served-model-name``, else the model
+    argument exactly as given (as vLLM reports it: the same file is one name
+    however it was loaded), else the default model's name."""
     if server_config.served_model_name:
         return server_config.served_model_name
-    if not engine_config.model.model:
-        return DEFAULT_MODEL_NAME
-    path = Path(engine_config.model.model)
-    return path.stem if path.suffix == ".gguf" else path.name
+    return engine_config.model.model or DEFAULT_MODEL_NAME
+
+
+def setup_logging(config: ServerConfig) -> None:
+    """The server's log lines on stderr in ``config.log_format`` (by default
+    ``2026-12-04 19:30:01 carpool: ...``); a process whose logging is set up
+    already (an embedding application, pytest) keeps its own."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(config.log_format, LOG_DATE_FORMAT))
+    logging.basicConfig(level=logging.INFO, handlers=[handler])
+
+
+def _engine_log(message: str) -> None:
+    """``prepare_serving``'s progress lines, as the server's log lines."""
+    log.info(message.removeprefix("carpool: "))
 
 
 class _Server(uvicorn.Server):
@@ -125,17 +138,16 @@ class _Runner:
         host, port = self.server.servers[0].sockets[0].getsockname()[:2]
         ctx = self.ctx
         stats = ctx.engine.stats
-        print(f"carpool: serving {ctx.model_name!r} on http://{host}:{port} "
-              f"(context {ctx.max_model_len} tokens, KV cache {stats.kv_num_blocks} blocks)",
-              flush=True)
+        log.info("serving %r on http://%s:%s (context %d tokens, KV cache %d blocks)",
+                 ctx.model_name, host, port, ctx.max_model_len, stats.kv_num_blocks)
         slo = ctx.engine.engine.slo
         if slo is not None:
-            print(f"carpool: {slo.describe()}; the adaptive controller keeps them and "
-                  f"admission answers 429 + Retry-After for what would miss them "
-                  f"(--slo to set, --adaptive false for plain batching)", flush=True)
+            log.info("%s; the adaptive controller keeps them and admission answers 429 + "
+                     "Retry-After for what would miss them (--slo to set, --adaptive false "
+                     "for plain batching)", slo.describe())
         else:
-            print("carpool: adaptive controller off: plain batching at the configured knobs, "
-                  "no latency targets", flush=True)
+            log.info("adaptive controller off: plain batching at the configured knobs, "
+                     "no latency targets")
 
     async def _status_lines(self) -> None:
         # The window's base from the start: a burst served within the first
@@ -146,7 +158,7 @@ class _Runner:
             stats, rates = self.ctx.metrics.snapshot()
             gen = rates["generation_tokens_per_second"]
             if stats.num_running or stats.num_waiting or (gen == gen and gen > 0):
-                print(status_line(stats, rates), file=sys.stderr, flush=True)
+                log.info("%s", status_line(stats, rates))
 
 
 def status_line(stats, rates: dict[str, float]) -> str:
@@ -201,10 +213,10 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig,
     The adaptive controller is on unless ``adaptive: false``; its latency
     targets are resolved (measured at start-up when ``auto``) before the
     server listens; ``slo_sources`` says which the command line set."""
-    logging.basicConfig(level=logging.INFO, format="carpool: %(message)s")
+    server_config.validate()
+    setup_logging(server_config)
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     prometheus_client.disable_created_metrics()  # as vLLM: no *_created series
-    server_config.validate()
     problem = address_problem(server_config.host, server_config.port)
     if problem:  # found now, not after the model has loaded
         print(f"carpool: cannot listen on {server_config.host}:{server_config.port}: {problem}",
@@ -215,10 +227,12 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig,
         from carpool.server.auth import read_keys_file
 
         read_keys_file(server_config.api_keys)
-    print("carpool: loading the model...", file=sys.stderr, flush=True)
+    # Named before loading: the model argument as the user gave it.
+    name = model_name(engine_config, server_config)
+    log.info("loading the model...")
 
     def build() -> LLMEngine:
-        engine = prepare_serving(LLMEngine.from_config(engine_config), slo_sources, print_log)
+        engine = prepare_serving(LLMEngine.from_config(engine_config), slo_sources, _engine_log)
         if os.environ.get(FAULT_ENV):
             _inject_fault(engine, int(os.environ[FAULT_ENV]))
         if schedule is not None:
@@ -233,7 +247,6 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig,
         # The engine thread runs from here on: stop it however serving ends,
         # while the loop its streams answer on is still running.
         try:
-            name = model_name(engine_config, server_config)
             ctx = ServerContext(async_engine, engine.tokenizer, name, engine.max_model_len,
                                 server_config, Metrics(name, lambda: async_engine.stats))
             return await _Runner(ctx, server_config).run()
