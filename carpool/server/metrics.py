@@ -1,28 +1,44 @@
 """Prometheus metrics, named after vLLM's (``vllm:x`` -> ``carpool:x``).
 
+The prefix is ``ServerConfig.metrics_prefix``: ``carpool`` (the default),
+``vllm`` (an existing vLLM dashboard or alert rule works unchanged) or
+``both``. Families are kept unprefixed and the exporter names them when
+Prometheus scrapes, so under ``both`` every series appears twice from one
+collection, with the same values.
+
 Per-request latencies are observed by the server as outputs stream out
-(``RequestTracker``); engine gauges and counters are read from the engine's
-published ``EngineStats`` snapshot when Prometheus scrapes; windowed rates
-(tokens/s, busy fraction, fill rate, reject rate, long share) come from
-``RateWindow`` over the last ``WINDOW_S`` seconds.
+(``RequestTracker``): TTFT, inter-token gaps and end-to-end time on the
+server's clock; queue, prefill, decode and inference (prefill + decode) time
+from the engine's timestamps on each request's final output, as vLLM does.
+Engine gauges and counters are read from the engine's published
+``EngineStats`` snapshot when Prometheus scrapes (``metrics_engine``);
+windowed rates (tokens/s, busy fraction, fill rate, reject rate, long
+share) come from ``RateWindow`` over the last ``WINDOW_S`` seconds; tokens
+per engine step from the engine's step log.
 """
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections import deque
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 
 from carpool.engine.outputs import RequestOutput
 from carpool.engine.stats import EngineStats
+from carpool.server.metrics_engine import cache_info, engine_families
 
 WINDOW_S = 10.0
+# The series' prefixes for each ``metrics_prefix`` setting.
+PREFIXES = {"carpool": ("carpool",), "vllm": ("vllm",), "both": ("carpool", "vllm")}
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                     7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
+# vLLM's buckets for tokens per engine step.
+_STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 class RateWindow:
@@ -70,18 +86,28 @@ class RateWindow:
 
 
 class Metrics:
-    """All metrics of one server, in their own registry (no global state)."""
+    """All metrics of one server, in their own registry (no global state).
 
-    def __init__(self, model_name: str, stats_source) -> None:
+    ``registry`` is what /metrics renders. ``prefix`` may be changed until
+    the first scrape (the server sets it from its config); ``bind_engine``
+    adds what only the engine knows.
+    """
+
+    def __init__(self, model_name: str, stats_source, prefix: str = "carpool") -> None:
         self.model_name = model_name
-        self.registry = CollectorRegistry(auto_describe=True)
+        self.prefix = prefix
         self.window = RateWindow()
         self._stats_source = stats_source  # () -> EngineStats
+        self._step_log = None  # the engine's StepLog, once bound
+        self._steps_seen = 0  # steps of the log already observed
+        self._cache: dict[str, str] | None = None
+        self._lock = threading.Lock()  # guards the step-log cursor
+        self._live = CollectorRegistry(auto_describe=False)  # unprefixed families
         labels = ["model_name"]
 
         def hist(name: str, doc: str, buckets) -> Histogram:
-            return Histogram(f"carpool:{name}", doc, labels, buckets=buckets,
-                             registry=self.registry).labels(model_name)
+            return Histogram(name, doc, labels, buckets=buckets,
+                             registry=self._live).labels(model_name)
 
         self.ttft = hist("time_to_first_token_seconds", "Time to first token (server side).",
                          _LATENCY_BUCKETS)
@@ -93,26 +119,85 @@ class Metrics:
                         _LATENCY_BUCKETS)
         self.queue_time = hist("request_queue_time_seconds",
                                "Time from arrival to first being scheduled.", _LATENCY_BUCKETS)
+        self.prefill_time = hist("request_prefill_time_seconds",
+                                 "Time from first being scheduled to the first token.",
+                                 _LATENCY_BUCKETS)
+        self.decode_time = hist("request_decode_time_seconds",
+                                "Time from the first token to the last.", _LATENCY_BUCKETS)
+        self.inference_time = hist("request_inference_time_seconds",
+                                   "Time from first being scheduled to the last token "
+                                   "(prefill + decode).", _LATENCY_BUCKETS)
         self.prompt_tokens = hist("request_prompt_tokens", "Prompt tokens per request.",
                                   _TOKEN_BUCKETS)
         self.generation_tokens = hist("request_generation_tokens",
                                       "Generated tokens per request.", _TOKEN_BUCKETS)
-        self.outcomes = Counter("carpool:request_outcomes", "Finished requests by outcome: "
+        self.max_generation_tokens = hist(
+            "request_max_num_generation_tokens",
+            "Per prompt: the most tokens any of its n samples generated.", _TOKEN_BUCKETS)
+        self.iteration_tokens = hist("iteration_tokens_total",
+                                     "Tokens computed per engine step.", _STEP_TOKEN_BUCKETS)
+        self.outcomes = Counter("request_outcomes", "Finished requests by outcome: "
                                 "stop, length, abort, error, rejected:<reason>.",
-                                labels + ["outcome"], registry=self.registry)
-        self.registry.register(_EngineCollector(self))
+                                labels + ["outcome"], registry=self._live)
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(_Exporter(self))
+
+    @property
+    def prefix(self) -> str:
+        return self._prefix
+
+    @prefix.setter
+    def prefix(self, value: str) -> None:
+        if value not in PREFIXES:
+            raise ValueError(f"metrics prefix must be one of {', '.join(PREFIXES)}, "
+                             f"got {value!r}")
+        self._prefix = value
+
+    def bind_engine(self, engine) -> None:
+        """Read what only the ``LLMEngine`` knows: the tokens of each step
+        (its step log, for ``iteration_tokens_total``) and its KV cache
+        settings (``cache_config_info``)."""
+        self._step_log = engine.step_log
+        self._cache = cache_info(engine)
 
     def outcome(self, outcome: str) -> None:
         self.outcomes.labels(self.model_name, outcome).inc()
+
+    def trackers(self, num_prompts: int, n: int, received_at: float) -> list[RequestTracker]:
+        """Trackers of one API call's ``num_prompts * n`` choices, choice
+        ``p * n + i`` being sample ``i`` of prompt ``p``."""
+        groups = [_SampleGroup(self, n) for _ in range(num_prompts)]
+        return [RequestTracker(self, received_at, group) for group in groups for _ in range(n)]
 
     def snapshot(self) -> tuple[EngineStats, dict[str, float]]:
         stats = self._stats_source()
         self.window.update(stats)
         return stats, self.window.rates()
 
+    def families(self) -> Iterator[Metric]:
+        """Every family, unprefixed, from one snapshot of the engine."""
+        self._observe_new_steps()
+        stats, rates = self.snapshot()
+        yield from self._live.collect()
+        yield from engine_families(stats, rates, self.model_name, WINDOW_S, self._cache)
 
-class _EngineCollector:
-    """Reads the engine snapshot at scrape time."""
+    def _observe_new_steps(self) -> None:
+        """Observe the steps logged since the last scrape. Steps that left
+        the log's ring between two scrapes (more than its capacity) and
+        padded steps (static / dynamic batching), which the log leaves out,
+        are not observed."""
+        if self._step_log is None:
+            return
+        with self._lock:
+            steps, total = self._step_log.snapshot()
+            new = min(total - self._steps_seen, len(steps))
+            for step in steps[len(steps) - new:]:
+                self.iteration_tokens.observe(step.shape.tokens)
+            self._steps_seen = total
+
+
+class _Exporter:
+    """Names every family with the prefix(es) in force when Prometheus scrapes."""
 
     def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
@@ -121,86 +206,43 @@ class _EngineCollector:
         return []  # unchecked: the metric set is only known at collect time
 
     def collect(self) -> Iterator[Metric]:
-        stats, rates = self.metrics.snapshot()
-        model = [self.metrics.model_name]
-
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            family = GaugeMetricFamily(f"carpool:{name}", doc, labels=["model_name"])
-            family.add_metric(model, value)
-            return family
-
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            family = CounterMetricFamily(f"carpool:{name}", doc, labels=["model_name"])
-            family.add_metric(model, value)
-            return family
-
-        c = stats.counters
-        yield gauge("num_requests_running", "Requests in the running batch.", stats.num_running)
-        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting)
-        yield gauge("num_tokens_waiting", "Tokens still to compute for waiting requests.",
-                    stats.waiting_tokens)
-        yield gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", stats.kv_usage)
-        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                      stats.prefix_queries)
-        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                      stats.prefix_hits)
-        yield counter("num_preemptions", "Preemptions (by recompute).", stats.num_preemptions)
-        yield counter("num_priority_preemptions",
-                      "Preemptions that made room for a better-priority request.",
-                      stats.num_priority_preemptions)
-        yield counter("batches", "Request-level batches formed (static / dynamic batching).",
-                      stats.batches)
-        yield counter("prompt_tokens", "Prompt tokens of finished requests.", c.prompt_tokens)
-        yield counter("generation_tokens", "Generated tokens.", c.generation_tokens)
-        yield counter("engine_steps", "Scheduler steps run.", c.steps)
-        yield counter("engine_busy_seconds", "Seconds the engine spent running steps.",
-                      c.busy_seconds)
-        finished = CounterMetricFamily(
-            "carpool:request_success", "Requests the engine finished, by reason (stop, "
-            "length, abort, rejected).", labels=["model_name", "finished_reason"])
-        for reason, count in sorted(c.finished.items()):
-            finished.add_metric(model + [reason], count)
-        yield finished
-        rejected = CounterMetricFamily("carpool:requests_rejected",
-                                       "Requests rejected by admission control, by reason.",
-                                       labels=["model_name", "reason"])
-        for reason, count in sorted(stats.rejections.items()):
-            rejected.add_metric(model + [reason], count)
-        yield rejected
-        for name, value in rates.items():
-            yield gauge(name, f"{name.replace('_', ' ')} over the last {WINDOW_S:g} s.", value)
-        yield from _policy_metrics(stats, model)
+        families = list(self.metrics.families())  # once: "both" shows the same values
+        for prefix in PREFIXES[self.metrics.prefix]:
+            for family in families:
+                yield _renamed(family, prefix)
 
 
-def _policy_metrics(stats: EngineStats, model: list[str]) -> Iterator[Metric]:
-    mode = GaugeMetricFamily("carpool:controller_mode", "1 for the scheduler's current mode.",
-                             labels=["model_name", "mode", "batching"])
-    mode.add_metric(model + [stats.mode, stats.batching], 1.0)
-    yield mode
-    knobs = GaugeMetricFamily("carpool:scheduler_knob", "Current value of each scheduler knob.",
-                              labels=["model_name", "knob"])
-    for knob, value in sorted(stats.knobs.items()):
-        knobs.add_metric(model + [knob], value)
-    yield knobs
-    decisions = CounterMetricFamily(
-        "carpool:controller_decisions", "Adaptive controller decisions by knob and reason.",
-        labels=["model_name", "knob", "reason"])
-    for (knob, reason), count in sorted(stats.decision_counts.items()):
-        decisions.add_metric(model + [knob, reason], count)
-    yield decisions
-    sessions = GaugeMetricFamily("carpool:sessions", "Session stats (counts are cumulative).",
-                                 labels=["model_name", "stat"])
-    for name, value in sorted(stats.sessions.items()):
-        sessions.add_metric(model + [name], value)
-    yield sessions
+def _renamed(family: Metric, prefix: str) -> Metric:
+    out = Metric(f"{prefix}:{family.name}", family.documentation, family.type, family.unit)
+    out.samples = [s._replace(name=f"{prefix}:{s.name}") for s in family.samples]
+    return out
+
+
+class _SampleGroup:
+    """The n samples of one prompt: vLLM observes the most tokens any of
+    them generated (``request_max_num_generation_tokens``) once all ended."""
+
+    def __init__(self, metrics: Metrics, size: int) -> None:
+        self.metrics = metrics
+        self.left = size
+        self.most_tokens: int | None = None  # None while no sample finished with output
+
+    def ended(self, output_tokens: int | None) -> None:
+        if output_tokens is not None:
+            self.most_tokens = max(self.most_tokens or 0, output_tokens)
+        self.left -= 1
+        if self.left == 0 and self.most_tokens is not None:
+            self.metrics.max_generation_tokens.observe(self.most_tokens)
 
 
 class RequestTracker:
     """Observes one choice's latencies as its outputs reach the server."""
 
-    def __init__(self, metrics: Metrics, received_at: float) -> None:
+    def __init__(self, metrics: Metrics, received_at: float,
+                 group: _SampleGroup | None = None) -> None:
         self.metrics = metrics
         self.received_at = received_at
+        self.group = group if group is not None else _SampleGroup(metrics, 1)
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
         self.done = False
@@ -222,18 +264,35 @@ class RequestTracker:
         m = self.metrics
         if output.finish_reason == "rejected":
             m.outcome(f"rejected:{output.reject_reason}")
+            self.group.ended(None)
             return
         m.outcome(output.finish_reason or "stop")
         m.e2e.observe(now - self.received_at)
         m.prompt_tokens.observe(output.num_prompt_tokens)
         m.generation_tokens.observe(output.num_output_tokens)
-        if output.first_scheduled_time is not None:
-            m.queue_time.observe(max(0.0, output.first_scheduled_time - output.arrival_time))
+        self.group.ended(output.num_output_tokens)
         if self.first_token_at is not None and output.num_output_tokens > 1:
             m.tpot.observe((now - self.first_token_at) / (output.num_output_tokens - 1))
+        _observe_phases(m, output)
 
     def close(self, outcome: str = "abort") -> None:
         """The choice ended without a final output (client left, engine died)."""
         if not self.done:
             self.done = True
             self.metrics.outcome(outcome)
+            self.group.ended(None)
+
+
+def _observe_phases(m: Metrics, output: RequestOutput) -> None:
+    """Queue, prefill, decode and inference time of a finished request, from
+    the engine's own timestamps (one clock, unaffected by the HTTP side)."""
+    scheduled, first, last = (output.first_scheduled_time, output.first_token_time,
+                              output.finish_time)
+    if scheduled is not None:
+        m.queue_time.observe(max(0.0, scheduled - output.arrival_time))
+        if first is not None:
+            m.prefill_time.observe(max(0.0, first - scheduled))
+        if last is not None:
+            m.inference_time.observe(max(0.0, last - scheduled))
+    if first is not None and last is not None:
+        m.decode_time.observe(max(0.0, last - first))

@@ -67,6 +67,9 @@ class ServerContext:
     def __post_init__(self) -> None:
         if self.prep is None:
             self.prep = PrepPool(self.config.prep_workers)
+        # The metrics take this server's prefix and read what only the engine knows.
+        self.metrics.prefix = self.config.metrics_prefix
+        self.metrics.bind_engine(self.engine.engine)
 
     @property
     def max_prompt_chars(self) -> int:
@@ -194,7 +197,7 @@ class OpenAIServing:
         ext = extensions(body, headers, principal)
         streams = await self._start(call.prompts, call.params, body.n, ext, call.builder.id,
                                     received_at)
-        trackers = [RequestTracker(self.ctx.metrics, received_at) for _ in streams]
+        trackers = self.ctx.metrics.trackers(len(call.prompts), body.n, received_at)
         merged = _merge(streams, trackers)
         builder = call.builder
         try:

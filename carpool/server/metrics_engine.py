@@ -1,0 +1,140 @@
+"""The metric families read from the engine when Prometheus scrapes.
+
+Every family here is built unprefixed (``num_requests_running``); the
+exporter in ``carpool.server.metrics`` adds ``carpool:`` and/or ``vllm:``.
+Names, label names and meanings follow vLLM's where vLLM has the series
+(``vllm/v1/metrics/loggers.py``); the rest are carpool's own.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from carpool.engine.stats import EngineStats
+
+# vLLM creates these finish reasons' series at start (at 0), so a rate over
+# the first requests has a base sample; "rejected" is not one: a request
+# that never ran is counted by ``requests_rejected`` and ``request_outcomes``.
+SUCCESS_REASONS = ("stop", "length", "abort")
+# SessionStats fields that only ever grow: exported as counters as well.
+SESSION_COUNTERS = {
+    "session_requests": "Requests accepted with a session id.",
+    "session_prefix_hit_tokens": "Prompt tokens of session requests served from the prefix cache.",
+}
+
+
+def cache_info(engine) -> dict[str, str]:
+    """vLLM's ``cache_config_info`` labels for an ``LLMEngine``: every field of
+    its ``CacheConfig`` as a string (``block_size`` and ``enable_prefix_caching``
+    are vLLM's names too), the blocks the pool got and the KV dtype."""
+    info = {k: str(v) for k, v in dataclasses.asdict(engine.config.cache).items()}
+    info["num_gpu_blocks"] = str(engine.executor.num_blocks)  # vLLM's name, any device
+    info["cache_dtype"] = str(engine.executor.dtype).removeprefix("torch.")
+    return info
+
+
+def _gauge(name: str, doc: str, model: list[str], value: float) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, doc, labels=["model_name"])
+    family.add_metric(model, value)
+    return family
+
+
+def _counter(name: str, doc: str, model: list[str], value: float) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, doc, labels=["model_name"])
+    family.add_metric(model, value)
+    return family
+
+
+def engine_families(stats: EngineStats, rates: dict[str, float], model_name: str,
+                    window_s: float, cache: dict[str, str] | None) -> Iterator[Metric]:
+    """Gauges and counters of one engine snapshot, plus ``rates`` (windowed
+    over ``window_s``) and ``cache`` (``cache_config_info``'s labels, if known)."""
+    model = [model_name]
+    c = stats.counters
+    yield _gauge("num_requests_running", "Requests in the running batch.", model,
+                 stats.num_running)
+    yield _gauge("num_requests_waiting", "Requests waiting to be scheduled.", model,
+                 stats.num_waiting)
+    yield _gauge("num_tokens_waiting", "Tokens still to compute for waiting requests.", model,
+                 stats.waiting_tokens)
+    yield _gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", model,
+                 stats.kv_usage)
+    yield _counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                   model, stats.prefix_queries)
+    yield _counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", model,
+                   stats.prefix_hits)
+    yield _counter("num_preemptions", "Preemptions (by recompute).", model,
+                   stats.num_preemptions)
+    yield _counter("num_priority_preemptions",
+                   "Preemptions that made room for a better-priority request.", model,
+                   stats.num_priority_preemptions)
+    yield _counter("batches", "Request-level batches formed (static / dynamic batching).",
+                   model, stats.batches)
+    yield _counter("prompt_tokens", "Prompt tokens of finished requests.", model,
+                   c.prompt_tokens)
+    yield _counter("generation_tokens", "Generated tokens.", model, c.generation_tokens)
+    yield _counter("engine_steps", "Scheduler steps run.", model, c.steps)
+    yield _counter("engine_busy_seconds", "Seconds the engine spent running steps.", model,
+                   c.busy_seconds)
+    yield _request_success(stats, model)
+    rejected = CounterMetricFamily("requests_rejected",
+                                   "Requests rejected by admission control, by reason.",
+                                   labels=["model_name", "reason"])
+    for reason, count in sorted(stats.rejections.items()):
+        rejected.add_metric(model + [reason], count)
+    yield rejected
+    for name, value in rates.items():
+        yield _gauge(name, f"{name.replace('_', ' ')} over the last {window_s:g} s.", model,
+                     value)
+    if cache is not None:
+        info = GaugeMetricFamily("cache_config_info", "The KV cache's settings (always 1).",
+                                 labels=["model_name", *cache])
+        info.add_metric(model + list(cache.values()), 1.0)
+        yield info
+    yield from _policy_families(stats, model)
+    yield from _session_families(stats, model)
+
+
+def _request_success(stats: EngineStats, model: list[str]) -> CounterMetricFamily:
+    finished = dict.fromkeys(SUCCESS_REASONS, 0) | stats.counters.finished
+    finished.pop("rejected", None)
+    family = CounterMetricFamily(
+        "request_success", "Requests the engine finished, by reason (stop, length, abort); "
+        "rejected ones are in requests_rejected.", labels=["model_name", "finished_reason"])
+    for reason, count in sorted(finished.items()):
+        family.add_metric(model + [reason], count)
+    return family
+
+
+def _policy_families(stats: EngineStats, model: list[str]) -> Iterator[Metric]:
+    mode = GaugeMetricFamily("controller_mode", "1 for the scheduler's current mode.",
+                             labels=["model_name", "mode", "batching"])
+    mode.add_metric(model + [stats.mode, stats.batching], 1.0)
+    yield mode
+    knobs = GaugeMetricFamily("scheduler_knob", "Current value of each scheduler knob.",
+                              labels=["model_name", "knob"])
+    for knob, value in sorted(stats.knobs.items()):
+        knobs.add_metric(model + [knob], value)
+    yield knobs
+    decisions = CounterMetricFamily(
+        "controller_decisions", "Adaptive controller decisions by knob and reason.",
+        labels=["model_name", "knob", "reason"])
+    for (knob, reason), count in sorted(stats.decision_counts.items()):
+        decisions.add_metric(model + [knob, reason], count)
+    yield decisions
+
+
+def _session_families(stats: EngineStats, model: list[str]) -> Iterator[Metric]:
+    # The gauge keeps every stat, counts included, so existing dashboards keep
+    # working; rate() belongs on the counters below.
+    sessions = GaugeMetricFamily("sessions", "Session stats (the counts are cumulative: "
+                                 "take rate() of session_requests_total and "
+                                 "session_prefix_hit_tokens_total instead).",
+                                 labels=["model_name", "stat"])
+    for name, value in sorted(stats.sessions.items()):
+        sessions.add_metric(model + [name], value)
+    yield sessions
+    for name, doc in SESSION_COUNTERS.items():
+        yield _counter(name, doc, model, stats.sessions.get(name, 0))
