@@ -3,8 +3,8 @@
 Works against any server speaking ``/v1/completions`` or
 ``/v1/chat/completions`` with server-sent events (carpool, vLLM, SGLang,
 TGI, llama.cpp's server...). Output tokens come from the final usage chunk
-(``stream_options.include_usage``); servers that send none are counted with
-our tokenizer, which also cross-checks the ones that do.
+(``stream_options.include_usage``); only servers that send none are counted
+with our tokenizer (see ``send_request``).
 """
 from __future__ import annotations
 
@@ -71,22 +71,29 @@ async def send_request(client: httpx.AsyncClient, target: Target, prompt: str,
                 body = (await response.aread()).decode("utf-8", "replace")
                 _refuse(record, response.status_code, body, clock())
                 return
-            await _read_events(response, target.endpoint, record, clock)
+            usage = await _read_events(response, target.endpoint, record, clock)
     except httpx.TimeoutException:
         _fail(record, "timeout", clock())
         return
     except httpx.HTTPError as exc:
         _fail(record, "connection", clock(), str(exc))
         return
-    if record.status == OK and count_tokens is not None:
-        record.counted_tokens = count_tokens(record.text)
-        if not record.output_tokens:  # the server sent no usage
-            record.output_tokens = record.counted_tokens
+    # A server's usage is the truth: it counts the tokens it generated. Our
+    # tokenizer sees only the text, and re-encoding decoded text need not give
+    # those tokens back (BPE merges across token boundaries, stop strings are
+    # cut, the server's tokenizer may not be ours), so cross-checking flagged
+    # honest servers, and tokenizing every answer cost the event loop that
+    # times the other requests. It is only the fallback for servers that send
+    # no usage; ``counted_tokens`` is set exactly when it was used.
+    if record.status == OK and not usage and count_tokens is not None:
+        record.counted_tokens = record.output_tokens = count_tokens(record.text)
 
 
 async def _read_events(response: httpx.Response, endpoint: str, record: RequestRecord,
-                       clock: Callable[[], float]) -> None:
+                       clock: Callable[[], float]) -> bool:
+    """Read the event stream into ``record``; True if it carried usage."""
     parts: list[str] = []
+    usage_seen = False
     done = False
     async for line in response.aiter_lines():
         if not line.startswith("data:"):
@@ -109,8 +116,9 @@ async def _read_events(response: httpx.Response, endpoint: str, record: RequestR
             record.chunk_times.append(now)
             parts.append(text)
         usage = event.get("usage")
-        if usage:
-            record.output_tokens = int(usage.get("completion_tokens") or 0)
+        if usage and usage.get("completion_tokens") is not None:
+            usage_seen = True
+            record.output_tokens = int(usage["completion_tokens"])
             record.server_input_tokens = usage.get("prompt_tokens")
     record.finished = clock()
     record.text = "".join(parts)
@@ -120,6 +128,7 @@ async def _read_events(response: httpx.Response, endpoint: str, record: RequestR
         _fail(record, "empty_response", record.finished)
     else:
         record.status = OK
+    return usage_seen
 
 
 def _content(event: dict, endpoint: str) -> str:

@@ -34,16 +34,27 @@ def make_result(label: str, config: dict, run: LoadRun, slo: dict[str, float],
     """The bench-serve JSON document (also what ``carpool simulate`` writes);
     without ``per_request`` its ``requests`` list is left empty (a result
     that is only printed)."""
+    summary = summarize(run.records, run.duration, slo)
+    summary["tokenizer_counted"] = tokenizer_counted(run.records)
     return {
         "kind": RESULT_KIND, "version": RESULT_VERSION, "label": label,
         "started_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "config": config, "duration_s": run.duration,
-        "summary": summarize(run.records, run.duration, slo),
+        "summary": summary,
         "phases": phase_summaries(run.records, (config.get("workload") or {}).get("surges")
                                   or [], slo),
         "timeseries": timeseries(run.records, run.duration, run.server_samples),
         "requests": [r.to_dict() for r in run.records] if per_request else [],
     }
+
+
+def tokenizer_counted(records: list[RequestRecord]) -> int:
+    """Completed responses whose output tokens are our tokenizer's count of
+    their text because the server reported no usage. A server's own usage
+    is taken as the truth and never second-guessed: re-encoding decoded
+    text need not give back the tokens generated (see bench.client), so
+    comparing the two flagged servers that were right."""
+    return sum(r.ok and r.counted_tokens is not None for r in records)
 
 
 def format_result(result: dict) -> str:
@@ -67,9 +78,10 @@ def format_result(result: dict) -> str:
         limits = ", ".join(f"{k}<={v * 1000:g}ms" for k, v in s["slo"].items())
         lines.append(f"goodput {s['goodput']:.2f} req/s, {s['slo_attainment']:.1%} of "
                      f"requests meet {limits}")
-    if s["token_count_mismatches"]:
-        lines.append(f"note: {s['token_count_mismatches']} responses' usage differs from our "
-                     f"tokenizer's count of their text")
+    fallback = s.get("tokenizer_counted") or 0  # absent from results written before it
+    if fallback:
+        lines.append(f"note: {fallback} of {s['completed']} responses came without usage; "
+                     f"their output tokens are our tokenizer's count of their text")
     lines += format_phases(result.get("phases") or [])
     header = f"{'ms':<6}" + "".join(f"{c:>9}" for c in ["mean", *[f"p{q}" for q in PERCENTILES]])
     lines.append(header)
