@@ -291,7 +291,7 @@ def chat_history_path(config: EngineConfig) -> Path:
 
 def run_generate(config: EngineConfig, prompt: str, params: SamplingParams, raw: bool) -> int:
     """``carpool generate``: one prompt, the reply streamed to stdout."""
-    engine = LLMEngine.from_config(config)
+    engine = LLMEngine.from_config(config, kernels_in_background=True)
     if not raw:
         prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
     stream_one(engine, engine.tokenizer.encode(prompt), params)
@@ -303,7 +303,7 @@ def run_chat(config: EngineConfig, params: SamplingParams, system: str | None,
     """``carpool chat``: the REPL on a freshly loaded engine. With stdin a
     terminal it shows a prompt and keeps a history; piped, it answers each
     line and prints only the replies."""
-    engine = LLMEngine.from_config(config)
+    engine = LLMEngine.from_config(config, kernels_in_background=True)
     interactive = sys.stdin.isatty()
     io = io or ChatIO(prompt="> " if interactive else "")
     with line_editing(chat_history_path(config) if interactive else None):

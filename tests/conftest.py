@@ -14,6 +14,19 @@ import pytest
 if not os.environ.get("CARPOOL_TEST_TRITON_GPU"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _cpu_kernels_built():
+    """The C++ CPU kernels built once, before any test (the first engine test
+    would build them anyway): a server a test starts then runs them from its
+    first step, instead of serving on the portable path while they compile
+    and switching midway, which exact-token comparisons must not see."""
+    from carpool.model.cpu_kernels import load_cpu_ops
+
+    load_cpu_ops()
+
+
 TINY_CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
     "Continuous batching keeps the GPU busy while users get fast answers.",

@@ -311,7 +311,7 @@ def test_carpool_serve_loads_the_model_on_the_engine_thread(monkeypatch):
 
     where: list[str] = []
 
-    def from_config(config):
+    def from_config(config, kernels_in_background=False):
         where.append(threading.current_thread().name)
         raise RuntimeError("stop here")
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-from pathlib import Path
 
 import httpx
 
@@ -39,8 +38,9 @@ def add_target_args(parser: argparse.ArgumentParser) -> None:
     target.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
                         help="bearer token (default: $OPENAI_API_KEY)")
     target.add_argument("--tokenizer", default=None,
-                        help="the target model's tokenizer (HF dir, tokenizer.json or .gguf) "
-                             "for exact prompt lengths (default: carpool's default model)")
+                        help="the target model's tokenizer (HF dir, tokenizer.json, .gguf or "
+                             "HF repo id) for exact prompt lengths (default: carpool's default "
+                             "model)")
     target.add_argument("--temperature", type=float, default=0.0)
     target.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                         help="let the model stop early (default: ignore_eos, so every "
@@ -71,24 +71,14 @@ def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:
 
 def load_bench_tokenizer(spec: str | None):
     """The tokenizer prompts are built with: a HF dir, a tokenizer.json, a
-    .gguf file, or (None) carpool's default model."""
-    from carpool.model.tokenizer import Tokenizer
+    .gguf file, a Hugging Face repo id, or (None) carpool's default model.
+    ValueError (one line) when it cannot be loaded."""
+    from carpool.model.loader import ModelLoadError, load_tokenizer
 
-    if spec and Path(spec).is_dir():
-        return Tokenizer.from_dir(spec)
-    if spec and Path(spec).name == "tokenizer.json":
-        return Tokenizer.from_dir(Path(spec).parent)
-    from carpool.model.hub import fetch_default_model
-    from carpool.model.loader import ensure_converted
-    from carpool.paths import default_cache_dir
-
-    cache = default_cache_dir()
-    if spec is None:
-        return Tokenizer.from_dir(ensure_converted(fetch_default_model(cache), cache))
-    if Path(spec).suffix.lower() == ".gguf" and Path(spec).is_file():
-        return Tokenizer.from_dir(ensure_converted(Path(spec), cache))
-    raise ValueError(f"--tokenizer {spec!r}: expected a model dir, a tokenizer.json or a "
-                     f".gguf file")
+    try:
+        return load_tokenizer(spec)
+    except ModelLoadError as exc:
+        raise ValueError(f"--tokenizer: {exc}") from exc
 
 
 def discover_model(base_url: str, api_key: str | None) -> str:

@@ -151,7 +151,14 @@ def prepare_serving(engine: LLMEngine, sources: dict[str, str] | None = None,
     # Measured even when every target is explicit: the serving cost model
     # keeps the probe's steps as its prior (``StepCostModel.add_prior``).
     measured = None
-    if config.controller.calibrate:
+    if config.controller.calibrate and engine.kernels_pending:
+        # The portable path's step costs, measured while a compiler competes
+        # for the cores, say nothing of the engine once it switches: and the
+        # measurement would hold the first start back by a minute or more.
+        if log is not None:
+            log("carpool: skipping the start-up measurement while the CPU kernels compile: "
+                "fallback latency targets for auto (--slo to set them)")
+    elif config.controller.calibrate:
         if log is not None:
             auto = config.controller.auto_targets
             log("carpool: measuring the unloaded TTFT / TPOT and a batch's step costs ("

@@ -24,6 +24,7 @@ from carpool.engine.stats import LONG_PROMPT_TOKENS, EngineCounters, EngineStats
 from carpool.engine.step_log import StepLog
 from carpool.executor.base import Executor, batch_items, step_padding
 from carpool.executor.shapes import StepShape
+from carpool.model.kernel_switch import SwitchingCpuAttention
 from carpool.model.sampler import SampleResult, SamplingRow
 from carpool.sampling_params import SamplingParams
 from carpool.scheduler import Request, RequestStatus, Scheduler
@@ -135,23 +136,37 @@ class LLMEngine:
                          self.executor, self.max_model_len, self.clock)
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> "LLMEngine":
-        """Load the model named in ``config`` (the default model if none)."""
-        from carpool.executor.torch_executor import TorchExecutor
+    def from_config(cls, config: EngineConfig, kernels_in_background: bool = False,
+                    ) -> "LLMEngine":
+        """Load the model named in ``config`` (the default model if none).
+
+        A GGUF file is converted to the dtype the model will run in; the
+        settings' ``tokenizer`` and ``chat_template`` replace the model's own.
+        ``kernels_in_background``: on a CPU whose C++ kernels are not built
+        yet, start at once on the portable path while they compile, and
+        switch to them when built (``carpool.model.cpu_kernels``): what a
+        server wants; benchmarks and tests keep the default (one path from
+        the first step).
+        """
+        from carpool.executor.torch_executor import TorchExecutor, resolve_device, resolve_dtype
         from carpool.model.loader import load_model
         from carpool.paths import default_cache_dir
 
         config.validate()
-        cache_dir = Path(config.model.cache_dir) if config.model.cache_dir else default_cache_dir()
-        loaded = load_model(config.model.model, cache_dir)
+        settings = config.model
+        cache_dir = Path(settings.cache_dir) if settings.cache_dir else default_cache_dir()
+        dtype = resolve_dtype(settings.dtype, resolve_device(settings.device))
+        loaded = load_model(settings.model, cache_dir, dtype, tokenizer=settings.tokenizer,
+                            chat_template=settings.chat_template)
         max_len = loaded.config.max_position_embeddings
         if loaded.config.sliding_window:
             # Windowed attention is not implemented; within the window it is exact.
             max_len = min(max_len, loaded.config.sliding_window)
-        if config.model.max_model_len:
-            max_len = min(max_len, config.model.max_model_len)
-        executor = TorchExecutor(loaded.config, loaded.weights, config.model, config.cache, max_len,
-                                 max_num_seqs=config.scheduler.max_num_seqs)
+        if settings.max_model_len:
+            max_len = min(max_len, settings.max_model_len)
+        executor = TorchExecutor(loaded.config, loaded.weights, settings, config.cache, max_len,
+                                 max_num_seqs=config.scheduler.max_num_seqs,
+                                 kernels_in_background=kernels_in_background)
         loaded.weights.clear()
         return cls(config, loaded.tokenizer, loaded.config, executor, max_len)
 
@@ -219,6 +234,14 @@ class LLMEngine:
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
+
+    @property
+    def kernels_pending(self) -> bool:
+        """Whether the engine runs the portable path while its CPU kernels
+        compile (``from_config(kernels_in_background=True)``), until the step
+        that switches to them: step times now are not the engine's own."""
+        attention = getattr(self.executor, "attention", None)
+        return isinstance(attention, SwitchingCpuAttention) and not attention.ops.active
 
     # -- one step ----------------------------------------------------------------
 

@@ -99,11 +99,13 @@ class TorchExecutor(Executor):
 
     def __init__(self, model_config: ModelConfig, weights: dict[str, torch.Tensor],
                  settings: ModelSettings, cache: CacheConfig, max_model_len: int,
-                 max_num_seqs: int = 256, graph_type: type | None = None) -> None:
+                 max_num_seqs: int = 256, graph_type: type | None = None,
+                 kernels_in_background: bool = False) -> None:
         """``graph_type``: how decode steps are captured (``CudaGraph`` by
         default on CUDA unless ``settings.enforce_eager``; tests pass
         ``EagerGraph`` to drive the same path on the CPU); None: no graphs
-        on the CPU."""
+        on the CPU. ``kernels_in_background``: do not wait for the CPU
+        kernels' first build (``load_cpu_ops``)."""
         if settings.threads:
             torch.set_num_threads(settings.threads)
         self.device = resolve_device(settings.device)
@@ -121,7 +123,7 @@ class TorchExecutor(Executor):
         if self.device.type == "cpu" and settings.attention_backend in ("auto", "cpu"):
             from carpool.model.cpu_kernels import load_cpu_ops
 
-            self.cpu_ops = load_cpu_ops()
+            self.cpu_ops = load_cpu_ops(background=kernels_in_background)
         self.attention = select_backend(settings.attention_backend, self.device, self.cpu_ops,
                                         model_config.head_dim)
         self.model.ops = self.cpu_ops

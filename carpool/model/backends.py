@@ -6,6 +6,7 @@ import sys
 import torch
 
 from carpool.model.attention import CpuPagedAttention, SdpaAttention, TorchAttention
+from carpool.model.kernel_switch import SwitchingCpuAttention, SwitchingCpuOps
 from carpool.model.triton_attention import TritonAttention, triton_unavailable
 
 
@@ -13,7 +14,9 @@ def select_backend(name: str, device: torch.device, cpu_ops=None,  # noqa: ANN00
                    head_dim: int = 64) -> TorchAttention:
     """``auto``: on CUDA our Triton kernels when Triton is installed, else
     SDPA; on CPU our C++ decode kernel when ``cpu_ops`` (the compiled
-    extension) is available, else the portable torch path."""
+    extension) is available, else the portable torch path. ``cpu_ops`` may
+    be a ``SwitchingCpuOps`` (the kernels still compiling): ``auto`` then
+    runs the portable path until they are built, ``cpu`` waits for them."""
     if name == "triton" or (name == "auto" and device.type == "cuda"):
         why = triton_unavailable(device, head_dim)
         if why is None:
@@ -23,6 +26,10 @@ def select_backend(name: str, device: torch.device, cpu_ops=None,  # noqa: ANN00
         print(f"carpool: Triton attention unavailable ({why}); using SDPA", file=sys.stderr)
     if name == "sdpa" or (name == "auto" and device.type == "cuda"):
         return SdpaAttention()
+    if isinstance(cpu_ops, SwitchingCpuOps) and device.type == "cpu":
+        if name == "auto" or (name == "cpu" and cpu_ops.wait() is not None):
+            return SwitchingCpuAttention(cpu_ops)
+        cpu_ops = None  # the build failed: as if there were no kernels
     if name in ("auto", "cpu") and device.type == "cpu" and cpu_ops is not None:
         return CpuPagedAttention(cpu_ops)
     if name == "cpu":

@@ -5,13 +5,25 @@ carpool's cache (``<cache>/kernels/``, one folder per torch version and
 architecture), so only the first run on a machine pays for it (~1 minute).
 Without a compiler the engine falls back to the portable torch path, with a
 one-line warning.
+
+A server need not wait for that minute: with ``background=True``
+(``LLMEngine.from_config(..., kernels_in_background=True)``),
+`load_cpu_ops` returns at once, while a child process compiles, a
+`SwitchingCpuOps` (carpool/model/kernel_switch.py) that runs the portable
+path until the kernels are built and then switches to them between steps.
+The child, niced, holds the build lock itself: it finishes the build for the
+next start even if this process exits first, and no later build races it.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import os
 import platform
+import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -20,18 +32,108 @@ from carpool.paths import default_cache_dir
 
 _SOURCES = [str(Path(__file__).parent / "csrc" / name)
             for name in ("paged_attention.cpp", "elementwise.cpp")]
-
-
-def load_cpu_ops() -> ModuleType | None:
+_NAME = "carpool_cpu_ops"
+# A built extension loads in about a second; past this, serve without it.
+_LOAD_WAIT_S = 10.0
+def load_cpu_ops(background: bool = False):  # -> ModuleType | SwitchingCpuOps | None
     """The compiled kernels (paged decode attention, RMSNorm, SwiGLU), or None
-    (with a warning) if they cannot be built."""
+    (with a warning) if they cannot be built.
+
+    ``background``: when the kernels are not built yet, return at once a
+    `SwitchingCpuOps` (the portable path until a background build finishes,
+    then the kernels) instead of compiling for a minute first.
+    """
+    if not background:
+        return _load_or_warn()
+    build = KernelBuild(kernel_build_dir(_torch_version()))
+    module = build.wait(0 if build.compiling else _LOAD_WAIT_S)
+    if build.done():
+        return module
+    from carpool.model.kernel_switch import SwitchingCpuOps
+
+    print("carpool: compiling the CPU kernels in the background (first run on this machine, "
+          "about a minute); serving on the portable torch path meanwhile", file=sys.stderr,
+          flush=True)
+    return SwitchingCpuOps(build)
+
+
+
+
+class KernelBuild:
+    """The kernels built off the caller's thread: a niced child process
+    compiles them (unless already built), then this process loads them."""
+
+    def __init__(self, build_dir: Path) -> None:
+        self.build_dir = build_dir
+        self.compiling = not is_built(build_dir)
+        self.started = time.monotonic()
+        self.module: ModuleType | None = None
+        self._done = threading.Event()
+        threading.Thread(target=self._run, name="carpool-cpu-kernels", daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            if self.compiling:
+                compile_in_child(self.build_dir)
+            self.module = _build()
+        except Exception as exc:  # noqa: BLE001 - any build problem means "fall back"
+            _warn(exc)
+        finally:
+            self._done.set()
+
+    def done(self) -> bool:
+        """Whether the build ended (``module`` is then the kernels, or None)."""
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> ModuleType | None:
+        """The kernels once built (None: not yet, or they cannot be built)."""
+        self._done.wait(timeout)
+        return self.module
+
+
+def is_built(build_dir: Path) -> bool:
+    """Whether ``build_dir`` holds the extension, newer than its sources (torch
+    decides for sure when loading; this only picks where to compile)."""
+    built = build_dir / f"{_NAME}.so"
+    try:
+        return built.stat().st_mtime >= max(os.stat(src).st_mtime for src in _SOURCES)
+    except OSError:
+        return False
+
+
+def compile_in_child(build_dir: Path) -> None:
+    """Build the kernels in a child process (``python -m carpool.model.cpu_kernels``),
+    in its own session so a Ctrl-C of this process does not stop it, logging
+    to ``build_dir/build.log``; RuntimeError with the log's last line if it fails."""
+    build_dir.mkdir(parents=True, exist_ok=True)
+    log_path = build_dir / "build.log"
+    with open(log_path, "w") as log:
+        code = subprocess.call([sys.executable, "-m", __name__], stdout=log,
+                               stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                               start_new_session=True)
+    if code != 0:
+        lines = log_path.read_text(errors="replace").strip().splitlines()
+        raise RuntimeError(lines[-1] if lines else f"the build exited with status {code}")
+
+
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__
+
+
+def _load_or_warn() -> ModuleType | None:
     try:
         return _build()
     except Exception as exc:  # noqa: BLE001 - any build problem means "fall back"
-        first_line = str(exc).splitlines()[0] if str(exc) else ""
-        print(f"carpool: CPU kernels unavailable ({type(exc).__name__}: {first_line}); "
-              "using the portable torch path", file=sys.stderr)
+        _warn(exc)
         return None
+
+
+def _warn(exc: Exception) -> None:
+    first_line = str(exc).splitlines()[0] if str(exc) else ""
+    print(f"carpool: CPU kernels unavailable ({type(exc).__name__}: {first_line}); "
+          "using the portable torch path", file=sys.stderr, flush=True)
 
 
 def _build() -> ModuleType:
@@ -53,7 +155,7 @@ def _build() -> ModuleType:
                                  {"file": sys.stderr, "flush": True})
         notice.start()
         try:
-            return load(name="carpool_cpu_ops", sources=_SOURCES, build_directory=str(build_dir),
+            return load(name=_NAME, sources=_SOURCES, build_directory=str(build_dir),
                         # -ffast-math: tree reductions in the dot products and vector exp.
                         extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
                         extra_ldflags=["-fopenmp"], verbose=False)
@@ -81,3 +183,13 @@ def _lock(guard) -> bool:
         return False
     fcntl.flock(guard, fcntl.LOCK_EX)
     return True
+
+
+if __name__ == "__main__":  # the background build's child process (compile_in_child)
+    with contextlib.suppress(AttributeError, OSError):
+        os.nice(19)  # the server being started comes first
+    try:
+        _build()
+    except Exception as exc:  # noqa: BLE001 - reported through the exit status and log
+        print((str(exc).strip().splitlines() or [type(exc).__name__])[0][:300])
+        sys.exit(1)

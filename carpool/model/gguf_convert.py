@@ -1,7 +1,8 @@
 """Convert a llama.cpp GGUF file into a Hugging Face style model directory.
 
 The output holds config.json, generation_config.json, model.safetensors (every
-tensor dequantized to float32, under HF names), tokenizer.json and
+tensor dequantized to float32, under HF names, then stored in the dtype asked
+for: the one the model will be served in), tokenizer.json and
 tokenizer_config.json (with the chat template), so the rest of carpool, and
 transformers, load it like any HF checkpoint.
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 import types
@@ -25,6 +27,7 @@ import gguf
 import numpy as np
 import torch
 from safetensors.torch import save_file
+from tqdm import tqdm
 
 from carpool.model.config import ModelConfig
 
@@ -77,18 +80,23 @@ _NO_DEFAULT = object()
 _STALE_TEMP_SECONDS = 6 * 3600
 
 
-def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
+def convert_gguf(gguf_path: str | Path, out_dir: str | Path,
+                 dtype: torch.dtype = torch.float32, progress: bool = False) -> Path:
     """Convert ``gguf_path`` into the HF-style directory ``out_dir`` and return it.
 
-    The directory appears atomically: files are written to a temporary sibling
-    that is renamed into place, so an interrupted conversion leaves no partial
-    ``out_dir``. If ``out_dir`` already exists (another process won the race)
-    it is left alone. Raises ValueError for unsupported or malformed files.
+    Weights are stored in ``dtype`` (each dequantized to float32 first, then
+    cast: the same values a float32 copy cast at load time would give).
+    ``progress``: a progress bar over the tensors on stderr (shown on a
+    terminal only). The directory appears atomically: files are written to a
+    temporary sibling that is renamed into place, so an interrupted conversion
+    leaves no partial ``out_dir``. If ``out_dir`` already exists (another
+    process won the race) it is left alone. Raises ValueError for unsupported
+    or malformed files.
     """
     out_dir = Path(out_dir)
     reader = open_gguf(gguf_path)
     config = gguf_model_config(reader)
-    weights = gguf_weights(reader, config)
+    weights = gguf_weights(reader, config, dtype, progress)
     tokenizer_json, tokenizer_config = gguf_tokenizer_files(reader)
     generation = {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_ids}
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -256,11 +264,17 @@ def hf_tensor_name(gguf_name: str) -> str | None:
     return None
 
 
-def gguf_weights(reader: gguf.GGUFReader, config: ModelConfig) -> dict[str, torch.Tensor]:
-    """Every tensor dequantized to float32 under its HF name, q/k unpermuted for llama."""
+def gguf_weights(reader: gguf.GGUFReader, config: ModelConfig, dtype: torch.dtype = torch.float32,
+                 progress: bool = False) -> dict[str, torch.Tensor]:
+    """Every tensor dequantized to float32 under its HF name, q/k unpermuted for
+    llama, then cast to ``dtype`` (one tensor at a time: the float32 copy of
+    the whole model never exists when ``dtype`` is 16-bit)."""
     weights: dict[str, torch.Tensor] = {}
     permuted = config.architecture == "llama"  # llama.cpp leaves qwen2 q/k as HF has them
-    for tensor in reader.tensors:
+    # disable=None: the bar shows on a terminal only, never in logs.
+    bar = tqdm(reader.tensors, desc="carpool: converting", unit="tensor", file=sys.stderr,
+               disable=None if progress else True, leave=False)
+    for tensor in bar:
         if tensor.name == "rope_freqs.weight":
             continue  # folded into config.rope_scaling
         name = hf_tensor_name(tensor.name)
@@ -274,7 +288,7 @@ def gguf_weights(reader: gguf.GGUFReader, config: ModelConfig) -> dict[str, torc
             array = unpermute_qk(array, config.num_heads)
         elif permuted and ".self_attn.k_proj." in name:
             array = unpermute_qk(array, config.num_kv_heads)
-        weights[name] = torch.from_numpy(array)
+        weights[name] = torch.from_numpy(array).to(dtype)
     return weights
 
 

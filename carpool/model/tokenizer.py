@@ -9,6 +9,7 @@ own, so prompts come out byte-identical.
 
 from __future__ import annotations
 
+import copy
 import json
 import secrets
 from collections.abc import Sequence
@@ -63,7 +64,7 @@ class Tokenizer:
         self._template_tokens = {"bos_token": bos_token or "", "eos_token": eos_token or ""}
         self._template_tokens.update(template_tokens or {})
         self.chat_template = chat_template
-        self._compiled = _compile_template(chat_template) if chat_template else None
+        self._compiled = compile_chat_template(chat_template) if chat_template else None
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "Tokenizer":
@@ -74,21 +75,40 @@ class Tokenizer:
             raise FileNotFoundError(f"{tok_file} not found (only fast tokenizers are supported)")
         backend = tokenizers.Tokenizer.from_file(str(tok_file))
         config = _read_json(path / "tokenizer_config.json") or {}
+        generation = _read_json(path / "generation_config.json") or {}
+        return cls.from_parts(backend, config, generation, _chat_template_of(path, config))
+
+    @classmethod
+    def from_parts(cls, backend: tokenizers.Tokenizer, config: dict, generation: dict | None = None,
+                   chat_template: str | None = None) -> "Tokenizer":
+        """From what a model directory's files hold: the tokenizer.json model
+        (``backend``), tokenizer_config.json (``config``) and
+        generation_config.json (``generation``); ``chat_template`` (default:
+        the config's own, when it is a single template)."""
         specials = {
             name: _token_text(config.get(name))
             for name in ("bos_token", "eos_token", "unk_token", "pad_token")
         }
-        gen = _read_json(path / "generation_config.json") or {}
-        eos_ids = gen.get("eos_token_id")
+        eos_ids = (generation or {}).get("eos_token_id")
         eos_ids = eos_ids if isinstance(eos_ids, list) else ([] if eos_ids is None else [eos_ids])
+        if chat_template is None and isinstance(config.get("chat_template"), str):
+            chat_template = config["chat_template"]
         return cls(
             backend,
-            chat_template=_chat_template_of(path, config),
+            chat_template=chat_template,
             bos_token=specials["bos_token"],
             eos_token=specials["eos_token"],
             eos_token_ids=eos_ids,
             template_tokens={k: v for k, v in specials.items() if v is not None},
         )
+
+    def with_chat_template(self, template: str) -> "Tokenizer":
+        """This tokenizer with ``template`` as its chat template (vLLM's
+        ``--chat-template``); ChatTemplateError when it does not compile."""
+        compiled = compile_chat_template(template)
+        other = copy.copy(self)
+        other.chat_template, other._compiled = template, compiled
+        return other
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of ``text``; ``add_special_tokens`` adds the model's BOS/EOS framing."""
@@ -263,7 +283,25 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
-def _compile_template(source: str) -> jinja2.Template:
+def read_chat_template(value: str) -> str:
+    """A ``--chat-template`` value as vLLM reads it: the text of the file it
+    names, else the template text itself. A value that names no file and
+    holds no template syntax (``{``, ``}`` or a line break) is a missing
+    file: ChatTemplateError."""
+    try:
+        path = Path(value).expanduser()
+        if path.is_file():
+            return path.read_text(encoding="utf-8")
+    except OSError:  # template text too long for a file name
+        pass
+    if not any(mark in value for mark in "{}\n"):
+        raise ChatTemplateError("no such file, and no template text either (no { or } in it)")
+    return value
+
+
+def compile_chat_template(source: str) -> jinja2.Template:
+    """``source`` compiled as transformers compiles chat templates;
+    ChatTemplateError (one line) when it does not compile."""
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
     )
@@ -273,4 +311,5 @@ def _compile_template(source: str) -> jinja2.Template:
     try:
         return env.from_string(source)
     except jinja2.TemplateSyntaxError as exc:
-        raise ChatTemplateError(f"chat template does not compile: {exc}") from exc
+        where = f" (line {exc.lineno})" if exc.lineno else ""
+        raise ChatTemplateError(f"chat template does not compile{where}: {exc.message or exc}") from exc

@@ -232,7 +232,9 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig,
     log.info("loading the model...")
 
     def build() -> LLMEngine:
-        engine = prepare_serving(LLMEngine.from_config(engine_config), slo_sources, _engine_log)
+        # A first start serves while the CPU kernels compile (switching to them when built).
+        engine = prepare_serving(LLMEngine.from_config(engine_config, kernels_in_background=True),
+                                 slo_sources, _engine_log)
         if os.environ.get(FAULT_ENV):
             _inject_fault(engine, int(os.environ[FAULT_ENV]))
         if schedule is not None:
