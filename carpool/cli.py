@@ -144,8 +144,8 @@ def server_config_from_args(args: argparse.Namespace):
 def add_serve_parser(commands) -> None:
     serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server (vLLM's flags)")
     serve.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
-                       help="HF model directory or .gguf file, served under this name as "
-                            "given (default: SmolLM2-135M-Instruct)")
+                       help="HF model directory, .gguf file or Hugging Face repo id, served "
+                            "under this name as given (default: SmolLM2-135M-Instruct)")
     serve.add_argument("--profile", default=None, metavar="NAME|FILE",
                        help="settings profile: a built-in name or a YAML file (flags override it)")
     group = serve.add_argument_group("server")

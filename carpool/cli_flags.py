@@ -54,7 +54,7 @@ def _f(flag: str, key: str, kind: Callable[[str], Any], metavar: str | None, hel
 
 ENGINE_FLAGS: list[Flag] = [
     _f("--model", "model", str, "MODEL",
-       "HF model directory or .gguf file (default: SmolLM2-135M-Instruct)"),
+       "HF model directory, .gguf file or Hugging Face repo id (default: SmolLM2-135M-Instruct)"),
     _f("--tokenizer", "tokenizer", str, "PATH",
        "tokenizer directory or .gguf when not the model's own (default: the model's)"),
     _f("--chat-template", "chat_template", str, "TEMPLATE",
