@@ -103,31 +103,32 @@ def test_pd_links_from_the_command_line():
 @settings(max_examples=150, deadline=None)
 @given(tokens=st.integers(1, 40_000), bandwidth=st.floats(1e8, 1e11),
        latency=st.floats(0, 0.05), decode_queue=st.integers(0, 60_000),
-       prefill_queue=st.integers(0, 60_000), cached_blocks=st.integers(0, 2000))
+       prefill_queue=st.integers(0, 60_000), cached_blocks=st.integers(0, 2000),
+       floor=st.sampled_from([0, 512]))
 def test_remote_prefill_is_never_chosen_when_the_transfer_exceeds_the_prefill_saved(
-        tokens, bandwidth, latency, decode_queue, prefill_queue, cached_blocks):
+        tokens, bandwidth, latency, decode_queue, prefill_queue, cached_blocks, floor):
     router = fleet(prefill=1, decode=1)
     router.blocks_stored("decode0", range(cached_blocks))
     router.views["decode0"].pending_prefill_tokens = decode_queue
     router.views["prefill0"].pending_prefill_tokens = prefill_queue
     link = Link(bandwidth=bandwidth, latency=latency)
     request = RouteRequest("q", tokens, tuple(range(tokens // 16)))
-    plan = PDPlanner(router, LLAMA_8B, link).plan(request, 0.0)
+    plan = PDPlanner(router, LLAMA_8B, link, min_remote_tokens=floor).plan(request, 0.0)
     if plan.disaggregated:
         cached = plan.decode.cached_tokens
         saved = _prefill_seconds(router.views["decode0"], tokens - cached)
         assert plan.transfer_s < saved
-        assert tokens - cached >= 512
+        assert tokens - cached >= floor
     else:
         assert plan.prefill is None and router.views["prefill0"].in_flight == 0
 
 
 def test_a_plan_for_a_request_already_routed_counts_nothing():
     router = fleet()
-    planner = PDPlanner(router, LLAMA_8B)
+    planner = PDPlanner(router, LLAMA_8B, min_remote_tokens=512)
     for view in router.candidates(Role.DECODE):
         view.in_flight, view.prefilling, view.pending_prefill_tokens = 20, 2, 6000
-    assert not planner.plan(RouteRequest("q", 200), 0.0).disaggregated  # short: colocated
+    assert not planner.plan(RouteRequest("q", 200), 0.0).disaggregated  # under the floor
     before = {rid: v.in_flight for rid, v in router.views.items()}
     with pytest.raises(ValueError, match="already routed"):
         planner.plan(RouteRequest("q", 8000), 1.0)

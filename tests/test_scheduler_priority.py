@@ -210,17 +210,21 @@ class QueueModel:
 
     def __init__(self, by_priority: bool, aging: float | None, threshold: int) -> None:
         self.by_priority, self.aging, self.threshold = by_priority, aging, threshold
-        self.lanes: dict[tuple[int, bool], list[Request]] = {}
+        self.lanes: dict[tuple[int, bool, bool], list[Request]] = {}
         self.fcfs: list[Request] = []  # the whole queue as one deque
 
+    def is_long(self, request: Request) -> bool:
+        return not request.kv_handoff and request.num_prompt_tokens > self.threshold
+
     def lane(self, request: Request) -> list[Request]:
-        key = (request.priority if self.by_priority else 0,
-               request.num_prompt_tokens > self.threshold)
+        key = (request.priority if self.by_priority else 0, self.is_long(request),
+               request.kv_handoff)
         return self.lanes.setdefault(key, [])
 
     def order(self, now: float, include_long: bool = True) -> list[Request]:
-        if not self.by_priority:  # FCFS: one deque, whatever the lanes
-            return [r for r in self.fcfs if include_long or r.num_prompt_tokens <= self.threshold]
+        if not self.by_priority:  # FCFS: one deque, P/D handoffs first, whatever the lanes
+            kept = [r for r in self.fcfs if include_long or not self.is_long(r)]
+            return [r for r in kept if r.kv_handoff] + [r for r in kept if not r.kv_handoff]
         heads = {k: 0 for k, lane in self.lanes.items() if lane and (include_long or not k[1])}
         merged = []
         while heads:
@@ -231,13 +235,13 @@ class QueueModel:
                 del heads[key]
         return merged
 
-    def rank(self, request: Request, now: float) -> tuple[int, float]:
+    def rank(self, request: Request, now: float) -> tuple[int, bool, float]:
         aged = 0 if self.aging is None else int((now - request.arrival_time) // self.aging)
-        return (request.priority - aged, request.arrival_time)
+        return (request.priority - aged, not request.kv_handoff, request.arrival_time)
 
 
 queue_ops = st.lists(st.one_of(
-    st.tuples(st.just("add"), st.integers(-1, 2), st.integers(1, 12)),
+    st.tuples(st.just("add"), st.integers(-1, 2), st.integers(1, 12), st.booleans()),
     st.tuples(st.just("prepend"), st.integers(0, 99)),
     st.tuples(st.just("remove"), st.integers(0, 99)),
     st.tuples(st.just("pop")),
@@ -249,8 +253,9 @@ queue_ops = st.lists(st.one_of(
 @settings(max_examples=200, deadline=None)
 @given(ops=queue_ops, by_priority=st.booleans(), aging=st.sampled_from([None, 0.5, 2.0]))
 def test_lane_queue_matches_its_reference_semantics(ops, by_priority, aging):
-    """FCFS behaves exactly as one deque; priority picks the best lane head by
-    (effective priority, arrival); a prepended request heads its lane."""
+    """FCFS behaves exactly as one deque with P/D handoffs taken first;
+    priority picks the best lane head by (effective priority, handoff first,
+    arrival); a prepended request heads its lane; a handoff is never long."""
     clock = FakeClock()
     queue = LaneQueue(clock, by_priority, aging, long_threshold=6)
     model = QueueModel(by_priority, aging, 6)
@@ -258,7 +263,8 @@ def test_lane_queue_matches_its_reference_semantics(ops, by_priority, aging):
     for index, op in enumerate(ops):
         clock.now += 0.001  # distinct arrival times: ties only by construction
         if op[0] == "add":
-            request = Request(f"r{index}", [1] * op[2], 1, clock.now, op[1])
+            request = Request(f"r{index}", [1] * op[2], 1, clock.now, op[1],
+                              kv_handoff=op[3])
             queue.add(request)
             model.lane(request).append(request)
             model.fcfs.append(request)

@@ -10,8 +10,8 @@ from collections.abc import Callable, Iterator
 
 from carpool.scheduler.request import Request
 
-# (base priority, or 0 under FCFS; whether the prompt is long)
-LaneKey = tuple[int, bool]
+# (base priority, or 0 under FCFS; whether the prompt is long; a P/D handoff)
+LaneKey = tuple[int, bool, bool]
 # An expiry heap compacts once it holds at least this many entries.
 _MIN_COMPACT = 64
 
@@ -22,20 +22,25 @@ def is_long_prompt(request: Request, threshold: int | None) -> bool:
 
 
 class LaneQueue:
-    """Waiting requests in FIFO lanes, one per (priority class, length class).
+    """Waiting requests in FIFO lanes, one per (priority class, length class,
+    handoff).
 
     A request's lane is its base ``priority`` (all requests share class 0
-    when ``by_priority`` is false) and whether its prompt is long (more than
-    ``long_threshold`` tokens). ``add`` appends to the lane, ``prepend``
-    (for preempted requests) puts the request at the lane's front.
+    when ``by_priority`` is false), whether its prompt is long (more than
+    ``long_threshold`` tokens; a handoff's never is: its prompt is loaded,
+    not prefilled here) and whether it is a P/D handoff (``kv_handoff``).
+    ``add`` appends to the lane, ``prepend`` (for preempted requests) puts
+    the request at the lane's front.
 
     Queue order repeatedly takes the best lane head:
 
-    - FCFS (``by_priority`` false): lowest insertion sequence. ``prepend``
-      takes a sequence below every other, so the order is exactly that of a
-      single deque with ``appendleft``; the length split only lets callers
-      pass over the long lanes.
-    - priority: lowest (effective priority, arrival_time, sequence), where
+    - FCFS (``by_priority`` false): handoffs first, then lowest insertion
+      sequence. Without handoffs ``prepend`` takes a sequence below every
+      other, so the order is exactly that of a single deque with
+      ``appendleft``; the length split only lets callers pass over the
+      long lanes.
+    - priority: lowest (effective priority, not a handoff, arrival_time,
+      sequence), where
       effective = priority - floor(waited / aging_interval) and waited =
       clock() - arrival_time (at least 0); with ``aging_interval`` None the
       effective priority is the base priority.
@@ -79,7 +84,7 @@ class LaneQueue:
 
     def is_long(self, request: Request) -> bool:
         """Whether ``request`` goes to a long lane."""
-        return is_long_prompt(request, self._long_threshold)
+        return not request.kv_handoff and is_long_prompt(request, self._long_threshold)
 
     def effective_priority(self, request: Request, now: float) -> int:
         """Base priority minus one per full aging interval waited by ``now``."""
@@ -102,7 +107,8 @@ class LaneQueue:
     def _insert(self, request: Request, seq: int) -> None:
         if request in self._lane_of:
             raise ValueError(f"request {request.request_id!r} is already queued")
-        key = (request.priority if self._by_priority else 0, self.is_long(request))
+        key = (request.priority if self._by_priority else 0, self.is_long(request),
+               request.kv_handoff)
         self._lanes.setdefault(key, OrderedDict())[request] = seq
         self._lane_of[request] = key
         self.num_prompt_tokens += request.num_prompt_tokens
@@ -141,9 +147,12 @@ class LaneQueue:
         return next((r for r in self._ordered(include_long) if is_eligible(r)), None)
 
     def _rank(self, request: Request, seq: int, now: float) -> tuple:
+        # A lane holds handoffs only or none, so within a lane ranks only
+        # grow and the merge below is exact.
         if not self._by_priority:
-            return (seq,)
-        return (self.effective_priority(request, now), request.arrival_time, seq)
+            return (not request.kv_handoff, seq)
+        return (self.effective_priority(request, now), not request.kv_handoff,
+                request.arrival_time, seq)
 
     def _ordered(self, include_long: bool = True) -> Iterator[Request]:
         # A k-way merge of the lanes. Sequence numbers are unique, so ranks

@@ -46,6 +46,11 @@ class Request:
     session_id: str | None = None
     # Clock time by which the request must first be scheduled; None = no deadline.
     deadline: float | None = None
+    # Its prompt was computed by a prefill replica and its KV comes over the
+    # KV connector: it queues ahead of the replica's own prefills (FIFO among
+    # handoffs; see LaneQueue), since it did its queueing in the prefill pool
+    # and behind this replica's prefills it would queue twice.
+    kv_handoff: bool = False
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prefix-cache hit on first admission, loaded ones included

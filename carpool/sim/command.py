@@ -119,8 +119,9 @@ def add_pd_args(parser: argparse.ArgumentParser, *, pools: bool = True) -> None:
                        metavar="P:D:GBPS[:LATENCY],...",
                        help="links that differ from --pd-bandwidth/--pd-latency, between "
                             "prefill replica P and decode replica D (indices)")
-    group.add_argument("--pd-min-remote-tokens", type=int, default=512,
-                       help="shortest uncached prompt the planner prefills remotely")
+    group.add_argument("--pd-min-remote-tokens", type=int, default=0,
+                       help="shortest uncached prompt the planner prefills remotely (default 0: "
+                            "the predicted first tokens decide)")
 
 
 def pd_from_args(args: argparse.Namespace, prefill_replicas: int | None = None,

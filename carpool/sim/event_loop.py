@@ -148,7 +148,7 @@ class FleetLoop:
         pd = self.fleet.pd
         if pd is not None:  # prefill legs done: their decode legs go over now
             for decode, item, record in pd.take_handoffs():
-                if decode.receive(item, record, now):
+                if decode.receive(item, record, now, handoff=True):
                     self.post(decode)
                 record.sent = record.scheduled  # the client sent it on arrival
 

@@ -38,7 +38,7 @@ class PDSettings:
     mode: str = "conditional"
     bandwidth: float = Link.bandwidth
     latency: float = Link.latency
-    min_remote_tokens: int = 512
+    min_remote_tokens: int = 0
     # Links that differ from the pools' one: (prefill index, decode index,
     # bytes per second, latency seconds), e.g. a decode replica in another rack.
     links: tuple[tuple[int, int, float, float], ...] = ()

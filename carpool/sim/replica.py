@@ -118,7 +118,8 @@ class SimReplica:
         # found cached (or loaded) on first admission: a hit rate that counts
         # each prompt once (a preempted request's re-admission hits itself).
         self.prompt_tokens = self.cached_tokens = self.loaded_tokens = 0
-        self._inbox: list[tuple[TraceRequest, RequestRecord]] = []
+        # (request, its record, whether it is a P/D handoff)
+        self._inbox: list[tuple[TraceRequest, RequestRecord, bool]] = []
         # Request id -> (its record, what was routed here) while it is here.
         self._records: dict[str, RequestRecord] = {}
         self._items: dict[str, TraceRequest] = {}
@@ -139,13 +140,15 @@ class SimReplica:
 
     # -- events ----------------------------------------------------------------
 
-    def receive(self, request: TraceRequest, record: RequestRecord, now: float) -> bool:
-        """A request routed here at ``now``; it joins at the next step
-        boundary. Returns whether ``next_time`` changed."""
+    def receive(self, request: TraceRequest, record: RequestRecord, now: float,
+                handoff: bool = False) -> bool:
+        """A request routed here at ``now`` (``handoff``: the decode leg of a
+        remote prefill, whose KV comes over the connector); it joins at the
+        next step boundary. Returns whether ``next_time`` changed."""
         if self.failed_at is not None:
             raise RuntimeError(f"replica {self.index} failed at {self.failed_at}: routed to")
         record.sent = now
-        self._inbox.append((request, record))
+        self._inbox.append((request, record, handoff))
         self.outstanding += 1
         if self.state in (State.IDLE, State.POLL):
             # A boundary now, after every arrival of this same instant (the
@@ -176,7 +179,7 @@ class SimReplica:
         streamed tokens, failed here; the requests that had not, with their
         records, for the caller to route again). It never acts again."""
         streamed: list[RequestRecord] = []
-        unstarted = list(self._inbox)
+        unstarted = [(request, record) for request, record, _ in self._inbox]
         for request_id, record in self._records.items():
             request = self.scheduler.requests.get(request_id)
             if request is not None and request.first_token_time is not None:
@@ -201,8 +204,8 @@ class SimReplica:
     def _boundary(self, now: float) -> None:
         self.clock.set(now)
         inbox, self._inbox = self._inbox, []
-        for request, record in inbox:
-            self._add(request, record, now)
+        for request, record, handoff in inbox:
+            self._add(request, record, now, handoff)
         if self.fast_forward and self._plan_run(now):
             return
         output, expired = self.core.begin()
@@ -228,7 +231,8 @@ class SimReplica:
     def _set(self, state: State, next_time: float | None) -> None:
         self.state, self.next_time = state, next_time
 
-    def _add(self, item: TraceRequest, record: RequestRecord, now: float) -> None:
+    def _add(self, item: TraceRequest, record: RequestRecord, now: float,
+             handoff: bool = False) -> None:
         total = item.input_len + item.output_len
         if self.max_model_len is not None and total > self.max_model_len:
             self._fail(record, now, f"the request needs {total} tokens of context, more than "
@@ -237,7 +241,7 @@ class SimReplica:
         request_id = f"r{record.index}"
         request = Request(request_id, prompt_token_ids(record.index, item.input_len,
                                                        item.hash_ids, self.hash_block),
-                          item.output_len, arrival_time=record.scheduled)
+                          item.output_len, arrival_time=record.scheduled, kv_handoff=handoff)
         try:
             self.scheduler.add_request(request)
         except RejectedError as exc:
