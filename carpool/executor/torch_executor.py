@@ -10,6 +10,7 @@ real tokens never see them and results equal the ragged path's.
 """
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -119,6 +120,8 @@ class TorchExecutor(Executor):
         self.model.to(device=self.device, dtype=self.dtype).eval()
         # Rotary tables stay fp32 whatever the weights' dtype.
         self.model.rotary.float()
+        if settings.quantization == "int8":
+            self._quantize_int8()
         self.cpu_ops = None
         if self.device.type == "cpu" and settings.attention_backend in ("auto", "cpu"):
             from carpool.model.cpu_kernels import load_cpu_ops
@@ -160,6 +163,17 @@ class TorchExecutor(Executor):
                                 table_width=-(-max_model_len // self.block_size),
                                 scratch_block=self.num_blocks, device=self.device,
                                 graph_type=graph_type)
+
+    def _quantize_int8(self) -> None:
+        from carpool.model.quant import int8_unavailable, quantize_int8
+
+        why = int8_unavailable(self.device)
+        if why is not None:
+            raise ValueError(f"--quantization int8 cannot run here: {why}")
+        added = quantize_int8(self.model)
+        dtype = str(self.dtype).removeprefix("torch.")
+        print(f"carpool: INT8 weights for decode steps of up to a few rows "
+              f"(+{added / 2**20:.0f} MiB beside the {dtype} weights)", file=sys.stderr)
 
     def _num_blocks(self, config: ModelConfig, cache: CacheConfig) -> int:
         """The pool's blocks: ``num_blocks``, else ``gpu_memory_utilization``

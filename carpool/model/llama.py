@@ -140,6 +140,8 @@ class LlamaModel(nn.Module):
         self.lm_head = (None if config.tie_word_embeddings
                         else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
         self.ops = None  # fused kernels (CPU or Triton), set by the executor when available
+        # The LM head as a module when it is not plain F.linear (INT8 decode: carpool.model.quant).
+        self.head: nn.Module | None = None
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -158,8 +160,11 @@ class LlamaModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [S, vocab] for the given rows only, in the model's dtype: the
         sampler widens what it needs (an all-greedy batch needs nothing)."""
+        normed = self.norm(hidden, self.ops)
+        if self.head is not None:
+            return self.head(normed)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(self.norm(hidden, self.ops), weight)
+        return F.linear(normed, weight)
 
     @torch.no_grad()
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
