@@ -35,7 +35,6 @@ def make_result(label: str, config: dict, run: LoadRun, slo: dict[str, float],
     without ``per_request`` its ``requests`` list is left empty (a result
     that is only printed)."""
     summary = summarize(run.records, run.duration, slo)
-    summary["tokenizer_counted"] = tokenizer_counted(run.records)
     return {
         "kind": RESULT_KIND, "version": RESULT_VERSION, "label": label,
         "started_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
@@ -46,15 +45,6 @@ def make_result(label: str, config: dict, run: LoadRun, slo: dict[str, float],
         "timeseries": timeseries(run.records, run.duration, run.server_samples),
         "requests": [r.to_dict() for r in run.records] if per_request else [],
     }
-
-
-def tokenizer_counted(records: list[RequestRecord]) -> int:
-    """Completed responses whose output tokens are our tokenizer's count of
-    their text because the server reported no usage. A server's own usage
-    is taken as the truth and never second-guessed: re-encoding decoded
-    text need not give back the tokens generated (see bench.client), so
-    comparing the two flagged servers that were right."""
-    return sum(r.ok and r.counted_tokens is not None for r in records)
 
 
 def format_result(result: dict) -> str:
