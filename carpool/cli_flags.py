@@ -75,8 +75,8 @@ ENGINE_FLAGS: list[Flag] = [
     _f("--threads", "threads", int, "N", "torch CPU threads (default: torch's choice)"),
     _f("--seed", "seed", int, "N", "seeds the per-request seeds of requests that give none"),
     _f("--quantization", "quantization", str, "METHOD",
-       "weight-only quantization: int8 (CPU: INT8 weights for decode steps of a few rows, "
-       "+50% weight memory; default none)"),
+       "weight-only quantization for CPU decode steps of a few rows: int8 (+50% weight "
+       "memory) or int4 (groups of 32, +25%) (default: none)"),
     _f("--row-bucket", "row_bucket", int, "N", "pad each step's token rows to a multiple of "
        "this before the linear layers (1: exact rows)"),
     _f("--block-size", "block_size", int, "N", "tokens per KV block"),

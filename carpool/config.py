@@ -309,8 +309,8 @@ class ModelSettings:
     # Decode batch sizes captured: auto (1, 2, 4, 8, 16, 24, ... up to
     # max_num_seqs) or a comma list, e.g. "1,2,4,8,16,32,64".
     cuda_graph_sizes: str = "auto"
-    # Weight-only quantization (vLLM's --quantization): None, or int8 (CPU:
-    # INT8 weights for decode steps of a few rows, carpool/model/quant.py).
+    # Weight-only quantization (vLLM's --quantization): None, int8 or int4
+    # (CPU: low-bit weights for decode steps of a few rows, carpool/model/quant.py).
     quantization: str | None = None
 
     def validate(self) -> None:
@@ -323,8 +323,9 @@ class ModelSettings:
         if self.attention_backend not in ("auto", "torch", "sdpa", "cpu", "triton"):
             raise ValueError(f"attention_backend must be auto|torch|sdpa|cpu|triton, "
                              f"got {self.attention_backend!r}")
-        if self.quantization is not None and self.quantization not in ("int8",):
-            raise ValueError(f"quantization must be int8 or null (none), got {self.quantization!r}")
+        if self.quantization is not None and self.quantization not in ("int8", "int4"):
+            raise ValueError(f"quantization must be int8, int4 or null (none), "
+                             f"got {self.quantization!r}")
         if self.row_bucket < 1:
             raise ValueError(f"row_bucket must be >= 1 (1: exact rows), got {self.row_bucket}")
         capture_sizes(self.cuda_graph_sizes, 1)  # raises on a bad spec

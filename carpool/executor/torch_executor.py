@@ -120,8 +120,8 @@ class TorchExecutor(Executor):
         self.model.to(device=self.device, dtype=self.dtype).eval()
         # Rotary tables stay fp32 whatever the weights' dtype.
         self.model.rotary.float()
-        if settings.quantization == "int8":
-            self._quantize_int8()
+        if settings.quantization is not None:
+            self._quantize_for_decode(settings.quantization)
         self.cpu_ops = None
         if self.device.type == "cpu" and settings.attention_backend in ("auto", "cpu"):
             from carpool.model.cpu_kernels import load_cpu_ops
@@ -164,15 +164,15 @@ class TorchExecutor(Executor):
                                 scratch_block=self.num_blocks, device=self.device,
                                 graph_type=graph_type)
 
-    def _quantize_int8(self) -> None:
-        from carpool.model.quant import int8_unavailable, quantize_int8
+    def _quantize_for_decode(self, scheme: str) -> None:
+        from carpool.model.quant import low_bit_unavailable, quantize_for_decode
 
-        why = int8_unavailable(self.device)
+        why = low_bit_unavailable(scheme, self.device)
         if why is not None:
-            raise ValueError(f"--quantization int8 cannot run here: {why}")
-        added = quantize_int8(self.model)
+            raise ValueError(f"--quantization {scheme} cannot run here: {why}")
+        added = quantize_for_decode(self.model, scheme)
         dtype = str(self.dtype).removeprefix("torch.")
-        print(f"carpool: INT8 weights for decode steps of up to a few rows "
+        print(f"carpool: {scheme.upper()} weights for decode steps of up to a few rows "
               f"(+{added / 2**20:.0f} MiB beside the {dtype} weights)", file=sys.stderr)
 
     def _num_blocks(self, config: ModelConfig, cache: CacheConfig) -> int:

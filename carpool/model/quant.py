@@ -1,21 +1,24 @@
-"""Weight-only INT8 for CPU decode (``--quantization int8``).
+"""Weight-only INT8 / INT4 for CPU decode (``--quantization int8|int4``).
 
 Why: one sequence decoding on a CPU streams every weight from memory once
 per token, and that stream is the step. Measured on the default model
 (135M parameters, bf16) on a 2-core Xeon: the linear layers take 25 ms of a
 34 ms token (85% of the samples in a torch.profiler trace are ``aten::mm``),
 ~11 GB/s of weights. INT8 weights halve the bytes: the same 121 linear
-layers of one token run in 13.3-13.7 ms against 25.2-26.6 ms in bf16.
+layers of one token run in 13.3-13.7 ms against 25.2-26.6 ms in bf16, and
+INT4 (groups of 32) in 5.6-5.7 ms.
 
-How: each linear layer's weight is quantized per output channel,
-symmetrically (``scale = max|w| / 127``, ``q = round(w / scale)``), and a
-step of at most ``max_rows`` rows (a decode of a few sequences) multiplies
-by it with ATen's weight-only INT8 kernel (``_weight_int8pack_mm``: bf16
-activations, the scales applied to the output). That kernel is a
-matrix-vector product per row: past ~4 rows it is slower than the bf16
-matrix kernel (216 against 93 us for a 576x1536 layer at 16 rows), so
-larger steps (prefill, batched decode) keep the bf16 weights. The INT8
-copy adds half the bf16 weights' memory; it buys latency, not memory.
+How: INT8 quantizes each linear layer's weight per output channel,
+symmetrically (``scale = max|w| / 127``, ``q = round(w / scale)``); INT4
+per group of 32 inputs, asymmetrically (``w ~ q * scale + min``, as
+llama.cpp's Q4_1). A step of at most ``max_rows`` rows (a decode of a few
+sequences) multiplies by them with ATen's weight-only kernels
+(``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``: bf16
+activations). They are matrix-vector products per row: past ~4 rows they
+are slower than the bf16 matrix kernel (INT8: 216 against 93 us for a
+576x1536 layer at 16 rows), so larger steps (prefill, batched decode) keep
+the bf16 weights. The copy adds half (INT8) or a quarter (INT4) of the
+bf16 weights' memory: it buys latency, not memory.
 
 Accuracy (tests/test_quantization.py, the default model): see the README.
 """
@@ -25,10 +28,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-QUANTIZATIONS = ("int8",)
-# Rows up to which the INT8 kernel beats bf16 (measured: 1 row 26 vs 81 us,
-# 4 rows 51 vs 89 us, 16 rows 216 vs 93 us for 576x1536 on a 2-core Xeon).
-INT8_MAX_ROWS = 4
+QUANTIZATIONS = ("int8", "int4")
+# Rows up to which the low-bit kernels beat bf16 (576x1536, 2-core Xeon, in
+# cache: INT8 1 row 26 vs 81 us, 4 rows 51 vs 89, 16 rows 216 vs 93; INT4
+# 1 row 30 vs 77, 4 rows 52 vs 77, 8 rows 104 vs 75).
+LOW_BIT_MAX_ROWS = 4
+# INT4: weights in groups of 32 along the input, as llama.cpp's Q4_0/Q4_1
+# blocks (the default model's own GGUF is Q4_1: its values come back
+# almost exactly).
+INT4_GROUP = 32
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,50 +47,101 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantized.contiguous(), scale
 
 
-class Int8DecodeLinear(nn.Module):
-    """A linear layer whose small steps use INT8 weights (module docstring).
+def quantize_groups(weight: torch.Tensor, group: int = INT4_GROUP
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes 0..15 as int32 [out, in], scale and minimum [out, in / group]):
+    asymmetric 4-bit per group of ``group`` inputs, w ~ code * scale + min."""
+    out_features, in_features = weight.shape
+    grouped = weight.detach().float().reshape(out_features, in_features // group, group)
+    low, high = grouped.amin(dim=-1), grouped.amax(dim=-1)
+    scale = ((high - low) / 15.0).clamp(min=1e-12)
+    codes = torch.round((grouped - low[..., None]) / scale[..., None]).clamp(0, 15)
+    return codes.to(torch.int32).reshape(out_features, in_features), scale, low
 
-    ``weight`` and ``bias`` are the original layer's (kept for large steps);
-    ``qweight`` / ``scales`` the INT8 copy. The output is in ``x``'s dtype.
-    """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
-                 max_rows: int = INT8_MAX_ROWS) -> None:
+class LowBitDecodeLinear(nn.Module):
+    """A linear layer whose small steps use INT8 or INT4 weights (module
+    docstring). ``weight`` and ``bias`` are the original layer's (kept for
+    large steps); the low-bit copy lives in buffers. The output is in
+    ``x``'s dtype."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, scheme: str = "int8",
+                 max_rows: int = LOW_BIT_MAX_ROWS) -> None:
         super().__init__()
-        self.weight, self.bias, self.max_rows = weight, bias, max_rows
-        quantized, scale = quantize_rows(weight)
-        self.register_buffer("qweight", quantized, persistent=False)
-        # The kernel applies the scales in the activations' dtype.
-        self.register_buffer("scales", scale.to(torch.bfloat16), persistent=False)
+        self.weight, self.bias, self.scheme, self.max_rows = weight, bias, scheme, max_rows
+        if scheme == "int8":
+            quantized, scale = quantize_rows(weight)
+            self.register_buffer("qweight", quantized, persistent=False)
+            # The kernel applies the scales in the activations' dtype.
+            self.register_buffer("scales", scale.to(torch.bfloat16), persistent=False)
+        elif scheme == "int4":
+            codes, scale, low = quantize_groups(weight)
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+            self.register_buffer("qweight", packed, persistent=False)
+            # The kernel's convention: w = (code - 8) * scale + zero, [groups, out, 2].
+            zero = low + 8 * scale
+            self.register_buffer("scales", torch.stack([scale, zero], dim=-1).transpose(0, 1)
+                                 .contiguous().to(torch.bfloat16), persistent=False)
+        else:
+            raise ValueError(f"unknown quantization {scheme!r}; one of {', '.join(QUANTIZATIONS)}")
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the low-bit copy."""
+        return (self.qweight.numel() * self.qweight.element_size()
+                + self.scales.numel() * self.scales.element_size())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > self.max_rows:
             return F.linear(x, self.weight, self.bias)
-        out = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(),
-                                                 self.qweight, self.scales).to(x.dtype)
+        rows = x.to(torch.bfloat16).contiguous()
+        if self.scheme == "int8":
+            out = torch.ops.aten._weight_int8pack_mm(rows, self.qweight, self.scales)
+        else:
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.qweight, INT4_GROUP,
+                                                             self.scales)
+        out = out.to(x.dtype)
         return out if self.bias is None else out + self.bias
 
 
-def int8_unavailable(device: torch.device) -> str | None:
-    """Why INT8 decode cannot run here, or None."""
+_KERNELS = {"int8": ("_weight_int8pack_mm",),
+            "int4": ("_weight_int4pack_mm_for_cpu", "_convert_weight_to_int4pack_for_cpu")}
+
+
+def low_bit_unavailable(scheme: str, device: torch.device) -> str | None:
+    """Why ``scheme`` decode cannot run here, or None."""
     if device.type != "cpu":
         return f"it is a CPU decode path (device {device})"
-    if not hasattr(torch.ops.aten, "_weight_int8pack_mm"):
-        return f"this torch ({torch.__version__}) lacks aten::_weight_int8pack_mm"
+    missing = [name for name in _KERNELS[scheme] if not hasattr(torch.ops.aten, name)]
+    if missing:
+        return f"this torch ({torch.__version__}) lacks aten::{missing[0]}"
     return None
 
 
-def quantize_int8(model: nn.Module, max_rows: int = INT8_MAX_ROWS) -> int:
-    """Give ``model`` (a ``LlamaModel``) INT8 decode copies of every decoder
-    linear layer and of the LM head; returns the bytes the copies take."""
+def quantize_for_decode(model: nn.Module, scheme: str,
+                        max_rows: int = LOW_BIT_MAX_ROWS) -> int:
+    """Give ``model`` (a ``LlamaModel``) low-bit decode copies of every
+    decoder linear layer and of the LM head; returns the bytes they take.
+    An INT4 layer whose inputs are not a multiple of the group stays bf16.
+    Under INT4 the LM head is INT8, as llama.cpp's Q4 files keep their
+    output matrix at 8 bits or more (the default model's GGUF: Q4_1 layers,
+    a Q8_0 embedding): 4-bit logits forked 5 of 16 greedy answers at their
+    first token."""
+    def low_bit(weight: torch.Tensor, bias: torch.Tensor | None,
+                kind: str = scheme) -> nn.Module | None:
+        if kind == "int4" and weight.shape[1] % INT4_GROUP:
+            return None
+        return LowBitDecodeLinear(weight, bias, kind, max_rows)
+
     added = 0
     for layer in model.layers:
         for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
             linear = getattr(layer, name)
-            replacement = Int8DecodeLinear(linear.weight, linear.bias, max_rows)
-            setattr(layer, name, replacement)
-            added += replacement.qweight.numel() + 2 * replacement.scales.numel()
+            replacement = low_bit(linear.weight, linear.bias)
+            if replacement is not None:
+                setattr(layer, name, replacement)
+                added += replacement.nbytes
     head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    model.head = Int8DecodeLinear(head, None, max_rows)
-    added += model.head.qweight.numel() + 2 * model.head.scales.numel()
+    model.head = low_bit(head, None, "int8")
+    added += 0 if model.head is None else model.head.nbytes
     return added
