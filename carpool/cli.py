@@ -242,6 +242,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "batching; side by side")
     add_regimes_args(regimes)
     add_engine_flags(regimes)
+    from carpool.bench.engine import add_engine_bench_args
+
+    engine_bench = bench_commands.add_parser(
+        "engine", help="the engine's own cost per step: a fake executor (no model), N "
+                       "sequences decoding, step time and its phases")
+    add_engine_bench_args(engine_bench)
+    add_engine_flags(engine_bench)
     _add_client_benches(bench_commands)
     from carpool.bench.tune import add_tune_parser
 
@@ -324,6 +331,7 @@ _CONFIG_COMMANDS = {
     "tune": ("carpool.bench.tune", "run_tune"),
     "bench regimes": ("carpool.bench.regimes", "run_regimes"),
     "bench throughput": ("carpool.bench.throughput", "run_throughput"),
+    "bench engine": ("carpool.bench.engine", "run_engine_bench"),
 }
 
 

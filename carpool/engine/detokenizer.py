@@ -10,11 +10,20 @@ only affect text that was already produced.
 A byte-level decode of an incomplete UTF-8 sequence ends in one U+FFFD; that
 last character is held until a later token completes it (or ``flush``
 releases it). Text that could be the start of a stop string is held as well.
+
+Fast path (``token_pieces``): with a byte-level BPE tokenizer, whose decode
+is the UTF-8 decoding of its tokens' bytes concatenated, a token whose own
+bytes are complete UTF-8 appends exactly its own text to text that ended
+complete. Such a token skips the decode: the detokenizer's state moves as
+the decode would have moved it, so the text is identical; any other token
+(an added token, part of a character, after an unfinished one) decodes.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Protocol
+
+import tokenizers
 
 from carpool.sampling_params import SamplingParams
 
@@ -27,6 +36,22 @@ class DecodingTokenizer(Protocol):
     all_special_ids: Sequence[int]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+
+def token_pieces(tokenizer: DecodingTokenizer) -> tuple[str | None, ...] | None:
+    """Per token id, the text it appends after text that ended complete, or
+    None where that takes a decode (added tokens; tokens that are part of
+    a character or decode to U+FFFD). None for a tokenizer whose decode is
+    not plain byte-level (a SentencePiece decoder strips a leading space,
+    say), or that does not show its backend: every token decodes then."""
+    backend = getattr(tokenizer, "backend", None)
+    if not isinstance(getattr(backend, "decoder", None), tokenizers.decoders.ByteLevel):
+        return None
+    added = backend.get_added_tokens_decoder()
+    size = backend.get_vocab_size(with_added_tokens=True)
+    texts = backend.decode_batch([[i] for i in range(size)], skip_special_tokens=False)
+    return tuple(None if i in added or not text or _REPLACEMENT in text else text
+                 for i, text in enumerate(texts))
 
 
 def _stable_len(text: str) -> int:
@@ -48,8 +73,11 @@ class IncrementalDetokenizer:
     WINDOW_TOKENS = 32
 
     def __init__(self, tokenizer: DecodingTokenizer, prompt_token_ids: Sequence[int],
-                 params: SamplingParams) -> None:
+                 params: SamplingParams, pieces: Sequence[str | None] | None = None) -> None:
+        """``pieces``: ``token_pieces(tokenizer)``, shared by every request
+        of the tokenizer (None: every token decodes)."""
         self._tokenizer = tokenizer
+        self._pieces = pieces or ()
         self._skip = params.skip_special_tokens
         self._special = frozenset(tokenizer.all_special_ids) if self._skip else frozenset()
         self._stops = list(params.stop)
@@ -83,6 +111,18 @@ class IncrementalDetokenizer:
         if token_id in self._special:
             return "", False
         self._ids.append(token_id)
+        pieces = self._pieces
+        piece = pieces[token_id] if 0 <= token_id < len(pieces) else None
+        if piece is not None and not self._unsettled:
+            # The window's text so far ended complete (nothing unsettled), so
+            # its decode now is that text + piece: what the decode below gives.
+            self._done += len(piece)
+            if len(self._ids) > self.WINDOW_TOKENS:
+                self._slide()
+            if not self._stops:  # _emit's first case, without the call
+                self._emitted.append(piece)
+                return piece, False
+            return self._emit(piece, final=False)
         text = self._decode(self._ids)
         stable = _stable_len(text)
         new = text[self._done:stable] if stable > self._done else ""

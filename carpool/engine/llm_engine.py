@@ -18,11 +18,11 @@ from datetime import datetime, timedelta
 from pathlib import Path
 
 from carpool.config import EngineConfig
-from carpool.engine.detokenizer import IncrementalDetokenizer
+from carpool.engine.detokenizer import IncrementalDetokenizer, token_pieces
 from carpool.engine.outputs import RequestOutput, TokenLogprob
-from carpool.engine.stats import LONG_PROMPT_TOKENS, EngineCounters, EngineStats
-from carpool.engine.step_log import StepLog
-from carpool.executor.base import Executor, batch_items, step_padding
+from carpool.engine.stats import LONG_PROMPT_TOKENS, EngineCounters, EngineStats, engine_stats
+from carpool.engine.step_log import StepLog, StepPhases
+from carpool.executor.base import BatchItem, Executor, step_padding
 from carpool.executor.shapes import StepShape
 from carpool.model.kernel_switch import SwitchingCpuAttention
 from carpool.model.sampler import SampleResult, SamplingRow
@@ -30,57 +30,12 @@ from carpool.sampling_params import SamplingParams
 from carpool.scheduler import Request, RequestStatus, Scheduler
 from carpool.scheduler.core import EngineCore
 from carpool.scheduler.live_settings import apply_live_settings
+from carpool.scheduler.step import ScheduledSpan
 
 logger = logging.getLogger(__name__)
 
 # How a finished request's status reads in its output.
 _FINISH_REASONS = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length"}
-
-
-def _predictions(scheduler) -> dict:
-    """The step-cost fit and TTFT error factor admission predicts with."""
-    admission = scheduler.admission
-    coef = admission.cost_model.coefficients
-    cost = None if coef is None else dict(zip(("fixed_s", "per_token_s", "per_seq_s"), coef))
-    return {"step_cost": cost,
-            "ttft_error_factor": admission.prediction_error.factor(scheduler.clock()),
-            "first_token_delivery_s": admission.delivery_lag}
-
-
-def _knobs(scheduler: Scheduler) -> dict[str, float]:
-    """The scheduler knobs exported as metrics (numbers only; None is left out):
-    the live values where the adaptive controller moves them."""
-    config = scheduler.config
-    live = scheduler.knobs.as_dict()
-    names = ["max_queue_requests", "long_prompt_threshold", "long_prefill_share",
-             "aging_interval"]
-    values = {name: getattr(config, name) for name in names}
-    values.update({name: live.get(name) for name in ("max_num_seqs", "max_num_batched_tokens")})
-    if config.batching != "continuous":
-        values.update({name: live.get(name) for name in
-                       ("preferred_batch_size", "max_batch_size", "max_wait")})
-    if scheduler.controller is not None:
-        values["controller_alpha"] = scheduler.controller.alpha
-        values["controller_latency_correction"] = scheduler.controller.correction.factor
-    return {name: float(value) for name, value in values.items() if value is not None}
-
-
-def _mode(scheduler: Scheduler) -> str:
-    """fixed, the adaptive controller's mode, or degraded (emergency switch)."""
-    if scheduler.overload is not None and scheduler.overload.degraded:
-        return "degraded"
-    return scheduler.controller.mode if scheduler.controller is not None else "fixed"
-
-
-def _decisions(scheduler: Scheduler, latest: int = 20) -> dict:
-    controller = scheduler.controller
-    if controller is None:
-        return {}
-    recent = list(controller.decisions)[-latest:]
-    return {"decision_counts": dict(controller.decision_counts),
-            "recent_decisions": tuple(
-                {"time": d.time, "knob": d.knob, "old": d.old, "new": d.new,
-                 "reason": d.reason, "decision": d.describe()} for d in recent)}
 
 
 class ContextLengthError(ValueError):
@@ -101,6 +56,10 @@ class RequestState:
     sent_tokens: int = 0
     sent_logprobs: int = 0
     pending_text: list[str] = field(default_factory=list)
+    # The request's executor item and sampling row, made at its first step
+    # and updated in place at each later one (see LLMEngine._batch_items).
+    item: BatchItem | None = None
+    row: SamplingRow | None = None
 
 
 class LLMEngine:
@@ -121,8 +80,13 @@ class LLMEngine:
         self.counters = EngineCounters()
         # Recent steps' shapes and wall times (GET /carpool/steps).
         self.step_log = StepLog(row_bucket=config.model.row_bucket)
+        self.last_phases: StepPhases | None = None  # the latest step that ran a batch
         self._seeds = random.Random(config.model.seed)
         self._eos_ids = set(model_config.eos_token_ids) | set(tokenizer.eos_token_ids)
+        # The detokenizer's per-token texts (token_pieces), built at the first request.
+        self._pieces: tuple[str | None, ...] | None = None
+        self._pieces_built = False
+        self._step_results: dict[Request, SampleResult] = {}  # the step's, by request
         self._next_id = 0
         self._schedule = None  # a profile's time-of-day windows, see follow_schedule
         self.slo = None  # the ServingSLO being served (carpool serve), for stats
@@ -132,8 +96,10 @@ class LLMEngine:
         model and executor, with ``config`` (default: this one's). The
         executor's KV tensors are reused as they are: a new scheduler owns
         every block again, so nothing of this engine's requests survives."""
-        return LLMEngine(config or self.config, self.tokenizer, self.model_config,
-                         self.executor, self.max_model_len, self.clock)
+        engine = LLMEngine(config or self.config, self.tokenizer, self.model_config,
+                           self.executor, self.max_model_len, self.clock)
+        engine._pieces, engine._pieces_built = self._pieces, self._pieces_built
+        return engine
 
     @classmethod
     def from_config(cls, config: EngineConfig, kernels_in_background: bool = False,
@@ -198,7 +164,10 @@ class LLMEngine:
         self.check_prompt(token_ids, params)
         request_id = request_id or self.new_request_id()
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
-        state = RequestState(params, seed, IncrementalDetokenizer(self.tokenizer, token_ids, params),
+        if not self._pieces_built:
+            self._pieces, self._pieces_built = token_pieces(self.tokenizer), True
+        detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params, self._pieces)
+        state = RequestState(params, seed, detokenizer,
                              logprobs=[] if params.logprobs is not None else None)
         request = Request(request_id, token_ids, params.max_tokens,
                           self.clock() if arrival_time is None else arrival_time, priority,
@@ -269,84 +238,119 @@ class LLMEngine:
             self._schedule = None
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduler step; return outputs of requests that progressed."""
-        begun = time.perf_counter()
+        """Run one scheduler step; return outputs of requests that progressed.
+        A step that ran a batch leaves its phases' seconds in ``last_phases``."""
+        clock = time.perf_counter
+        begun = clock()
         if self._schedule is not None:
             self._follow_schedule()
         schedule, expired = self.core.begin()
         rejected = [self._finish_output(r, "rejected") for r in expired]
         if schedule.is_empty:
             return rejected
-        started = time.perf_counter()
-        items = batch_items(schedule.spans, self.scheduler.kv.block_tables, self._sampling_row)
+        started = clock()
+        items = self._batch_items(schedule.spans)
         padding = step_padding(schedule.pad_rows, self.config.scheduler.padding_mode)
-        results = iter(self.executor.execute(items, padding))
-        sampled = {span.request.request_id: (span.request, next(results))
-                   for span in schedule.spans if span.sample}
-        elapsed = time.perf_counter() - started
-        progressed, finished = self.core.complete(
-            schedule, [(r, res.token_id) for r, res in sampled.values()], elapsed,
-            stop=lambda request, _: self._take_sample(request, sampled[request.request_id][1]))
-        self.counters.steps += 1
-        self.counters.computed_tokens += schedule.num_tokens
-        self.counters.slot_tokens += schedule.num_slots  # padding included
-        self.counters.busy_seconds += elapsed
-        done = set(map(id, finished))
-        outputs = rejected + [self._finish_output(r, _FINISH_REASONS[r.status]) if id(r) in done
-                              else self._output(r, finished=False) for r in progressed]
+        built = clock()
+        results = self.executor.execute(items, padding)
+        executed = clock()
+        elapsed = executed - started
+        requests = [span.request for span in schedule.spans if span.sample]
+        self._step_results = dict(zip(requests, results, strict=True))
+        try:
+            progressed, finished = self.core.complete(
+                schedule, [(r, res.token_id) for r, res in zip(requests, results)], elapsed,
+                stop=self._take_sample)
+        finally:
+            self._step_results = {}
+        committed = clock()
+        outputs = rejected + self._outputs(progressed, finished)
+        output_end = clock()
+        counters = self.counters
+        counters.steps += 1
+        counters.generation_tokens += len(progressed)  # the stop check saw each of them
+        counters.computed_tokens += schedule.num_tokens
+        counters.slot_tokens += schedule.num_slots  # padding included
+        counters.busy_seconds += elapsed
         if padding is None:  # a padded step costs its rectangle, not its ragged shape
-            self.step_log.record(StepShape.of(items), time.perf_counter() - begun, begun)
+            self.step_log.record(StepShape.of(items), clock() - begun, begun)
+        self.last_phases = StepPhases(started - begun, built - started, executed - built,
+                                      committed - executed, output_end - committed,
+                                      clock() - output_end)
         return outputs
+
+    def _outputs(self, progressed: list[Request], finished: list[Request]) -> list[RequestOutput]:
+        """The outputs of a step's progressed requests, the finished ones' final."""
+        if not finished:
+            return [self._output(r, False) for r in progressed]
+        done = set(map(id, finished))
+        return [self._finish_output(r, _FINISH_REASONS[r.status]) if id(r) in done
+                else self._output(r, False) for r in progressed]
 
     def stats(self) -> EngineStats:
         """A snapshot for metrics; call it from the thread that steps the engine."""
-        scheduler = self.scheduler
-        kv = scheduler.kv.stats()
-        config = self.config.scheduler
-        return EngineStats(
-            time=self.clock(), num_running=len(scheduler.running),
-            num_waiting=len(scheduler.waiting),
-            waiting_tokens=sum(r.num_pending_tokens for r in scheduler.waiting),
-            kv_num_blocks=kv.num_blocks, kv_used_blocks=kv.used_blocks,
-            prefix_queries=kv.prefix_queries, prefix_hits=kv.prefix_hits,
-            num_preemptions=scheduler.num_preemptions, counters=self.counters.copy(),
-            rejections=dict(scheduler.rejections),
-            sessions=dict(scheduler.session_stats().__dict__),
-            knobs=_knobs(scheduler), batching=config.batching, mode=_mode(scheduler),
-            num_priority_preemptions=scheduler.num_priority_preemptions,
-            batches=scheduler.gate.stats.batches if scheduler.gate else 0,
-            adaptive=scheduler.controller is not None,
-            slo=self.slo.as_dict() if self.slo is not None else None,
-            predictions=_predictions(scheduler), **_decisions(scheduler))
+        return engine_stats(self.scheduler, self.counters, self.clock(), self.config.scheduler,
+                            self.slo)
+
+    def _batch_items(self, spans: Sequence[ScheduledSpan]) -> list[BatchItem]:
+        """The executor's items for a step's spans, as ``batch_items`` makes
+        them, but each request keeps one ``BatchItem`` and one
+        ``SamplingRow`` for its life, updated in place: per step a decode
+        changes only its span, block table and row step. Safe because an
+        executor reads items only during ``execute`` (the interface's rule)."""
+        tables = self.scheduler.kv.block_tables
+        items = []
+        for span in spans:
+            request = span.request
+            state: RequestState = request.payload
+            item = state.item
+            if item is None:
+                item = state.item = BatchItem(request.request_id, request.token_ids, span.start,
+                                              span.num_tokens, tables[request.request_id])
+            else:
+                item.start, item.num_tokens = span.start, span.num_tokens
+                item.block_table = tables[request.request_id]  # new after a preemption
+            item.sampling = self._sampling_row(request, state) if span.sample else None
+            items.append(item)
+        return items
 
     @staticmethod
-    def _sampling_row(request: Request) -> SamplingRow:
-        state: RequestState = request.payload
-        return SamplingRow(state.params, state.seed, request.num_output_tokens,
-                           request.prompt_token_ids, request.output_token_ids)
+    def _sampling_row(request: Request, state: RequestState) -> SamplingRow:
+        """The request's row, at the step of its next output token."""
+        prompt = request.prompt_token_ids
+        step = len(request.token_ids) - len(prompt)
+        row = state.row
+        if row is None:
+            row = state.row = SamplingRow(state.params, state.seed, step, prompt)
+        row.step = step
+        if row.penalized:  # only penalties read the output tokens: copy them only then
+            row.output_token_ids = request.token_ids[len(prompt):]
+        return row
 
-    def _take_sample(self, request: Request, result: SampleResult) -> RequestStatus | None:
+    def _take_sample(self, request: Request, token_id: int) -> RequestStatus | None:
         """The engine core's stop check: record the sampled token's time,
         logprobs and text; FINISHED_STOPPED at an EOS, a stop token or a stop
-        string (the core finishes by length otherwise)."""
+        string (the core finishes by length otherwise). On every sampled
+        token's path: kept lean."""
         state: RequestState = request.payload
         params = state.params
-        token_id = result.token_id
         if state.first_token_time is None:
             state.first_token_time = self.clock()
-        self.counters.generation_tokens += 1
         if state.logprobs is not None:
+            result = self._step_results[request]
             state.logprobs.append(TokenLogprob(token_id, result.logprob, result.top_logprobs or []))
-        if not params.ignore_eos and token_id in self._eos_ids:
+        if token_id in self._eos_ids and not params.ignore_eos:
             state.stop_reason = None
             return RequestStatus.FINISHED_STOPPED
         if token_id in params.stop_token_ids:
             state.stop_reason = token_id
             return RequestStatus.FINISHED_STOPPED
-        delta, stopped = state.detokenizer.add_token(token_id)
-        state.pending_text.append(delta)
+        detokenizer = state.detokenizer
+        delta, stopped = detokenizer.add_token(token_id)
+        if delta:
+            state.pending_text.append(delta)
         if stopped:
-            state.stop_reason = state.detokenizer.stop_reason
+            state.stop_reason = detokenizer.stop_reason
             return RequestStatus.FINISHED_STOPPED
         return None
 
@@ -366,20 +370,25 @@ class LLMEngine:
 
     def _output(self, request: Request, finished: bool) -> RequestOutput:
         state: RequestState = request.payload
-        delta_text = "".join(state.pending_text)
-        state.pending_text.clear()
-        state.text += delta_text
-        token_ids = request.output_token_ids
-        delta_ids = token_ids[state.sent_tokens:]
-        state.sent_tokens = len(token_ids)
+        pending = state.pending_text
+        if pending:
+            delta_text = pending[0] if len(pending) == 1 else "".join(pending)
+            pending.clear()
+            state.text += delta_text
+        else:
+            delta_text = ""
+        token_ids = request.token_ids
+        prompt = request.prompt_token_ids
+        sent = len(prompt) + state.sent_tokens
+        delta_ids = token_ids[sent:]
+        state.sent_tokens = len(token_ids) - len(prompt)
+        logprobs = state.logprobs
         delta_logprobs = None
-        if state.logprobs is not None:
-            delta_logprobs = state.logprobs[state.sent_logprobs:]
-            state.sent_logprobs = len(state.logprobs)
-        return RequestOutput(
-            request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
-            text=state.text, token_ids=token_ids, delta_text=delta_text, delta_token_ids=delta_ids,
-            finished=finished, stop_reason=state.stop_reason, logprobs=state.logprobs,
-            delta_logprobs=delta_logprobs, num_cached_tokens=request.num_cached_tokens,
-            arrival_time=request.arrival_time, first_token_time=state.first_token_time,
-            first_scheduled_time=request.first_scheduled_time)
+        if logprobs is not None:
+            delta_logprobs = logprobs[state.sent_logprobs:]
+            state.sent_logprobs = len(logprobs)
+        # token_ids is copied from the request's own list only when read.
+        return RequestOutput.of_request(
+            request.request_id, prompt, state.text, token_ids, delta_text, delta_ids, finished,
+            state.stop_reason, logprobs, delta_logprobs, request.num_cached_tokens,
+            request.arrival_time, request.first_scheduled_time, state.first_token_time)

@@ -2,11 +2,15 @@
 
 The engine thread mutates ``EngineCounters``; other threads (the HTTP
 server, the status line) only ever read an ``EngineStats`` snapshot, which
-is built whole and then published by a single reference assignment.
+is built whole (``engine_stats``) and then published by a single
+reference assignment.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from carpool.config import SchedulerConfig
+from carpool.scheduler import Scheduler
 
 # Prompts longer than this count as "long" in the share-of-long-requests metric.
 LONG_PROMPT_TOKENS = 512
@@ -72,3 +76,71 @@ class EngineStats:
     @property
     def prefix_hit_rate(self) -> float:
         return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+
+def _predictions(scheduler) -> dict:
+    """The step-cost fit and TTFT error factor admission predicts with."""
+    admission = scheduler.admission
+    coef = admission.cost_model.coefficients
+    cost = None if coef is None else dict(zip(("fixed_s", "per_token_s", "per_seq_s"), coef))
+    return {"step_cost": cost,
+            "ttft_error_factor": admission.prediction_error.factor(scheduler.clock()),
+            "first_token_delivery_s": admission.delivery_lag}
+
+
+def _knobs(scheduler: Scheduler) -> dict[str, float]:
+    """The scheduler knobs exported as metrics (numbers only; None is left out):
+    the live values where the adaptive controller moves them."""
+    config = scheduler.config
+    live = scheduler.knobs.as_dict()
+    names = ["max_queue_requests", "long_prompt_threshold", "long_prefill_share",
+             "aging_interval"]
+    values = {name: getattr(config, name) for name in names}
+    values.update({name: live.get(name) for name in ("max_num_seqs", "max_num_batched_tokens")})
+    if config.batching != "continuous":
+        values.update({name: live.get(name) for name in
+                       ("preferred_batch_size", "max_batch_size", "max_wait")})
+    if scheduler.controller is not None:
+        values["controller_alpha"] = scheduler.controller.alpha
+        values["controller_latency_correction"] = scheduler.controller.correction.factor
+    return {name: float(value) for name, value in values.items() if value is not None}
+
+
+def _mode(scheduler: Scheduler) -> str:
+    """fixed, the adaptive controller's mode, or degraded (emergency switch)."""
+    if scheduler.overload is not None and scheduler.overload.degraded:
+        return "degraded"
+    return scheduler.controller.mode if scheduler.controller is not None else "fixed"
+
+
+def _decisions(scheduler: Scheduler, latest: int = 20) -> dict:
+    controller = scheduler.controller
+    if controller is None:
+        return {}
+    recent = list(controller.decisions)[-latest:]
+    return {"decision_counts": dict(controller.decision_counts),
+            "recent_decisions": tuple(
+                {"time": d.time, "knob": d.knob, "old": d.old, "new": d.new,
+                 "reason": d.reason, "decision": d.describe()} for d in recent)}
+
+
+def engine_stats(scheduler: Scheduler, counters: EngineCounters, now: float,
+                 config: SchedulerConfig, slo=None) -> EngineStats:
+    """The engine's snapshot: its scheduler's state, a copy of its counters,
+    ``now`` on its clock, the SLO it serves (a ``ServingSLO``) if any."""
+    kv = scheduler.kv.stats()
+    return EngineStats(
+        time=now, num_running=len(scheduler.running),
+        num_waiting=len(scheduler.waiting),
+        waiting_tokens=sum(r.num_pending_tokens for r in scheduler.waiting),
+        kv_num_blocks=kv.num_blocks, kv_used_blocks=kv.used_blocks,
+        prefix_queries=kv.prefix_queries, prefix_hits=kv.prefix_hits,
+        num_preemptions=scheduler.num_preemptions, counters=counters.copy(),
+        rejections=dict(scheduler.rejections),
+        sessions=dict(scheduler.session_stats().__dict__),
+        knobs=_knobs(scheduler), batching=config.batching, mode=_mode(scheduler),
+        num_priority_preemptions=scheduler.num_priority_preemptions,
+        batches=scheduler.gate.stats.batches if scheduler.gate else 0,
+        adaptive=scheduler.controller is not None,
+        slo=slo.as_dict() if slo is not None else None,
+        predictions=_predictions(scheduler), **_decisions(scheduler))

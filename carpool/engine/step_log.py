@@ -17,6 +17,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from dataclasses import asdict, dataclass
+from typing import NamedTuple
 
 from carpool.executor.shapes import DEFAULT_ROW_BUCKET, ShapeMemory, StepShape
 
@@ -38,6 +39,27 @@ class LoggedStep:
     def as_dict(self) -> dict:
         return {**asdict(self.shape), "seconds": self.seconds, "started": self.started,
                 "new_shape": self.new_shape}
+
+
+class StepPhases(NamedTuple):
+    """Where one step's wall seconds went, in the order the engine runs
+    them (``LLMEngine.last_phases``; ``carpool bench engine`` reports them):
+    schedule (the scheduler, expired requests' outputs); batch (the
+    executor's batch items and sampling rows); execute (the executor);
+    commit (committing the step, stop checks and detokenizing, finishing);
+    outputs (each progressed request's ``RequestOutput``); log (counters
+    and the step log)."""
+
+    schedule: float
+    batch: float
+    execute: float
+    commit: float
+    outputs: float
+    log: float
+
+    @property
+    def total(self) -> float:
+        return sum(self)
 
 
 class StepLog:

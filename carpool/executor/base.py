@@ -17,7 +17,7 @@ from typing import Any
 from carpool.config import PADDINGS
 
 
-@dataclass
+@dataclass(slots=True)
 class BatchItem:
     """One request's span in a step: compute ``token_ids[start:start+num_tokens]``.
 
@@ -78,7 +78,8 @@ class Executor(ABC):
     def execute(self, items: Sequence[BatchItem], padding: Padding | None = None) -> list[Any]:
         """Run one batch, ragged or (``padding`` given) padded to a rectangle;
         return one sample result per item whose ``sampling`` is set, in item
-        order."""
+        order. Items and their rows are read during the call only: the live
+        engine updates them in place for its next step."""
 
 
 def batch_items(spans: Sequence[Any], block_tables: Mapping[str, Sequence[int]],
@@ -86,13 +87,11 @@ def batch_items(spans: Sequence[Any], block_tables: Mapping[str, Sequence[int]],
     """The executor's items for a step's scheduled spans (the scheduler's
     ``ScheduledSpan``: ``request``, ``start``, ``num_tokens``, ``sample``),
     in order; ``sampling_row(request)`` gives the row of a span that samples."""
-    items = []
-    for span in spans:
-        request = span.request
-        items.append(BatchItem(request.request_id, request.token_ids, span.start,
-                               span.num_tokens, block_tables[request.request_id],
-                               sampling_row(request) if span.sample else None))
-    return items
+    # One item per span, every step: a comprehension, positional arguments.
+    return [BatchItem(span.request.request_id, span.request.token_ids, span.start,
+                      span.num_tokens, block_tables[span.request.request_id],
+                      sampling_row(span.request) if span.sample else None)
+            for span in spans]
 
 
 def step_padding(pad_rows: int, align: str) -> Padding | None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,7 +33,7 @@ _CANDIDATES, _FULL, _NUCLEUS = 0, 1, 2
 _CANDIDATE_TOP_P = 0.5
 
 
-@dataclass
+@dataclass(slots=True)
 class SamplingRow:
     """One sequence to sample: ``seed`` is the effective seed (the engine draws one
     when ``params.seed`` is None), ``step`` the index of the output token drawn.
@@ -44,6 +44,14 @@ class SamplingRow:
     step: int
     prompt_token_ids: Sequence[int] = ()
     output_token_ids: Sequence[int] = ()
+    # From ``params`` (fixed for a row's life), once: read per row per step,
+    # where a property call costs (the engine keeps one row per request).
+    penalized: bool = field(init=False)  # params.needs_penalties
+    plain_greedy: bool = field(init=False)  # greedy without penalties
+
+    def __post_init__(self) -> None:
+        self.penalized = self.params.needs_penalties
+        self.plain_greedy = self.params.greedy and not self.penalized
 
 
 @dataclass
@@ -118,10 +126,6 @@ def _collect(acc: tuple[list[int], list[int], list[int]], row: int, ids: Sequenc
     acc[2].append(len(ids))
 
 
-def _is_plain_greedy(params: SamplingParams) -> bool:
-    return params.greedy and not params.needs_penalties
-
-
 def _first_route(params: SamplingParams) -> int:
     """Top-k rows and small top-p rows start from candidates (which may hand
     them on); other top-p rows go to rejection; the rest sample the whole
@@ -176,7 +180,7 @@ class Sampler:
         if not rows:
             return []
         logits = logits[:, :self.vocab_size]
-        if all(_is_plain_greedy(r.params) and r.params.logprobs is None for r in rows):
+        if all(r.plain_greedy and r.params.logprobs is None for r in rows):
             return [SampleResult(t) for t in _argmax(logits).tolist()]
         with _on(logits.device):
             return self._sample(logits, rows)
@@ -187,10 +191,10 @@ class Sampler:
         aliased = _shares(x, logits)  # no copy was made: x must not be edited in place
         logprob_rows = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         tokens = [0] * len(rows)
-        plain = [i for i, r in enumerate(rows) if _is_plain_greedy(r.params)]
+        plain = [i for i, r in enumerate(rows) if r.plain_greedy]
         if plain:
             _put(tokens, plain, _argmax(self._take(x, plain)).tolist())
-        work = [i for i, r in enumerate(rows) if not _is_plain_greedy(r.params)]
+        work = [i for i, r in enumerate(rows) if not r.plain_greedy]
         if work:
             # Logprobs come from the raw logits: keep x untouched when they are asked.
             self._sample_work(x, aliased or bool(logprob_rows), work, rows, tokens)
@@ -213,8 +217,8 @@ class Sampler:
         (off the CPU, DEVICE_CHUNK_ELEMENTS: only memory bounds them).
         Penalized rows are chunked apart, so only their chunks get copied."""
         step = self._chunk_rows(x)
-        penal = [i for i in work if rows[i].params.needs_penalties]
-        clean = [i for i in work if not rows[i].params.needs_penalties]
+        penal = [i for i in work if rows[i].penalized]
+        clean = [i for i in work if not rows[i].penalized]
         for group in (penal, clean):
             for lo in range(0, len(group), step):
                 part = group[lo:lo + step]
