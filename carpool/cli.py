@@ -253,7 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     from carpool.bench.tune import add_tune_parser
 
     add_tune_parser(commands, add_engine_flags)
-    from carpool.profiles.command import add_profiles_args
+    from carpool.profiles_command import add_profiles_args
 
     add_profiles_args(commands.add_parser(
         "profiles", help="list the built-in settings profiles, or show one resolved"))
@@ -339,7 +339,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "profiles":
-            from carpool.profiles.command import run_profiles
+            from carpool.profiles_command import run_profiles
 
             return run_profiles(args)
         if args.command == "traces":

@@ -198,6 +198,9 @@ SERVER_FLAGS: list[Flag] = [
     _f("--max-stop", "max_stop", int, "N", "most stop strings in one request"),
     _f("--prep-workers", "prep_workers", int, "N",
        "threads that parse, template and tokenize requests off the event loop"),
+    _f("--engine-process", "engine_process", flag_bool, "BOOL",
+       "run the engine in a worker process of its own, HTTP and tokenizing in this one "
+       "(false: both in one process)"),
     _f("--stall-timeout", "stall_timeout", float, "SECONDS",
        "seconds busy without a step before /health answers 503"),
     _f("--uvicorn-log-level", "uvicorn_log_level", str, "LEVEL",

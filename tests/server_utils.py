@@ -95,6 +95,6 @@ def in_process_app(engine, **server_settings):
 
     config = ServerConfig(**server_settings).validate()
     metrics = Metrics("tiny", lambda: engine.stats)
-    ctx = ServerContext(engine, engine.engine.tokenizer, "tiny", engine.engine.max_model_len,
+    ctx = ServerContext(engine, engine.tokenizer, "tiny", engine.info.max_model_len,
                         config, metrics)
     return build_app(ctx)

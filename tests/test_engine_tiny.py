@@ -302,7 +302,7 @@ def test_the_engine_thread_builds_and_steps_the_engine_given_a_factory(tiny_mode
         AsyncEngine(broken)
 
 
-def test_carpool_serve_loads_the_model_on_the_engine_thread(monkeypatch):
+def test_carpool_serve_in_one_process_loads_the_model_on_the_engine_thread(monkeypatch):
     import threading
 
     from carpool.config import EngineConfig
@@ -319,7 +319,7 @@ def test_carpool_serve_loads_the_model_on_the_engine_thread(monkeypatch):
     switch = sys.getswitchinterval()  # run_server sets the process's
     try:
         with pytest.raises(RuntimeError, match="stop here"):
-            launcher.run_server(EngineConfig(), ServerConfig())
+            launcher.run_server(EngineConfig(), ServerConfig(engine_process=False))
     finally:
         sys.setswitchinterval(switch)
     assert where == ["carpool-engine"]

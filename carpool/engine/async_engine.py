@@ -23,18 +23,16 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from carpool.engine.llm_engine import LLMEngine
+from carpool.engine.llm_engine import LLMEngine, check_prompt
 from carpool.engine.outputs import RequestOutput
 from carpool.engine.stats import EngineStats
+from carpool.engine.streams import DeliveryLag, EngineDeadError, RequestStream
+from carpool.engine.wire import EngineInfo
 from carpool.sampling_params import SamplingParams
 from carpool.scheduler import RejectedError
 
 # How often the engine thread publishes a stats snapshot while busy.
 STATS_INTERVAL_S = 0.25
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop failed; no request can make progress any more."""
 
 
 @dataclass
@@ -54,76 +52,6 @@ class _Add:
     max_wait: float | None = None
     cache_salt: str | None = None
     arrival_time: float | None = None  # engine clock, when the caller handed it over
-
-
-class DeliveryLag:
-    """How long first tokens wait, once the engine made them, until the event
-    loop takes them (the GIL, the loop's other work): part of the TTFT a
-    client sees that the engine's own TTFT misses, so admission adds it
-    (``AdmissionControl.delivery_lag``). ``seconds`` is the 90th percentile
-    of the last ``window`` first tokens; written by the loop thread, read as
-    one float by the engine thread."""
-
-    def __init__(self, window: int = 64) -> None:
-        self._lags: deque[float] = deque(maxlen=window)
-        self.seconds = 0.0
-
-    def observe(self, lag: float) -> None:
-        self._lags.append(max(0.0, lag))
-        ordered = sorted(self._lags)
-        self.seconds = ordered[int(0.9 * (len(ordered) - 1))]
-
-
-class RequestStream:
-    """The outputs of one queued request, as an async iterator.
-
-    It ends after the output whose ``finished`` is true. Until then the
-    request is live in the engine, and every way of leaving early aborts
-    it: ``aclose()`` (idempotent, and also for a stream never iterated), or
-    a cancellation while waiting for the next output.
-    """
-
-    def __init__(self, engine: "AsyncEngine", request_id: str, stream: _Stream) -> None:
-        self.engine = engine
-        self.request_id = request_id
-        self._stream = stream
-        self._done = False
-        self._first_seen = False
-
-    def __aiter__(self) -> "RequestStream":
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self._done:
-            raise StopAsyncIteration
-        try:
-            item = await self._stream.queue.get()
-        except BaseException:
-            await self.aclose()
-            raise
-        if isinstance(item, BaseException):
-            self._done = True  # the engine dropped the request (failure or shutdown)
-            raise item
-        if not self._first_seen and item.token_ids and item.first_token_time is not None:
-            self._first_seen = True
-            self.engine.delivery.observe(self.engine.engine.clock() - item.first_token_time)
-        if item.finished:
-            self._done = True
-        return item
-
-    async def aclose(self) -> None:
-        """Abort the request unless its final output was delivered."""
-        if not self._done:
-            self._done = True
-            self.engine.abort(self.request_id)
-
-    def __del__(self) -> None:
-        # Dropped unfinished (a caller broke out of its loop): abort, as an
-        # async generator's finalizer would. Lock-free, since the garbage
-        # collector may run this on any thread, the engine's included.
-        if not self._done:
-            self._done = True
-            self.engine.abort_without_lock(self.request_id)
 
 
 class AsyncEngine:
@@ -171,6 +99,16 @@ class AsyncEngine:
             self._thread.join()
             raise self._build_error
         self.stats: EngineStats = self.engine.stats()
+        self.info: EngineInfo = self.engine.info()
+        self.tokenizer = self.engine.tokenizer
+        self.step_log = self.engine.step_log
+
+    def check_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
+        """``ValueError`` unless the prompt fits this engine (``check_prompt``)."""
+        check_prompt(token_ids, params, self.info.max_model_len, self.info.vocab_size)
+
+    def first_token_seen(self, first_token_time: float) -> None:
+        self.delivery.observe(self.engine.clock() - first_token_time)
 
     @property
     def is_alive(self) -> bool:
@@ -223,7 +161,7 @@ class AsyncEngine:
             raise
         if isinstance(accepted, BaseException):
             raise accepted  # bad input or rejected at admission
-        return RequestStream(self, request_id, stream)
+        return RequestStream(self, request_id, stream.queue)
 
     def abort(self, request_id: str) -> None:
         with self._wake:

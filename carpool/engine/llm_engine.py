@@ -9,6 +9,7 @@ Not thread safe: ``AsyncEngine`` drives it from a single background thread.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
@@ -22,6 +23,7 @@ from carpool.engine.detokenizer import IncrementalDetokenizer, token_pieces
 from carpool.engine.outputs import RequestOutput, TokenLogprob
 from carpool.engine.stats import LONG_PROMPT_TOKENS, EngineCounters, EngineStats, engine_stats
 from carpool.engine.step_log import StepLog, StepPhases
+from carpool.engine.wire import EngineInfo
 from carpool.executor.base import BatchItem, Executor, step_padding
 from carpool.executor.shapes import StepShape
 from carpool.model.kernel_switch import SwitchingCpuAttention
@@ -60,6 +62,22 @@ class RequestState:
     # and updated in place at each later one (see LLMEngine._batch_items).
     item: BatchItem | None = None
     row: SamplingRow | None = None
+
+
+def check_prompt(token_ids: list[int], params: SamplingParams, max_model_len: int,
+                 vocab_size: int) -> None:
+    """``ValueError`` (``ContextLengthError`` for the length) unless the
+    prompt can run in a ``max_model_len`` context of a ``vocab_size`` model;
+    pure, so callers may check every prompt of a call before queueing any."""
+    if not token_ids:
+        raise ValueError("the prompt is empty")
+    total = len(token_ids) + params.max_tokens
+    if total > max_model_len:  # first: it is O(1), the id range check is not
+        raise ContextLengthError(
+            f"this model's maximum context length is {max_model_len} tokens; the request "
+            f"asks for {total} ({len(token_ids)} in the prompt + {params.max_tokens} max_tokens)")
+    if min(token_ids) < 0 or max(token_ids) >= vocab_size:
+        raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
 
 
 class LLMEngine:
@@ -179,19 +197,23 @@ class LLMEngine:
         return request_id
 
     def check_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
-        """``ValueError`` (``ContextLengthError`` for the length) unless the
-        prompt can run; pure, so callers may check every prompt of a call
-        before queueing any of them."""
-        if not token_ids:
-            raise ValueError("the prompt is empty")
-        total = len(token_ids) + params.max_tokens
-        if total > self.max_model_len:  # first: it is O(1), the id range check is not
-            raise ContextLengthError(
-                f"this model's maximum context length is {self.max_model_len} tokens; the request "
-                f"asks for {total} ({len(token_ids)} in the prompt + {params.max_tokens} max_tokens)")
-        vocab = self.model_config.vocab_size
-        if min(token_ids) < 0 or max(token_ids) >= vocab:
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        """``check_prompt`` against this engine's context and vocabulary."""
+        check_prompt(token_ids, params, self.max_model_len, self.model_config.vocab_size)
+
+    def info(self) -> EngineInfo:
+        """What the API side needs to know of this engine (``EngineInfo``)."""
+        from carpool.engine.step_log import step_facts
+
+        # vLLM's cache_config_info labels: every CacheConfig field as a string
+        # (block_size, enable_prefix_caching are vLLM's names too), the
+        # blocks the pool got and the KV dtype.
+        cache = {k: str(v) for k, v in dataclasses.asdict(self.config.cache).items()}
+        cache["num_gpu_blocks"] = str(self.executor.num_blocks)  # vLLM's name, any device
+        cache["cache_dtype"] = str(self.executor.dtype).removeprefix("torch.")
+        return EngineInfo(self.max_model_len, self.model_config.vocab_size,
+                          self.tokenizer.describe(), cache, step_facts(self),
+                          self.executor.num_blocks,
+                          self.slo.describe() if self.slo is not None else None)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Abort now (between steps): its blocks return to the pool at once."""

@@ -80,6 +80,20 @@ class StepLog:
             self._steps.append(LoggedStep(shape, seconds, started, new))
             self.total += 1
 
+    def append(self, step: LoggedStep) -> None:
+        """Log a step another process's log recorded (a worker's, mirrored
+        by the front: ``EngineClient``)."""
+        with self._lock:
+            self._steps.append(step)
+            self.total += 1
+
+    def since(self, total_seen: int) -> list[LoggedStep]:
+        """The steps logged after the first ``total_seen`` (those still in
+        the ring), oldest first; cheap when few: read from the ring's end."""
+        with self._lock:
+            count = min(self.total - total_seen, len(self._steps))
+            return [self._steps[-i] for i in range(count, 0, -1)]
+
     def snapshot(self, limit: int | None = None) -> tuple[list[LoggedStep], int]:
         """(the last ``limit`` logged steps, oldest first; steps ever logged)."""
         with self._lock:
@@ -98,13 +112,13 @@ def kv_bytes_per_token(engine) -> int:
             * engine.executor.dtype.itemsize)
 
 
-def steps_document(engine, limit: int | None = None) -> dict:
-    """What ``GET /carpool/steps`` answers: the engine's last ``limit``
-    logged steps and what a cost model fitted on them must record (the
-    machine, model, dtype, KV bytes and limits ``carpool measure`` records)."""
+def step_facts(engine) -> dict:
+    """What a cost model fitted on ``engine``'s steps must record: the
+    machine, model, dtype, KV bytes and limits (``carpool measure``'s record);
+    fixed for the engine's life, so an engine in a worker process sends them
+    once."""
     from carpool.machine import machine_identity
 
-    steps, total = engine.step_log.snapshot(limit)
     device = str(getattr(engine.executor, "device", "cpu"))
     scheduler = engine.config.scheduler
     return {"machine": machine_identity(device),
@@ -114,5 +128,11 @@ def steps_document(engine, limit: int | None = None) -> dict:
             "max_model_len": engine.max_model_len,
             "max_num_batched_tokens": scheduler.max_num_batched_tokens,
             "max_num_seqs": scheduler.max_num_seqs, "batching": scheduler.batching,
-            "row_bucket": engine.config.model.row_bucket,
-            "total_steps": total, "steps": [step.as_dict() for step in steps]}
+            "row_bucket": engine.config.model.row_bucket}
+
+
+def steps_document(step_log: StepLog, facts: dict, limit: int | None = None) -> dict:
+    """What ``GET /carpool/steps`` answers: the last ``limit`` steps of
+    ``step_log`` and the ``step_facts`` of the engine that ran them."""
+    steps, total = step_log.snapshot(limit)
+    return {**facts, "total_steps": total, "steps": [step.as_dict() for step in steps]}

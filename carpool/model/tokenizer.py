@@ -102,6 +102,23 @@ class Tokenizer:
             template_tokens={k: v for k, v in specials.items() if v is not None},
         )
 
+    def describe(self) -> dict[str, Any]:
+        """Everything this tokenizer is made of, as plain data (JSON/msgpack):
+        ``from_description`` rebuilds an equal one in another process."""
+        return {"backend": self._backend.to_str(), "chat_template": self.chat_template,
+                "bos_token": self._bos_token, "eos_token": self._eos_token,
+                "eos_token_ids": list(self._eos_token_ids),
+                "template_tokens": dict(self._template_tokens)}
+
+    @classmethod
+    def from_description(cls, description: dict[str, Any]) -> "Tokenizer":
+        """The tokenizer ``describe`` described."""
+        return cls(tokenizers.Tokenizer.from_str(description["backend"]),
+                   chat_template=description["chat_template"],
+                   bos_token=description["bos_token"], eos_token=description["eos_token"],
+                   eos_token_ids=description["eos_token_ids"],
+                   template_tokens=description["template_tokens"])
+
     def with_chat_template(self, template: str) -> "Tokenizer":
         """This tokenizer with ``template`` as its chat template (vLLM's
         ``--chat-template``); ChatTemplateError when it does not compile."""

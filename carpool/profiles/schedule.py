@@ -191,6 +191,7 @@ class ProfileSchedule:
         self.windows = list(windows)
         self.pinned = frozenset(pinned)
         self.baseline = self._baseline()
+        self.source: dict[str, Any] | None = None
 
     @classmethod
     def from_profile(cls, profile: Mapping[str, Any],
@@ -199,6 +200,7 @@ class ProfileSchedule:
         base, must make a valid ``SchedulerConfig`` (checked now, not when
         the window opens)."""
         schedule = cls(profile, parse_schedule(profile.get("schedule")), pinned)
+        schedule.source = dict(profile)  # what rebuilds it in an engine worker process
         for window in schedule.windows:
             try:
                 schedule._scheduler_config(window).validate()

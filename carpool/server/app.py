@@ -180,7 +180,8 @@ def _add_info_routes(app: FastAPI, serving: OpenAIServing) -> None:
             raise APIError(403, "the step log is for operator keys (operator: true in the "
                                 "keys file)", code="forbidden")
         limit = _step_limit(request.query_params.get("limit"))
-        return JSONResponse(await ctx.prep.run(steps_document, ctx.engine.engine, limit))
+        return JSONResponse(await ctx.prep.run(steps_document, ctx.engine.step_log,
+                                                ctx.engine.info.step_facts, limit))
 
     @app.get("/carpool/policy")
     async def policy() -> JSONResponse:

@@ -51,6 +51,10 @@ class ServerConfig:
     # text (content cannot forge <|im_start|> and the like) unless true.
     special_tokens_in_content: bool = False
     prep_workers: int = 1  # threads that parse, template and tokenize requests
+    # The engine runs in a worker process of its own (carpool.engine.worker),
+    # so HTTP, tokenizing and the SSE stream never wait on the model's GIL;
+    # false: on a thread of the API process (one process, as before).
+    engine_process: bool = True
     header_timeout: float = 10.0  # seconds a connection may take to send its request head
     keep_alive_timeout: float = 5.0  # seconds an idle keep-alive connection stays open
     shutdown_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM

@@ -9,7 +9,6 @@ import asyncio
 import errno
 import logging
 import math
-import os
 import signal
 import socket
 import sys
@@ -20,8 +19,9 @@ import uvicorn
 
 from carpool.config import EngineConfig
 from carpool.engine.async_engine import AsyncEngine
-from carpool.engine.calibrate import prepare_serving
+from carpool.engine.client import EngineClient, EngineLaunchError
 from carpool.engine.llm_engine import LLMEngine
+from carpool.engine.worker import build_serving_engine
 from carpool.server.app import build_app
 from carpool.server.config import LOG_DATE_FORMAT, ServerConfig
 from carpool.server.http import with_head_timeout
@@ -38,8 +38,6 @@ FAILURE_GRACE_S = 2.0
 # preparation threads; at Python's default 5 ms switch interval a flood of
 # maximal bodies kept /health waiting ~0.2-0.4 s, at 1 ms under 0.1 s.
 GIL_SWITCH_INTERVAL_S = 0.001
-# Test hook: make the engine loop raise on this step (exercises the failure path).
-FAULT_ENV = "CARPOOL_FAULT_AT_STEP"
 
 
 def model_name(engine_config: EngineConfig, server_config: ServerConfig) -> str:
@@ -140,11 +138,11 @@ class _Runner:
         stats = ctx.engine.stats
         log.info("serving %r on http://%s:%s (context %d tokens, KV cache %d blocks)",
                  ctx.model_name, host, port, ctx.max_model_len, stats.kv_num_blocks)
-        slo = ctx.engine.engine.slo
-        if slo is not None:
+        slo_text = ctx.engine.info.slo_text
+        if slo_text is not None:
             log.info("%s; the adaptive controller keeps them and admission answers 429 + "
                      "Retry-After for what would miss them (--slo to set, --adaptive false "
-                     "for plain batching)", slo.describe())
+                     "for plain batching)", slo_text)
         else:
             log.info("adaptive controller off: plain batching at the configured knobs, "
                      "no latency targets")
@@ -171,17 +169,6 @@ def status_line(stats, rates: dict[str, float]) -> str:
             f"all {rate('effective_tokens_per_second'):.1f} tok/s | "
             f"busy {rate('engine_busy_fraction'):.0%} | prefix hit {stats.prefix_hit_rate:.1%} | "
             f"mode {stats.mode}")
-
-
-def _inject_fault(engine: LLMEngine, at_step: int) -> None:
-    step = engine.step
-
-    def faulty_step():
-        if engine.counters.steps + 1 >= at_step:
-            raise RuntimeError(f"injected fault at step {at_step} ({FAULT_ENV})")
-        return step()
-
-    engine.step = faulty_step
 
 
 def address_problem(host: str, port: int) -> str | None:
@@ -230,27 +217,51 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig,
     # Named before loading: the model argument as the user gave it.
     name = model_name(engine_config, server_config)
     log.info("loading the model...")
+    if server_config.engine_process:
+        return asyncio.run(_serve_with_worker(engine_config, server_config, name, schedule,
+                                              slo_sources))
+    return _serve_in_process(engine_config, server_config, name, schedule, slo_sources)
+
+
+async def _serve_with_worker(engine_config: EngineConfig, server_config: ServerConfig,
+                             name: str, schedule, slo_sources) -> int:
+    """Serve with the engine in a worker process (``EngineClient``)."""
+    try:
+        client = await EngineClient.start(
+            engine_config, slo_sources, schedule.source if schedule is not None else None,
+            sorted(schedule.pinned) if schedule is not None else (),
+            server_config.log_format, LOG_DATE_FORMAT)
+    except EngineLaunchError as exc:
+        if exc.usage:  # the settings or the model: one line, as the CLI says them
+            print(f"carpool: error: {exc}", file=sys.stderr, flush=True)
+            return 2
+        log.error("the engine could not be built: %s", exc)
+        return 1
+    try:
+        ctx = ServerContext(client, client.tokenizer, name, client.info.max_model_len,
+                            server_config, Metrics(name, lambda: client.stats))
+        return await _Runner(ctx, server_config).run()
+    finally:
+        await client.wait_closed()
+
+
+def _serve_in_process(engine_config: EngineConfig, server_config: ServerConfig, name: str,
+                      schedule, slo_sources) -> int:
+    """Serve with the engine on a thread of this process (``AsyncEngine``)."""
 
     def build() -> LLMEngine:
-        # A first start serves while the CPU kernels compile (switching to them when built).
-        engine = prepare_serving(LLMEngine.from_config(engine_config, kernels_in_background=True),
-                                 slo_sources, _engine_log)
-        if os.environ.get(FAULT_ENV):
-            _inject_fault(engine, int(os.environ[FAULT_ENV]))
-        if schedule is not None:
-            engine.follow_schedule(schedule)
-        return engine
+        return build_serving_engine(engine_config, slo_sources, schedule, _engine_log)
 
     # Built on the engine thread: one thread runs every torch op (async_engine.py).
     async_engine = AsyncEngine(build)
-    engine = async_engine.engine
 
     async def main() -> int:
         # The engine thread runs from here on: stop it however serving ends,
         # while the loop its streams answer on is still running.
         try:
-            ctx = ServerContext(async_engine, engine.tokenizer, name, engine.max_model_len,
-                                server_config, Metrics(name, lambda: async_engine.stats))
+            ctx = ServerContext(async_engine, async_engine.tokenizer, name,
+                                async_engine.info.max_model_len, server_config,
+                                Metrics(name, lambda: async_engine.stats))
             return await _Runner(ctx, server_config).run()
         finally:
             async_engine.shutdown()

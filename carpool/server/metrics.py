@@ -29,7 +29,7 @@ from prometheus_client.core import Metric
 
 from carpool.engine.outputs import RequestOutput
 from carpool.engine.stats import EngineStats
-from carpool.server.metrics_engine import cache_info, engine_families
+from carpool.server.metrics_engine import engine_families
 
 WINDOW_S = 10.0
 # The series' prefixes for each ``metrics_prefix`` setting.
@@ -153,12 +153,12 @@ class Metrics:
                              f"got {value!r}")
         self._prefix = value
 
-    def bind_engine(self, engine) -> None:
-        """Read what only the ``LLMEngine`` knows: the tokens of each step
-        (its step log, for ``iteration_tokens_total``) and its KV cache
-        settings (``cache_config_info``)."""
-        self._step_log = engine.step_log
-        self._cache = cache_info(engine)
+    def bind_engine(self, step_log, cache: dict[str, str]) -> None:
+        """Read what only the engine knows: the tokens of each step (its
+        ``StepLog``, for ``iteration_tokens_total``) and its KV cache
+        settings (``EngineInfo.cache_info``, for ``cache_config_info``)."""
+        self._step_log = step_log
+        self._cache = cache
 
     def outcome(self, outcome: str) -> None:
         self.outcomes.labels(self.model_name, outcome).inc()

@@ -7,7 +7,6 @@ Names, label names and meanings follow vLLM's where vLLM has the series
 """
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -23,16 +22,6 @@ SESSION_COUNTERS = {
     "session_requests": "Requests accepted with a session id.",
     "session_prefix_hit_tokens": "Prompt tokens of session requests served from the prefix cache.",
 }
-
-
-def cache_info(engine) -> dict[str, str]:
-    """vLLM's ``cache_config_info`` labels for an ``LLMEngine``: every field of
-    its ``CacheConfig`` as a string (``block_size`` and ``enable_prefix_caching``
-    are vLLM's names too), the blocks the pool got and the KV dtype."""
-    info = {k: str(v) for k, v in dataclasses.asdict(engine.config.cache).items()}
-    info["num_gpu_blocks"] = str(engine.executor.num_blocks)  # vLLM's name, any device
-    info["cache_dtype"] = str(engine.executor.dtype).removeprefix("torch.")
-    return info
 
 
 def _gauge(name: str, doc: str, model: list[str], value: float) -> GaugeMetricFamily:

@@ -23,9 +23,11 @@ from typing import Any
 import anyio
 from starlette.responses import JSONResponse, StreamingResponse
 
-from carpool.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from carpool.engine.async_engine import AsyncEngine
+from carpool.engine.client import EngineClient
 from carpool.engine.llm_engine import ContextLengthError
 from carpool.engine.outputs import RequestOutput
+from carpool.engine.streams import EngineDeadError, RequestStream
 from carpool.sampling_params import SamplingParams
 from carpool.scheduler import RejectedError
 from carpool.server.auth import ANONYMOUS, Principal
@@ -54,7 +56,7 @@ _SEED_STRIDE = 0x9E3779B97F4A7C15  # odd: distinct seeds for the n samples of on
 class ServerContext:
     """What every route needs; one per server (no module globals)."""
 
-    engine: AsyncEngine
+    engine: AsyncEngine | EngineClient  # the engine on a thread, or in a worker process
     tokenizer: Any
     model_name: str
     max_model_len: int
@@ -69,7 +71,7 @@ class ServerContext:
             self.prep = PrepPool(self.config.prep_workers)
         # The metrics take this server's prefix and read what only the engine knows.
         self.metrics.prefix = self.config.metrics_prefix
-        self.metrics.bind_engine(self.engine.engine)
+        self.metrics.bind_engine(self.engine.step_log, self.engine.info.cache_info)
 
     @property
     def max_prompt_chars(self) -> int:
@@ -123,7 +125,7 @@ class OpenAIServing:
                 ignore_eos=body.ignore_eos, logprobs=logprobs,
                 include_stop_str_in_output=body.include_stop_str_in_output,
                 skip_special_tokens=body.skip_special_tokens)
-            self.ctx.engine.engine.check_prompt(prompt, params)
+            self.ctx.engine.check_prompt(prompt, params)
         except ContextLengthError as exc:
             raise APIError(400, str(exc), code="context_length_exceeded") from None
         except ValueError as exc:

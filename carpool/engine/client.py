@@ -1,0 +1,360 @@
+"""EngineClient: the engine in a worker process, with ``AsyncEngine``'s interface.
+
+``carpool serve`` runs its engine here by default: the API process keeps
+HTTP, parsing, tokenizing and the SSE stream, the worker process
+(``carpool.engine.worker``) keeps the model, the scheduler and the
+detokenizer, and neither waits for the other's GIL. They talk over one
+ZeroMQ PAIR socket (``ipc://`` in a private temporary directory) in the
+messages of ``carpool.engine.wire``; the worker sends one message per
+engine step with every request's new tokens and text.
+
+This client is the one kind of connection to an engine worker: a fleet
+front holds one per worker.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import sys
+import tempfile
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from carpool.config import EngineConfig
+from carpool.engine.llm_engine import ContextLengthError, check_prompt
+from carpool.engine.outputs import RequestOutput, TokenLogprob
+from carpool.engine.stats import EngineStats
+from carpool.engine.step_log import StepLog
+from carpool.engine.streams import DeliveryLag, EngineDeadError, RequestStream
+from carpool.engine.wire import (
+    MAX_FRAME_BYTES,
+    Abort,
+    Add,
+    DeliveryLagUpdate,
+    Delta,
+    EngineInfo,
+    Failed,
+    Launch,
+    LaunchFailed,
+    Progress,
+    Ready,
+    Refusal,
+    Shutdown,
+    to_front_decoder,
+)
+from carpool.sampling_params import SamplingParams
+from carpool.scheduler import RejectedError
+
+log = logging.getLogger("carpool.server")
+
+# The front tells the worker its first-token delivery lag when it moved this much.
+LAG_UPDATE_S = 0.002
+
+
+class EngineLaunchError(RuntimeError):
+    """The worker could not build its engine; ``usage``: the settings or the
+    model are at fault (the message is one line for the user)."""
+
+    def __init__(self, message: str, usage: bool = False) -> None:
+        super().__init__(message)
+        self.usage = usage
+
+
+@dataclass
+class _Live:
+    """A request between its add and its final output."""
+
+    queue: asyncio.Queue
+    prompt: list[int]
+    ids: list[int]  # prompt + output token ids so far
+    text: str = ""
+    logprobs: list[TokenLogprob] | None = None
+
+
+class EngineClient:
+    """Front of one engine worker process (see the module docstring).
+
+    Built with ``await EngineClient.start(config, ...)``, which returns once
+    the worker's engine is ready (and raises ``EngineLaunchError`` if it
+    cannot be built). The rest is ``AsyncEngine``'s interface:
+    ``add_request`` returns a ``RequestStream``; ``abort``; ``stats`` (the
+    worker's latest snapshot, at most ``STATS_INTERVAL_S`` old while busy);
+    ``last_progress`` (when the worker last spoke: each step, or its idle
+    heartbeat); ``on_failure`` (called on the event loop when the worker
+    dies or its loop fails); ``shutdown()`` and ``wait_closed()``.
+    """
+
+    def __init__(self, process: asyncio.subprocess.Process, socket: zmq.asyncio.Socket,
+                 context: zmq.asyncio.Context, workdir: str, ready: Ready) -> None:
+        self._process = process
+        self._socket = socket
+        self._context = context
+        self._workdir = workdir
+        self.info: EngineInfo = ready.info
+        self.pid = ready.pid
+        from carpool.model.tokenizer import Tokenizer
+
+        self.tokenizer = Tokenizer.from_description(ready.info.tokenizer)
+        self.step_log = StepLog()
+        self.stats: EngineStats = ready.stats
+        self.delivery = DeliveryLag()
+        self.on_failure: Callable[[BaseException], None] | None = None
+        self.error: BaseException | None = None
+        self.last_progress = time.monotonic()
+        self._live: dict[str, _Live] = {}
+        self._encoder = msgspec.msgpack.Encoder()
+        self._loop = asyncio.get_running_loop()
+        self._aborts: deque[str] = deque()  # from any thread (RequestStream.__del__)
+        self._lag_sent = 0.0
+        self._stopping = False
+        self._next_id = 0
+        self._reader = asyncio.ensure_future(self._read())
+        self._watcher = asyncio.ensure_future(self._watch())
+
+    @classmethod
+    async def start(cls, config: EngineConfig, slo_sources: dict[str, str] | None = None,
+                    profile: dict | None = None, pinned: Sequence[str] = (),
+                    log_format: str | None = None, log_datefmt: str | None = None,
+                    ) -> "EngineClient":
+        """Start a worker, have it build the engine ``config`` describes (with
+        ``profile``'s time-of-day windows minus ``pinned`` knobs), wait until
+        it is ready. The worker writes its own log lines to this stderr."""
+        workdir = tempfile.mkdtemp(prefix="carpool-worker-")
+        context = zmq.asyncio.Context()
+        socket = context.socket(zmq.PAIR)
+        socket.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        socket.setsockopt(zmq.LINGER, 0)
+        endpoint = f"ipc://{workdir}/engine.sock"
+        socket.bind(endpoint)
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "carpool.engine.worker", "--connect", endpoint)
+        try:
+            await socket.send(msgspec.msgpack.encode(Launch(
+                config, dict(slo_sources or {}), profile, list(pinned), log_format,
+                log_datefmt)))
+            ready = await _first_answer(socket, process)
+        except BaseException:
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+            socket.close()
+            context.term()
+            shutil.rmtree(workdir, ignore_errors=True)
+            raise
+        return cls(process, socket, context, workdir, ready)
+
+    # -- AsyncEngine's interface ---------------------------------------------------------
+
+    @property
+    def is_alive(self) -> bool:
+        return self.error is None and self._process.returncode is None and not self._stopping
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._live)
+
+    def check_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
+        """``ValueError`` unless the prompt fits the engine (``check_prompt``)."""
+        check_prompt(token_ids, params, self.info.max_model_len, self.info.vocab_size)
+
+    async def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                          request_id: str | None = None, priority: int = 0,
+                          session_id: str | None = None, deadline: float | None = None,
+                          max_wait: float | None = None, cache_salt: str | None = None,
+                          received_at: float | None = None) -> RequestStream:
+        """As ``AsyncEngine.add_request``: raises ``ValueError`` for bad input
+        and ``RejectedError`` when admission turns the request away."""
+        if self.error is not None:
+            raise EngineDeadError(f"engine loop failed: {self.error!r}")
+        if self._stopping:
+            raise EngineDeadError("the engine is shut down")
+        params = params or SamplingParams()
+        if request_id is None:
+            self._next_id += 1
+            request_id = f"req-{self._next_id}"
+        if request_id in self._live:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        # Arrived when the caller got it (before parsing and tokenizing): see
+        # AsyncEngine.add_request. One monotonic clock for both processes.
+        now = time.monotonic()
+        arrival = min(now, received_at) if received_at is not None else now
+        live = _Live(asyncio.Queue(), ids, list(ids),
+                     logprobs=[] if params.logprobs is not None else None)
+        self._live[request_id] = live
+        await self._socket.send(self._encoder.encode(Add(
+            request_id, ids, params, priority, session_id, deadline, max_wait, cache_salt,
+            arrival)))
+        try:
+            accepted = await live.queue.get()  # None, or why it was refused
+        except BaseException:
+            self.abort(request_id)
+            raise
+        if isinstance(accepted, BaseException):
+            raise accepted
+        return RequestStream(self, request_id, live.queue)
+
+    def abort(self, request_id: str) -> None:
+        self.abort_without_lock(request_id)
+
+    def abort_without_lock(self, request_id: str) -> None:
+        """Abort from any thread: queued, sent by the event loop."""
+        self._aborts.append(request_id)
+        try:
+            self._loop.call_soon_threadsafe(self._send_aborts)
+        except RuntimeError:
+            pass  # the loop is closed: the worker is gone with it
+
+    def first_token_seen(self, first_token_time: float) -> None:
+        self.delivery.observe(time.monotonic() - first_token_time)
+        if abs(self.delivery.seconds - self._lag_sent) >= LAG_UPDATE_S:
+            self._lag_sent = self.delivery.seconds
+            self._send_now(DeliveryLagUpdate(self._lag_sent))
+
+    def shutdown(self) -> None:
+        """Stop the worker (after its current step); whatever is still in
+        flight ends with ``EngineDeadError``. ``wait_closed`` waits for it."""
+        if self._stopping:
+            return
+        self._stopping = True
+        self._send_now(Shutdown())
+        self._fail_all(EngineDeadError("the engine was shut down"))
+
+    async def wait_closed(self, timeout: float = 10.0) -> None:
+        """Wait for the worker to exit (killing it after ``timeout``), then
+        release the socket and the temporary directory."""
+        self.shutdown()
+        try:
+            await asyncio.wait_for(self._process.wait(), timeout)
+        except asyncio.TimeoutError:
+            log.warning("the engine worker did not stop in %.0f s: killing it", timeout)
+            self._process.kill()
+            await self._process.wait()
+        self._reader.cancel()
+        await asyncio.gather(self._reader, self._watcher, return_exceptions=True)
+        self._socket.close()
+        self._context.term()
+        shutil.rmtree(self._workdir, ignore_errors=True)
+
+    # -- the worker's messages -----------------------------------------------------------
+
+    def _send_now(self, message) -> None:
+        if self._process.returncode is None:
+            try:
+                self._socket.send(self._encoder.encode(message))  # queued at once, in order
+            except zmq.ZMQError:
+                pass  # closed: the worker is gone
+
+    def _send_aborts(self) -> None:
+        if self._aborts:
+            ids = [self._aborts.popleft() for _ in range(len(self._aborts))]
+            self._send_now(Abort(ids))
+
+    async def _read(self) -> None:
+        try:
+            while True:
+                message = to_front_decoder.decode(await self._socket.recv())
+                self.last_progress = time.monotonic()
+                if isinstance(message, Progress):
+                    self._progress(message)
+                elif isinstance(message, Failed):
+                    self._die(EngineDeadError(f"engine loop failed: {message.error}"))
+                    return
+        except (asyncio.CancelledError, zmq.ZMQError):
+            return
+        except Exception as exc:  # noqa: BLE001 - a message that does not decode
+            self._die(exc)
+
+    def _progress(self, progress: Progress) -> None:
+        for request_id in progress.accepted:
+            live = self._live.get(request_id)
+            if live is not None:
+                live.queue.put_nowait(None)
+        for refusal in progress.refused:
+            live = self._live.pop(refusal.request_id, None)
+            if live is not None:
+                live.queue.put_nowait(_refusal_error(refusal))
+        for delta in progress.outputs:
+            live = self._live.get(delta.request_id)
+            if live is not None:
+                if delta.finished:
+                    del self._live[delta.request_id]
+                live.queue.put_nowait(_output(delta, live))
+        if progress.stats is not None:
+            self.stats = progress.stats
+        for step in progress.steps:
+            self.step_log.append(step)
+
+    async def _watch(self) -> None:
+        code = await self._process.wait()
+        if not self._stopping:
+            self._die(EngineDeadError(f"the engine worker exited unexpectedly (status {code})"))
+
+    def _die(self, exc: BaseException) -> None:
+        if self.error is not None or self._stopping:
+            return
+        self.error = exc
+        log.error("%s", exc)
+        self._fail_all(exc if isinstance(exc, EngineDeadError)
+                       else EngineDeadError(f"engine loop failed: {exc!r}"))
+        if self.on_failure is not None:
+            self.on_failure(exc)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        live, self._live = self._live, {}
+        for request in live.values():
+            request.queue.put_nowait(exc)
+
+
+def _output(delta: Delta, live: _Live) -> RequestOutput:
+    """The ``RequestOutput`` of one delta, with the cumulative fields."""
+    if delta.delta_text:
+        live.text += delta.delta_text
+    live.ids.extend(delta.delta_token_ids)
+    if live.logprobs is not None and delta.delta_logprobs:
+        live.logprobs.extend(delta.delta_logprobs)
+    output = RequestOutput.of_request(
+        delta.request_id, live.prompt, live.text, live.ids, delta.delta_text,
+        delta.delta_token_ids, delta.finished, delta.stop_reason, live.logprobs,
+        delta.delta_logprobs, delta.num_cached_tokens, delta.arrival_time,
+        delta.first_scheduled_time, delta.first_token_time)
+    if delta.finished:
+        output.finish_reason = delta.finish_reason
+        output.finish_time = delta.finish_time
+        output.reject_reason = delta.reject_reason
+    return output
+
+
+def _refusal_error(refusal: Refusal) -> Exception:
+    if refusal.kind == "rejected":
+        return RejectedError(refusal.reason, refusal.retry_after, refusal.message)
+    if refusal.kind == "context":
+        return ContextLengthError(refusal.message)
+    return ValueError(refusal.message)
+
+
+async def _first_answer(socket: zmq.asyncio.Socket,
+                        process: asyncio.subprocess.Process) -> Ready:
+    """The worker's ``Ready``; ``EngineLaunchError`` if it failed or died first."""
+    answer = asyncio.ensure_future(socket.recv())
+    exited = asyncio.ensure_future(process.wait())
+    done, _ = await asyncio.wait({answer, exited}, return_when=asyncio.FIRST_COMPLETED)
+    if answer not in done:
+        answer.cancel()
+        raise EngineLaunchError(f"the engine worker exited while starting (status "
+                                f"{process.returncode})")
+    exited.cancel()
+    message = to_front_decoder.decode(answer.result())
+    if isinstance(message, LaunchFailed):
+        raise EngineLaunchError(message.error, message.usage)
+    if not isinstance(message, Ready):
+        raise EngineLaunchError(f"the engine worker answered {type(message).__name__}")
+    return message
+

@@ -1,0 +1,245 @@
+"""An engine worker process: one ``LLMEngine`` driven over a ZeroMQ socket.
+
+The API process (``EngineClient``) starts it as ``python -m
+carpool.engine.worker --connect ENDPOINT`` and sends a ``Launch``; the
+worker builds the engine (the model, the start-up measurement), answers
+``Ready`` with what the API side needs (``EngineInfo``) and then loops:
+take every message waiting (adds, aborts), run one step, send one
+``Progress`` with the round's acceptances, refusals and outputs. Idle, it
+blocks on the socket and sends a heartbeat (a stats snapshot) every
+second, which is how the front tells a stalled engine from an idle one.
+
+One thread runs every torch op (see ``async_engine``'s note on OpenMP
+teams). The worker ignores SIGINT and SIGTERM: the front drains on them
+and then sends ``Shutdown``; it dies with the front (``PR_SET_PDEATHSIG``)
+so a killed front leaves no orphan holding the model's memory.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import signal
+import sys
+import time
+
+import msgspec
+import zmq
+
+from carpool.engine.llm_engine import ContextLengthError, LLMEngine
+from carpool.engine.outputs import RequestOutput
+from carpool.engine.wire import (
+    MAX_FRAME_BYTES,
+    Abort,
+    Add,
+    DeliveryLagUpdate,
+    Delta,
+    Failed,
+    Launch,
+    LaunchFailed,
+    Progress,
+    Ready,
+    Refusal,
+    Shutdown,
+    to_worker_decoder,
+)
+from carpool.scheduler import RejectedError
+
+log = logging.getLogger("carpool.worker")
+
+# How often a busy worker sends a stats snapshot, and an idle one a heartbeat.
+STATS_INTERVAL_S = 0.25
+HEARTBEAT_S = 1.0
+# Test hook: make the engine loop raise on this step (exercises the failure path).
+FAULT_ENV = "CARPOOL_FAULT_AT_STEP"
+_PR_SET_PDEATHSIG = 1
+
+
+def build_serving_engine(config, slo_sources: dict[str, str] | None = None, schedule=None,
+                         log_line=None) -> LLMEngine:
+    """The engine ``carpool serve`` runs: loaded (serving while the CPU
+    kernels compile on a first start), its latency targets resolved
+    (``prepare_serving``), following ``schedule`` (a ``ProfileSchedule``)."""
+    from carpool.engine.calibrate import prepare_serving
+
+    engine = prepare_serving(LLMEngine.from_config(config, kernels_in_background=True),
+                             slo_sources, log_line)
+    if os.environ.get(FAULT_ENV):
+        inject_fault(engine, int(os.environ[FAULT_ENV]))
+    if schedule is not None:
+        engine.follow_schedule(schedule)
+    return engine
+
+
+def inject_fault(engine: LLMEngine, at_step: int) -> None:
+    """Make ``engine.step`` raise from step ``at_step`` on (tests)."""
+    step = engine.step
+
+    def faulty_step():
+        if engine.counters.steps + 1 >= at_step:
+            raise RuntimeError(f"injected fault at step {at_step} ({FAULT_ENV})")
+        return step()
+
+    engine.step = faulty_step
+
+
+def delta_of(output: RequestOutput) -> Delta:
+    """The wire form of one output: its delta fields and timestamps."""
+    return Delta(output.request_id, output.delta_text, output.delta_token_ids,
+                 output.finished, output.finish_reason, output.stop_reason,
+                 output.delta_logprobs, output.num_cached_tokens, output.arrival_time,
+                 output.first_scheduled_time, output.first_token_time, output.finish_time,
+                 output.reject_reason)
+
+
+def refusal_of(request_id: str, exc: Exception) -> Refusal:
+    if isinstance(exc, RejectedError):
+        return Refusal(request_id, "rejected", str(exc), exc.reason, exc.retry_after)
+    kind = "context" if isinstance(exc, ContextLengthError) else "invalid"
+    return Refusal(request_id, kind, str(exc))
+
+
+class WorkerLoop:
+    """Drives one engine from one socket until ``Shutdown`` (or the front dies)."""
+
+    def __init__(self, engine: LLMEngine, socket: zmq.Socket, parent_pid: int) -> None:
+        self.engine = engine
+        self.socket = socket
+        self.parent_pid = parent_pid
+        self.encoder = msgspec.msgpack.Encoder()
+        self.steps_sent = engine.step_log.total
+        self.stats_sent = 0.0
+
+    def run(self) -> None:
+        engine = self.engine
+        while True:
+            progress = Progress()
+            busy = engine.has_unfinished
+            if not self._receive(progress, 0 if busy else int(HEARTBEAT_S * 1000)):
+                return
+            if engine.has_unfinished:
+                progress.outputs.extend(map(delta_of, engine.step()))
+            now = time.monotonic()
+            idle_now = busy and not engine.has_unfinished
+            if idle_now or now - self.stats_sent >= (STATS_INTERVAL_S if busy else HEARTBEAT_S):
+                progress.stats = engine.stats()
+                self.stats_sent = now
+                if os.getppid() != self.parent_pid:
+                    return  # the front is gone (no PDEATHSIG where prctl is missing)
+            if engine.step_log.total != self.steps_sent:
+                progress.steps = engine.step_log.since(self.steps_sent)
+                self.steps_sent = engine.step_log.total
+            if (progress.accepted or progress.refused or progress.outputs
+                    or progress.stats is not None):
+                self.socket.send(self.encoder.encode(progress))
+
+    def _receive(self, progress: Progress, timeout_ms: int) -> bool:
+        """Handle every message waiting (waiting up to ``timeout_ms`` for the
+        first); False on ``Shutdown``."""
+        if not self.socket.poll(timeout_ms):
+            return True
+        while True:
+            try:
+                frame = self.socket.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return True
+            message = to_worker_decoder.decode(frame)
+            if isinstance(message, Add):
+                self._add(message, progress)
+            elif isinstance(message, Abort):
+                for request_id in message.request_ids:
+                    output = self.engine.abort_request(request_id)
+                    if output is not None:
+                        progress.outputs.append(delta_of(output))
+            elif isinstance(message, DeliveryLagUpdate):
+                self.engine.scheduler.admission.delivery_lag = message.seconds
+            elif isinstance(message, Shutdown):
+                return False
+
+    def _add(self, add: Add, progress: Progress) -> None:
+        try:
+            self.engine.add_request(add.prompt_token_ids, add.params, request_id=add.request_id,
+                                    priority=add.priority, session_id=add.session_id,
+                                    deadline=add.deadline, max_wait=add.max_wait,
+                                    cache_salt=add.cache_salt, arrival_time=add.arrival_time)
+        except (ValueError, RejectedError) as exc:
+            progress.refused.append(refusal_of(add.request_id, exc))
+        else:
+            progress.accepted.append(add.request_id)
+
+
+def _die_with_parent() -> None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass  # not Linux: the heartbeat's parent check still ends the worker
+
+
+def _build(launch: Launch) -> LLMEngine:
+    schedule = None
+    if launch.profile is not None:
+        from carpool.profiles.schedule import ProfileSchedule
+
+        schedule = ProfileSchedule.from_profile(launch.profile, launch.pinned)
+
+    def log_line(message: str) -> None:
+        log.info(message.removeprefix("carpool: "))
+
+    return build_serving_engine(launch.config, launch.slo_sources, schedule, log_line)
+
+
+def serve(endpoint: str, parent_pid: int) -> int:
+    """Connect, build the engine ``Launch`` names, loop; the exit status."""
+    context = zmq.Context()
+    socket = context.socket(zmq.PAIR)
+    socket.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+    socket.setsockopt(zmq.LINGER, 1000)
+    socket.connect(endpoint)
+    encoder = msgspec.msgpack.Encoder()
+    launch = to_worker_decoder.decode(socket.recv())
+    if not isinstance(launch, Launch):
+        raise SystemExit(f"carpool worker: expected a Launch message, got {type(launch).__name__}")
+    if launch.log_format:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(launch.log_format, launch.log_datefmt))
+        logging.basicConfig(level=logging.INFO, handlers=[handler])
+    try:
+        engine = _build(launch)
+    except Exception as exc:  # noqa: BLE001 - said to the front, which exits with it
+        from carpool.model.loader import ModelLoadError
+
+        usage = isinstance(exc, (ValueError, OSError, ModelLoadError))
+        if not usage:
+            log.exception("the engine could not be built")
+        socket.send(encoder.encode(LaunchFailed(str(exc) if usage else repr(exc), usage)))
+        socket.close()
+        return 1
+    socket.send(encoder.encode(Ready(engine.info(), engine.stats(), os.getpid())))
+    try:
+        WorkerLoop(engine, socket, parent_pid).run()
+    except Exception as exc:  # noqa: BLE001 - the front fails every stream with it
+        log.exception("engine loop failed")
+        socket.send(encoder.encode(Failed(repr(exc))))
+        socket.close()
+        return 1
+    socket.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m carpool.engine.worker",
+                                     description="a carpool engine worker (started by the "
+                                                 "API process, not by hand)")
+    parser.add_argument("--connect", required=True, help="the front's ZeroMQ endpoint")
+    args = parser.parse_args(argv)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    parent_pid = os.getppid()
+    _die_with_parent()
+    return serve(args.connect, parent_pid)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
