@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import socket
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -218,3 +220,56 @@ def test_port_in_use_is_a_clear_error(tiny_model_dir):
             capture_output=True, text=True, timeout=300)
     assert result.returncode != 0
     assert "address already in use" in (result.stdout + result.stderr).lower()
+
+
+def _workers_of(server: ServerProcess) -> list[int]:
+    """The pids of the server's children running an engine worker."""
+    pid = server.proc.pid
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [int(child) for child in children
+            if "carpool.engine.worker" in Path(f"/proc/{child}/cmdline").read_text()]
+
+
+def _worker_of(server: ServerProcess) -> int:
+    workers = _workers_of(server)
+    assert len(workers) == 1, workers
+    return workers[0]
+
+
+def test_a_killed_engine_worker_is_an_error_event_health_503_and_exit_1(tiny_model_dir):
+    """SIGKILL the worker mid-stream: the stream ends with an error event
+    (never a hang), /health turns 503 and the server exits 1 (a supervisor
+    restarts it); SIGTERM on a healthy server stops its worker too."""
+    flags = [str(tiny_model_dir), "--attention-backend", "torch", "--adaptive", "false"]
+    with ServerProcess(flags) as server, server.client() as c:
+        worker = _worker_of(server)
+        body = {"prompt": "long", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        with c.stream("POST", "/v1/completions", json=body) as response:
+            lines = response.iter_lines()
+            assert next(line for line in lines if line.startswith("data: {"))
+            os.kill(worker, signal.SIGKILL)
+            rest = [line for line in lines if line.startswith("data: ")]
+        error = json.loads(rest[-2][6:])["error"]
+        assert error["code"] == "engine_unavailable" and rest[-1] == "data: [DONE]"
+        assert "exited unexpectedly" in error["message"]
+        assert c.get("/health").status_code == 503
+        assert server.wait(60) == 1
+    with ServerProcess(flags) as server:
+        worker = _worker_of(server)
+        server.signal(signal.SIGTERM)
+        assert server.wait(60) == 0
+        assert not Path(f"/proc/{worker}").exists() or \
+            Path(f"/proc/{worker}/stat").read_text().split(")")[-1].split()[0] == "Z"
+
+
+def test_one_process_mode_serves_the_same_answers(tiny_model_dir):
+    flags = [str(tiny_model_dir), "--attention-backend", "torch", "--adaptive", "false"]
+    body = {"prompt": [1, 2, 3, 4], "max_tokens": 12, "temperature": 0, "logprobs": 2}
+    answers = []
+    for one_process in (False, True):
+        with ServerProcess(flags + ["--no-engine-process"] * one_process) as server, \
+                server.client() as c:
+            assert len(_workers_of(server)) == (0 if one_process else 1)
+            choice = c.post("/v1/completions", json=body).json()["choices"][0]
+            answers.append((choice["text"], choice["logprobs"]))
+    assert answers[0] == answers[1]
