@@ -28,10 +28,9 @@ def dense_reference(q, k, v, context_len):
     return (scores.softmax(-1) @ values).transpose(0, 1)  # [Q, H, D]
 
 
-def run_backend(backend, spans_spec, dtype):
+def run_backend(backend, spans_spec, dtype, num_blocks: int = 64):
     """spans_spec: (context_before, new_tokens) per sequence, decodes first."""
     gen = torch.Generator().manual_seed(0)
-    num_blocks = 64
     k_cache = torch.zeros(KV_HEADS, num_blocks, DIM, BLOCK, dtype=dtype)  # blocks transposed
     v_cache = torch.zeros(KV_HEADS, num_blocks, BLOCK, DIM, dtype=dtype)
     free = torch.randperm(num_blocks, generator=gen).tolist()  # scattered blocks
@@ -76,6 +75,17 @@ def test_cpu_kernel_matches_dense_reference(dtype, tol):
     kernel = load_cpu_ops()
     assert kernel is not None, "the C++ kernels must build on the CI machine"
     out, expected = run_backend(CpuPagedAttention(kernel), SPANS, dtype)
+    assert (out - expected).abs().max().item() < tol
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_cpu_kernel_long_contexts_run_on_the_thread_team_and_match(dtype, tol):
+    """SPANS' short contexts run on the calling thread (kSerialContext in
+    paged_attention.cpp); these decodes have enough context for the team."""
+    kernel = load_cpu_ops()
+    long_spans = [(700, 1), (455, 1), (300, 1), (33, 1)]
+    assert sum(before + 1 for before, _ in long_spans) * KV_HEADS >= 2048
+    out, expected = run_backend(CpuPagedAttention(kernel), long_spans, dtype, num_blocks=400)
     assert (out - expected).abs().max().item() < tol
 
 
