@@ -6,10 +6,12 @@ Pure Python (no torch): the scheduler and the future simulator import it.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
+import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from carpool.slo import AUTO, FALLBACK_TPOT, FALLBACK_TTFT, parse_targets
 
@@ -30,6 +32,10 @@ def parse_size(value: int | float | str) -> int:
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
 
 
+# Where the block-hash secret comes from when ``CacheConfig.block_hash_key`` is unset.
+BLOCK_HASH_KEY_ENV = "CARPOOL_BLOCK_HASH_KEY"
+
+
 @dataclass
 class CacheConfig:
     """Paged KV cache: one preallocated pool of fixed-size blocks."""
@@ -45,6 +51,39 @@ class CacheConfig:
     # Free blocks kept back when admitting new requests, as a fraction of the
     # pool: admitting into the last few blocks only to preempt next step thrashes.
     watermark: float = 0.01
+    # Secret key, hex (16 to 64 bytes), of the KV blocks' chained hashes
+    # (keyed blake2b): every replica and router of a fleet given the same key
+    # names the same prefix by the same hashes, and clients, who do not know
+    # it, cannot craft collisions. Unset: the CARPOOL_BLOCK_HASH_KEY
+    # environment variable, else a random key per engine (nothing outside
+    # it agrees). A secret: settings file or environment only, never a
+    # command-line flag (ps shows those), kept out of repr and of metrics.
+    block_hash_key: str | None = field(default=None, repr=False)
+
+    # Fields never to show (metrics labels, logs, config dumps).
+    SECRET_FIELDS: ClassVar[tuple[str, ...]] = ("block_hash_key",)
+
+    def block_hash_secret(self) -> bytes:
+        """The block-hash secret: ``block_hash_key``, else the environment's
+        ``CARPOOL_BLOCK_HASH_KEY``, else 32 fresh random bytes (each call:
+        call it once per engine, at its start). ``ValueError`` unless hex of
+        16 to 64 bytes; the message names the source, never the value."""
+        text, source = self.block_hash_key, "block_hash_key"
+        if text is None:
+            text, source = os.environ.get(BLOCK_HASH_KEY_ENV) or None, BLOCK_HASH_KEY_ENV
+            if text is None:
+                return secrets.token_bytes(32)
+        if not isinstance(text, str):
+            raise ValueError(f"{source} must be a hex string (quote it in YAML), "
+                             f"got a {type(text).__name__}")
+        try:
+            secret = bytes.fromhex(text.strip())
+        except ValueError:
+            raise ValueError(f"{source} must be hexadecimal digits") from None
+        if not 16 <= len(secret) <= 64:  # blake2b takes keys of up to 64 bytes
+            raise ValueError(f"{source} must be 16 to 64 bytes (32 to 128 hex digits), "
+                             f"got {len(secret)} bytes")
+        return secret
 
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -59,6 +98,7 @@ class CacheConfig:
                                      not 0.0 < fraction <= 1.0):  # also rejects NaN
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {fraction!r}")
         parse_size(self.kv_cache_memory)
+        self.block_hash_secret()  # raises on a malformed key (the value is dropped)
 
 
 @dataclass

@@ -223,3 +223,36 @@ def test_the_schema_refuses_what_does_not_match() -> None:
     with pytest.raises(msgspec.ValidationError, match="max_tokens"):  # checked as it is made
         to_worker_decoder.decode(invalid)
     assert to_front_decoder.decode(encoder.encode(Progress())) == Progress()
+
+
+def test_two_workers_name_the_same_prefix_blocks_with_one_fleet_key(tiny_model_dir) -> None:
+    """Keyed block hashes (CacheConfig.block_hash_key) agree across engine
+    processes and with a router-side chain, reach the front as events, and
+    the key itself never leaves in EngineInfo (whose cache labels /metrics
+    shows)."""
+    from carpool.scheduler.kv_events import BlockKeyChain
+
+    secret = "ab" * 32
+    config = tiny_config(tiny_model_dir)
+    config.cache.block_hash_key = secret
+    prompt = list(range(3, 3 + 3 * config.cache.block_size + 5))  # 3 full blocks
+
+    async def stored_by_one_worker() -> list[int]:
+        client = await EngineClient.start(config, kv_events=True)
+        batches = []
+        client.on_kv_events = batches.append
+        try:
+            assert all(secret not in value for value in client.info.cache_info.values())
+            assert "block_hash_key" not in client.info.cache_info
+            await _collect(client, prompt, SamplingParams(max_tokens=2, temperature=0))
+            deadline = time.monotonic() + 10
+            while not batches and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            return [h for batch in batches for h in batch.stored]
+        finally:
+            await client.wait_closed()
+
+    first, second = asyncio.run(stored_by_one_worker()), asyncio.run(stored_by_one_worker())
+    chain = BlockKeyChain(config.cache.block_size, bytes.fromhex(secret))
+    _, expected = chain.keys(chain.root(None), prompt, 0, 3)
+    assert first[:3] == second[:3] == expected

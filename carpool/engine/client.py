@@ -51,6 +51,7 @@ from carpool.engine.wire import (
 )
 from carpool.sampling_params import SamplingParams
 from carpool.scheduler import RejectedError
+from carpool.scheduler.kv_events import KvEventBatch
 
 log = logging.getLogger("carpool.server")
 
@@ -106,6 +107,7 @@ class EngineClient:
         self.stats: EngineStats = ready.stats
         self.delivery = DeliveryLag()
         self.on_failure: Callable[[BaseException], None] | None = None
+        self.on_kv_events: Callable[[KvEventBatch], None] | None = None
         self.error: BaseException | None = None
         self.last_progress = time.monotonic()
         self._live: dict[str, _Live] = {}
@@ -122,10 +124,12 @@ class EngineClient:
     async def start(cls, config: EngineConfig, slo_sources: dict[str, str] | None = None,
                     profile: dict | None = None, pinned: Sequence[str] = (),
                     log_format: str | None = None, log_datefmt: str | None = None,
-                    ) -> "EngineClient":
+                    kv_events: bool = False) -> "EngineClient":
         """Start a worker, have it build the engine ``config`` describes (with
         ``profile``'s time-of-day windows minus ``pinned`` knobs), wait until
-        it is ready. The worker writes its own log lines to this stderr."""
+        it is ready. The worker writes its own log lines to this stderr.
+        ``kv_events``: the worker reports its prefix cache's changes, each
+        step's ``KvEventBatch`` handed to ``on_kv_events`` (a router's feed)."""
         workdir = tempfile.mkdtemp(prefix="carpool-worker-")
         context = zmq.asyncio.Context()
         socket = context.socket(zmq.PAIR)
@@ -138,7 +142,7 @@ class EngineClient:
         try:
             await socket.send(msgspec.msgpack.encode(Launch(
                 config, dict(slo_sources or {}), profile, list(pinned), log_format,
-                log_datefmt)))
+                log_datefmt, kv_events)))
             ready = await _first_answer(socket, process)
         except BaseException:
             if process.returncode is None:
@@ -291,6 +295,8 @@ class EngineClient:
             self.stats = progress.stats
         for step in progress.steps:
             self.step_log.append(step)
+        if progress.kv_events is not None and self.on_kv_events is not None:
+            self.on_kv_events(progress.kv_events)
 
     async def _watch(self) -> None:
         code = await self._process.wait()

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
 
-from carpool.config import EngineConfig
+from carpool.config import CacheConfig, EngineConfig
 from carpool.engine.detokenizer import IncrementalDetokenizer, token_pieces
 from carpool.engine.outputs import RequestOutput, TokenLogprob
 from carpool.engine.stats import LONG_PROMPT_TOKENS, EngineCounters, EngineStats, engine_stats
@@ -91,8 +91,10 @@ class LLMEngine:
         self.executor = executor
         self.max_model_len = max_model_len
         self.clock = clock
+        # Keyed block hashes: equal across processes given one secret (a fleet's).
         self.scheduler = Scheduler(config.scheduler, config.cache, executor.num_blocks, clock,
-                                   config.controller)
+                                   config.controller,
+                                   block_hash_key=config.cache.block_hash_secret())
         # The step's rules, shared with the simulator (carpool.scheduler.core).
         self.core = EngineCore(self.scheduler, max_model_len)
         self.counters = EngineCounters()
@@ -207,7 +209,8 @@ class LLMEngine:
         # vLLM's cache_config_info labels: every CacheConfig field as a string
         # (block_size, enable_prefix_caching are vLLM's names too), the
         # blocks the pool got and the KV dtype.
-        cache = {k: str(v) for k, v in dataclasses.asdict(self.config.cache).items()}
+        cache = {k: str(v) for k, v in dataclasses.asdict(self.config.cache).items()
+                 if k not in CacheConfig.SECRET_FIELDS}  # never a secret on /metrics
         cache["num_gpu_blocks"] = str(self.executor.num_blocks)  # vLLM's name, any device
         cache["cache_dtype"] = str(self.executor.dtype).removeprefix("torch.")
         return EngineInfo(self.max_model_len, self.model_config.vocab_size,

@@ -21,6 +21,7 @@ from carpool.engine.outputs import TokenLogprob
 from carpool.engine.stats import EngineStats
 from carpool.engine.step_log import LoggedStep
 from carpool.sampling_params import SamplingParams
+from carpool.scheduler.kv_events import KvEventBatch
 
 # A frame larger than this is refused by the decoder's reader (ZeroMQ's
 # maxmsgsize): a prompt is at most max_model_len ints, stats a few KB.
@@ -53,6 +54,7 @@ class Launch(msgspec.Struct, tag=True, array_like=True):
     pinned: list[str] = []
     log_format: str | None = None  # the front's logging format and date format
     log_datefmt: str | None = None
+    kv_events: bool = False  # send the prefix cache's stored / evicted block hashes
 
 
 class Add(msgspec.Struct, tag=True, array_like=True):
@@ -141,6 +143,8 @@ class Progress(msgspec.Struct, tag=True, array_like=True):
     outputs: list[Delta] = []
     stats: EngineStats | None = None
     steps: list[LoggedStep] = []
+    # The step's prefix-cache changes, when the front asked for them (Launch).
+    kv_events: KvEventBatch | None = None
 
 
 class Failed(msgspec.Struct, tag=True, array_like=True):

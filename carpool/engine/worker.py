@@ -103,8 +103,12 @@ def refusal_of(request_id: str, exc: Exception) -> Refusal:
 class WorkerLoop:
     """Drives one engine from one socket until ``Shutdown`` (or the front dies)."""
 
-    def __init__(self, engine: LLMEngine, socket: zmq.Socket, parent_pid: int) -> None:
+    def __init__(self, engine: LLMEngine, socket: zmq.Socket, parent_pid: int,
+                 kv_events: bool = False) -> None:
+        """``kv_events``: send each step's prefix-cache changes (block
+        hashes stored and evicted) for the front's router."""
         self.engine = engine
+        self.kv_events = engine.scheduler.kv.event_buffer() if kv_events else None
         self.socket = socket
         self.parent_pid = parent_pid
         self.encoder = msgspec.msgpack.Encoder()
@@ -127,11 +131,14 @@ class WorkerLoop:
                 self.stats_sent = now
                 if os.getppid() != self.parent_pid:
                     return  # the front is gone (no PDEATHSIG where prctl is missing)
+            if self.kv_events is not None:
+                batch = self.kv_events.drain()
+                progress.kv_events = None if batch.empty else batch
             if engine.step_log.total != self.steps_sent:
                 progress.steps = engine.step_log.since(self.steps_sent)
                 self.steps_sent = engine.step_log.total
             if (progress.accepted or progress.refused or progress.outputs
-                    or progress.stats is not None):
+                    or progress.stats is not None or progress.kv_events is not None):
                 self.socket.send(self.encoder.encode(progress))
 
     def _receive(self, progress: Progress, timeout_ms: int) -> bool:
@@ -218,7 +225,7 @@ def serve(endpoint: str, parent_pid: int) -> int:
         return 1
     socket.send(encoder.encode(Ready(engine.info(), engine.stats(), os.getpid())))
     try:
-        WorkerLoop(engine, socket, parent_pid).run()
+        WorkerLoop(engine, socket, parent_pid, launch.kv_events).run()
     except Exception as exc:  # noqa: BLE001 - the front fails every stream with it
         log.exception("engine loop failed")
         socket.send(encoder.encode(Failed(repr(exc))))

@@ -5,63 +5,15 @@ by block id.
 """
 from __future__ import annotations
 
-import struct
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
-from typing import Protocol
 
-# Chain seed for the first block of a sequence.
-ROOT_HASH = 0
-
-
-# A full block's exact identity: its parent's chain hash (8 bytes), then its
-# token ids as int32 (every vocabulary is far smaller, and the engine
-# rejects ids outside it; the simulator's ids fit too).
-BlockKey = bytes
-
-
-class BlockKeyChain:
-    """Prefix-cache keys of full blocks of ``block_size`` tokens.
-
-    The cache is keyed by the exact key, so two blocks collide only when
-    their parents' 64-bit hashes collide *and* their tokens are equal. A
-    key's hash is the next block's parent hash: Python's hash of bytes,
-    keyed per process (unless PYTHONHASHSEED fixes it), so clients cannot
-    craft collisions.
-
-    Why bytes: a bytes object is one allocation that caches its own hash,
-    so the dict operations on every eviction and registration (millions in
-    a simulation) neither rehash it nor chase the pointers of a tuple.
-    """
-
-    def __init__(self, block_size: int) -> None:
-        self.block_size = block_size
-        self._pack = struct.Struct(f"<q{block_size}i").pack
-
-    def keys(self, parent_hash: int, tokens: Sequence[int], first: int,
-             last: int) -> tuple[list[BlockKey], list[int]]:
-        """Keys and chained hashes of full blocks ``first..last-1`` of
-        ``tokens``; ``parent_hash`` is block ``first - 1``'s hash
-        (``ROOT_HASH`` for none)."""
-        size, pack = self.block_size, self._pack
-        keys: list[BlockKey] = []
-        hashes: list[int] = []
-        for start in range(first * size, last * size, size):
-            key = pack(parent_hash, *tokens[start:start + size])
-            parent_hash = hash(key)
-            keys.append(key)
-            hashes.append(parent_hash)
-        return keys, hashes
-
-
-class BlockEvents(Protocol):
-    """Where a pool reports what its prefix cache gained and lost, as the
-    chained hashes of the blocks (a key's ``hash``): what a fleet router's
-    prefix index is fed (``carpool.cluster.prefix_index``)."""
-
-    def stored(self, hashes: list[int]) -> None: ...
-
-    def evicted(self, hashes: list[int]) -> None: ...
+# The keys and their hashes live with the events that carry them; imported
+# here under their old home's names too (``X as X``: a re-export).
+from carpool.scheduler.kv_events import ROOT_HASH as ROOT_HASH
+from carpool.scheduler.kv_events import BlockEvents as BlockEvents
+from carpool.scheduler.kv_events import BlockKey as BlockKey
+from carpool.scheduler.kv_events import BlockKeyChain as BlockKeyChain
 
 
 class LazyRun:
@@ -129,8 +81,10 @@ class BlockPool:
         self._num_lazy = 0
         # Told of every keyed block cached and evicted; None: nobody listens.
         # With a listener the KV manager keys every block at once (a lazy
-        # block has no hash to report).
+        # block has no hash to report). Set it before anything is cached:
+        # only blocks reported stored are ever reported evicted.
         self.events: BlockEvents | None = None
+        self._hash_of: list[int | None] = [None] * num_blocks  # the hash reported stored
 
     @property
     def num_free_blocks(self) -> int:
@@ -169,8 +123,9 @@ class BlockPool:
                 self._forget_root(block_id)
                 if block_id in owners:
                     self._disown(block_id)
-                if evicted is not None:
-                    evicted.append(hash(key))
+                if evicted is not None and self._hash_of[block_id] is not None:
+                    evicted.append(self._hash_of[block_id])
+                    self._hash_of[block_id] = None
             elif lazy_of[block_id] is not None:
                 self._forget_lazy(block_id)
             ref_counts[block_id] = 1
@@ -207,15 +162,19 @@ class BlockPool:
                 (self._free_protected if block_id in owners else self._free)[block_id] = None
 
     def register(self, block_ids: Sequence[int], keys: Sequence[BlockKey],
-                 root: BlockKey) -> None:
+                 root: BlockKey, hashes: Sequence[int] | None = None) -> None:
         """Record that each of ``block_ids`` now holds the KV of its key in
         ``keys`` (full blocks of a chain whose first key is ``root``).
-        ``root`` must have no lazy run: materialize it first (it came first)."""
+        ``root`` must have no lazy run: materialize it first (it came first).
+        ``hashes``: the keys' chained hashes, for ``events`` (None: Python's
+        hash of each key, which is ``BlockKeyChain(secret=None)``'s)."""
         if not self.enable_prefix_caching:
+            return
+        if self.events is not None:
+            self._register_reported(block_ids, keys, root, hashes)
             return
         cached, key_of, root_of = self._cached, self._key_of, self._root_of
         registered = 0
-        stored: list[int] | None = [] if self.events is not None else None
         for block_id, key in zip(block_ids, keys):
             # Already registered, or another block caches these tokens: keep the first.
             if key_of[block_id] is None and key not in cached:
@@ -223,12 +182,31 @@ class BlockPool:
                 key_of[block_id] = key
                 root_of[block_id] = root
                 registered += 1
-                if stored is not None:
-                    stored.append(hash(key))
         if registered:
             self._keyed_per_root[root] = self._keyed_per_root.get(root, 0) + registered
+
+    def _register_reported(self, block_ids: Sequence[int], keys: Sequence[BlockKey],
+                           root: BlockKey, hashes: Sequence[int] | None) -> None:
+        """``register`` telling ``events`` (apart: the fast path stays lean)."""
+        if hashes is None:
+            hashes = [hash(key) for key in keys]
+        cached, key_of, root_of, hash_of = self._cached, self._key_of, self._root_of, self._hash_of
+        stored: list[int] = []
+        for block_id, key, block_hash in zip(block_ids, keys, hashes):
+            if key_of[block_id] is None and key not in cached:
+                cached[key] = block_id
+                key_of[block_id] = key
+                root_of[block_id] = root
+                hash_of[block_id] = block_hash
+                stored.append(block_hash)
         if stored:
+            self._keyed_per_root[root] = self._keyed_per_root.get(root, 0) + len(stored)
             self.events.stored(stored)
+
+    def reported_hashes(self) -> list[int]:
+        """The hashes of the cached blocks reported stored to ``events`` and
+        not evicted since: what a listener's index of this pool holds."""
+        return [h for h in self._hash_of if h is not None]
 
     # -- lazy runs ------------------------------------------------------------------
 
@@ -255,17 +233,19 @@ class BlockPool:
         run.live += len(block_ids)
         self._num_lazy += len(block_ids)
 
-    def materialize(self, run: LazyRun, keys: Sequence[BlockKey]) -> None:
-        """Key the run's still-cached blocks: ``keys[i]`` is the key of its
-        ``blocks[i]``. The run ends."""
+    def materialize(self, run: LazyRun, keys: Sequence[BlockKey],
+                    hashes: Sequence[int] | None = None) -> None:
+        """Key the run's still-cached blocks: ``keys[i]`` (hash ``hashes[i]``,
+        as for ``register``) is the key of its ``blocks[i]``. The run ends."""
         del self._lazy_runs[run.root]
         lazy_of = self._lazy_of
-        still = [(b, key) for b, key in zip(run.blocks, keys) if lazy_of[b] is run]
-        for block_id, _ in still:
-            lazy_of[block_id] = None
+        still = [i for i, b in enumerate(run.blocks[:len(keys)]) if lazy_of[b] is run]
+        for i in still:
+            lazy_of[run.blocks[i]] = None
         self._num_lazy -= len(still)
         run.live = 0
-        self.register([b for b, _ in still], [key for _, key in still], run.root)
+        self.register([run.blocks[i] for i in still], [keys[i] for i in still], run.root,
+                      None if hashes is None else [hashes[i] for i in still])
 
     def _forget_lazy(self, block_id: int) -> None:
         run = self._lazy_of[block_id]
@@ -349,6 +329,8 @@ class BlockPool:
                 assert (block_id in self._free_protected) == (block_id in self._owners), \
                     f"free block {block_id} in the wrong free list"
         assert len(self._cached) == len(self._key_of) - self._key_of.count(None)
+        assert all(k is not None for k, h in zip(self._key_of, self._hash_of) if h is not None), \
+            "an uncached block keeps a reported hash"
         for key, block_id in self._cached.items():
             assert self._key_of[block_id] == key
         pairs = {(b, o) for b, owners in self._owners.items() for o in owners}

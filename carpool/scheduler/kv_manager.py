@@ -4,14 +4,9 @@ from __future__ import annotations
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
-from carpool.scheduler.block_pool import (
-    ROOT_HASH,
-    BlockKey,
-    BlockKeyChain,
-    BlockPool,
-    LazyRun,
-)
+from carpool.scheduler.block_pool import BlockPool, LazyRun
 from carpool.scheduler.kv_connector import ExternalKV
+from carpool.scheduler.kv_events import BlockEvents, BlockKey, BlockKeyChain, KvEventBuffer
 from carpool.scheduler.request import Request
 
 
@@ -36,14 +31,6 @@ class KVCacheStats:
         return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
 
 
-def chain_root(cache_salt: str | None) -> int:
-    """The parent hash of a sequence's first block: a salt gives its requests
-    a chain of their own, so they never match another salt's blocks."""
-    if cache_salt is None:
-        return ROOT_HASH
-    return hash(b"cache-salt\x00" + cache_salt.encode("utf-8", "surrogatepass"))
-
-
 class KVCacheManager:
     """Owns every request's block table.
 
@@ -56,14 +43,21 @@ class KVCacheManager:
     ``external`` (``kv_connector.ExternalKV``): a store the blocks past a
     local hit may be loaded from; ``try_admit`` then allocates blocks for
     them too and leaves the load for the caller to take (``take_load``).
+
+    ``block_hash_key``: the secret of the blocks' chained hashes
+    (``kv_events.BlockKeyChain``), the same for a whole fleet so its router
+    and replicas agree; None: Python's ``hash``, exact within one process
+    only (the simulator). The live engine always passes one
+    (``CacheConfig.block_hash_secret``).
     """
 
     def __init__(self, num_blocks: int, block_size: int,
                  enable_prefix_caching: bool = True, watermark: float = 0.01,
-                 external: ExternalKV | None = None) -> None:
+                 external: ExternalKV | None = None, *,
+                 block_hash_key: bytes | None = None) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
-        self._key_chain = BlockKeyChain(block_size)
+        self.key_chain = BlockKeyChain(block_size, block_hash_key)
         self.enable_prefix_caching = enable_prefix_caching
         self.watermark_blocks = max(1, int(num_blocks * watermark)) if watermark > 0 else 0
         self.block_tables: dict[str, list[int]] = {}
@@ -80,13 +74,20 @@ class KVCacheManager:
         if self.external is not None:
             self.lazy_keys = False  # the store is told every block's hash
 
-    def report_blocks_to(self, events) -> None:
-        """Tell ``events`` (``block_pool.BlockEvents``) the chained hash of
-        every block cached and evicted from now on; call before the first
-        request. Every block is then keyed when registered (a lazy one would
-        have no hash to report)."""
+    def report_blocks_to(self, events: BlockEvents) -> None:
+        """Tell ``events`` the chained hash of every block cached and evicted
+        from now on; call before the first request. Every block is then
+        keyed when registered (a lazy one would have no hash to report)."""
         self.pool.events = events
         self.lazy_keys = False
+
+    def event_buffer(self, limit: int = 65536) -> KvEventBuffer:
+        """A new ``KvEventBuffer`` this manager reports to (``report_blocks_to``;
+        before the first request), resyncing from the pool on overflow.
+        Drain it once per engine step for the fleet router."""
+        buffer = KvEventBuffer(limit, snapshot=self.pool.reported_hashes)
+        self.report_blocks_to(buffer)
+        return buffer
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -222,7 +223,8 @@ class KVCacheManager:
         self._run_of.pop(rid, None)  # ended by a lookup from the same first block
         self._materialize(root)
         self._extend_hashes(request, full)
-        pool.register(table[start:full], request.block_keys[start:full], root)
+        pool.register(table[start:full], request.block_keys[start:full], root,
+                      request.block_hashes[start:full] if pool.events is not None else None)
         if self.external is not None:  # the prompt's blocks (LMCache's default too)
             prompt_blocks = min(full, request.num_prompt_tokens // self.block_size)
             if prompt_blocks > start:
@@ -256,15 +258,15 @@ class KVCacheManager:
         if run is not None:
             owner = run.owner
             self._extend_hashes(owner, len(run.blocks))
-            self.pool.materialize(run, owner.block_keys)
+            self.pool.materialize(run, owner.block_keys, owner.block_hashes)
 
     def _extend_hashes(self, request: Request, num_blocks: int) -> None:
         hashes = request.block_hashes
         if len(hashes) >= num_blocks:
             return
-        parent = hashes[-1] if hashes else chain_root(request.cache_salt)
-        keys, new_hashes = self._key_chain.keys(parent, request.token_ids, len(hashes),
-                                                num_blocks)
+        parent = hashes[-1] if hashes else self.key_chain.root(request.cache_salt)
+        keys, new_hashes = self.key_chain.keys(parent, request.token_ids, len(hashes),
+                                               num_blocks)
         request.block_keys += keys
         hashes += new_hashes
 

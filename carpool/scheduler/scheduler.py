@@ -54,11 +54,15 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig, cache: CacheConfig, num_blocks: int,
                  clock: Callable[[], float], controller: ControllerConfig | None = None,
-                 external_kv: ExternalKV | None = None) -> None:
+                 external_kv: ExternalKV | None = None,
+                 block_hash_key: bytes | None = None) -> None:
+        """``block_hash_key``: the secret of the keyed block hashes a fleet
+        shares (``CacheConfig.block_hash_secret``); None: Python's hash,
+        exact within one process (the simulator's)."""
         self.config = config
         self.clock = clock
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching,
-                                 cache.watermark, external_kv)
+                                 cache.watermark, external_kv, block_hash_key=block_hash_key)
         # Admitted requests loading KV from ``external_kv`` (kv_connector).
         self.loading = PendingLoads()
         self._by_priority = config.policy == "priority"
