@@ -13,6 +13,7 @@ per-request records. Pure Python; time comes from the scheduler's clock.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 from carpool.scheduler.fast_forward import apply_decode_steps, decode_run_limit
@@ -54,13 +55,17 @@ class EngineCore:
         scheduler.record_step(output.num_tokens, len(output.spans), seconds)
         progressed, finished = [], []
         running, length = RequestStatus.RUNNING, RequestStatus.FINISHED_LENGTH
+        context = self.max_model_len if self.max_model_len is not None else math.inf
         for request, token_id in sampled:  # on every step's path: kept lean
             if request.status is not running:
                 continue  # aborted while the step ran
             progressed.append(request)
             status = stop(request, token_id) if stop is not None else None
-            if status is None and self._at_length(request):
-                status = length
+            if status is None:  # _at_length, inlined
+                num_tokens = len(request.token_ids)
+                if (num_tokens - len(request.prompt_token_ids) >= request.max_tokens
+                        or num_tokens >= context):
+                    status = length
             if status is not None:
                 scheduler.finish_request(request, status)
                 finished.append(request)

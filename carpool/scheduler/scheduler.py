@@ -40,6 +40,7 @@ from carpool.scheduler.request import Request, RequestStatus
 from carpool.scheduler.sessions import SessionStats, SessionTracker
 from carpool.scheduler.step import (
     RoomPlan,
+    ScheduledSpan,
     SchedulerOutput,
     StepBudget,
     is_decoding,
@@ -264,9 +265,12 @@ class Scheduler:
         """
         if self.long_prefill_cap is None:
             return math.inf
-        if self.waiting.num_short or any(
-                not self.waiting.is_long(r) and not is_decoding(r) for r in self.running):
+        if self.waiting.num_short:
             return self.long_prefill_cap
+        is_long = self.waiting.is_long
+        for request in self.running:  # every step: decodes (most of them) leave first
+            if not is_decoding(request) and not is_long(request):
+                return self.long_prefill_cap
         return math.inf
 
     def _is_capped(self, request: Request) -> bool:
@@ -283,25 +287,36 @@ class Scheduler:
 
     def _schedule_running(self, output: SchedulerOutput, step: StepBudget) -> None:
         running = RequestStatus.RUNNING
+        is_long, try_grow, spans = self.waiting.is_long, self.kv.try_grow, output.spans
         for request in self.running_order():
             if step.tokens <= 0:
                 break
             if request.status is not running:
                 continue  # preempted earlier in this loop
-            pending = request.num_pending_tokens
+            tokens, computed = request.token_ids, request.num_computed_tokens
+            pending = len(tokens) - computed
             assert pending > 0, "a running request always has a token to compute"
-            capped = self._is_capped(request)
-            num_tokens = min(pending, step.limit(capped))
-            if num_tokens <= 0:
-                continue  # the long allowance is spent; decodes and short ones still run
-            while not self.kv.try_grow(request, num_tokens):
+            if pending == 1 and len(tokens) > len(request.prompt_token_ids):
+                # A decode (is_decoding, inlined: the loop's common case at
+                # a thousand sequences): one token, never capped, and
+                # step.tokens > 0 leaves room for it.
+                capped, num_tokens = False, 1
+            else:
+                capped = is_long(request)  # _is_capped, for a prefill
+                num_tokens = min(pending, step.limit(capped))
+                if num_tokens <= 0:
+                    continue  # the long allowance is spent; decodes and short ones still run
+            while not try_grow(request, num_tokens):
                 victim = self._pick_victim()
                 self._preempt(victim, output, step)
                 if victim is request:
                     break
-            if request.status != RequestStatus.RUNNING:
+            if request.status is not running:
                 continue
-            output.spans.append(span_for(request, num_tokens))
+            # span_for: the request's computed tokens are as read above (a
+            # preemption of another request leaves them, its own ends here).
+            spans.append(ScheduledSpan(request, computed, num_tokens,
+                                       sample=computed + num_tokens == len(tokens)))
             step.grant(request, num_tokens, capped)
 
     def _schedule_waiting(self, output: SchedulerOutput, step: StepBudget) -> None:
@@ -439,16 +454,17 @@ class Scheduler:
     def commit(self, output: SchedulerOutput, sampled: Iterable[tuple[Request, int]]) -> None:
         """Record that ``output`` ran: advance computed counts, append sampled
         tokens and register newly full blocks in the prefix cache."""
-        for span in output.spans:
+        running, cache_blocks = RequestStatus.RUNNING, self.kv.cache_computed_blocks
+        for span in output.spans:  # every span of every step: kept lean
             request = span.request
-            if request.status != RequestStatus.RUNNING:
+            if request.status is not running:
                 continue  # aborted while the step ran
             request.num_computed_tokens = span.start + span.num_tokens
-            self.kv.cache_computed_blocks(request)
+            cache_blocks(request)
         now = self.clock()
         for request, token_id in sampled:
-            if request.status == RequestStatus.RUNNING:
-                request.append_output(token_id)
+            if request.status is running:
+                request.token_ids.append(token_id)  # append_output, inlined
                 if request.first_token_time is None:
                     request.first_token_time = now
                     self.admission.observe_first_token(request, now)
