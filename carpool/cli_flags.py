@@ -201,6 +201,11 @@ SERVER_FLAGS: list[Flag] = [
     _f("--engine-process", "engine_process", flag_bool, "BOOL",
        "run the engine in a worker process of its own, HTTP and tokenizing in this one "
        "(false: both in one process)"),
+    _f("--replicas", "replicas", int, "N",
+       "engine worker processes behind carpool's router (each its own KV pool and threads)"),
+    _f("--routing", "routing", str, "POLICY",
+       "the router's policy with --replicas > 1: predicted-ttft | cache-aware | "
+       "session-affinity | least-outstanding | round-robin | ..."),
     _f("--stall-timeout", "stall_timeout", float, "SECONDS",
        "seconds busy without a step before /health answers 503"),
     _f("--uvicorn-log-level", "uvicorn_log_level", str, "LEVEL",

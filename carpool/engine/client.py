@@ -93,7 +93,8 @@ class EngineClient:
     """
 
     def __init__(self, process: asyncio.subprocess.Process, socket: zmq.asyncio.Socket,
-                 context: zmq.asyncio.Context, workdir: str, ready: Ready) -> None:
+                 context: zmq.asyncio.Context, workdir: str, ready: Ready,
+                 step_log: StepLog | None = None) -> None:
         self._process = process
         self._socket = socket
         self._context = context
@@ -103,11 +104,15 @@ class EngineClient:
         from carpool.model.tokenizer import Tokenizer
 
         self.tokenizer = Tokenizer.from_description(ready.info.tokenizer)
-        self.step_log = StepLog()
+        self.step_log = step_log if step_log is not None else StepLog()
         self.stats: EngineStats = ready.stats
         self.delivery = DeliveryLag()
         self.on_failure: Callable[[BaseException], None] | None = None
         self.on_kv_events: Callable[[KvEventBatch], None] | None = None
+        # Told (request id, first token now, ended now) as requests progress:
+        # a fleet router's live counts (refused requests end at once).
+        self.on_request: Callable[[str, bool, bool], None] | None = None
+        self.on_steps: Callable[[list], None] | None = None  # each round's LoggedSteps
         self.error: BaseException | None = None
         self.last_progress = time.monotonic()
         self._live: dict[str, _Live] = {}
@@ -124,12 +129,15 @@ class EngineClient:
     async def start(cls, config: EngineConfig, slo_sources: dict[str, str] | None = None,
                     profile: dict | None = None, pinned: Sequence[str] = (),
                     log_format: str | None = None, log_datefmt: str | None = None,
-                    kv_events: bool = False) -> "EngineClient":
+                    kv_events: bool = False, step_log: StepLog | None = None,
+                    ) -> "EngineClient":
         """Start a worker, have it build the engine ``config`` describes (with
         ``profile``'s time-of-day windows minus ``pinned`` knobs), wait until
         it is ready. The worker writes its own log lines to this stderr.
         ``kv_events``: the worker reports its prefix cache's changes, each
-        step's ``KvEventBatch`` handed to ``on_kv_events`` (a router's feed)."""
+        step's ``KvEventBatch`` handed to ``on_kv_events`` (a router's feed).
+        ``step_log``: where the worker's steps are mirrored (a fleet's
+        shared log; default: this client's own)."""
         workdir = tempfile.mkdtemp(prefix="carpool-worker-")
         context = zmq.asyncio.Context()
         socket = context.socket(zmq.PAIR)
@@ -152,7 +160,7 @@ class EngineClient:
             context.term()
             shutil.rmtree(workdir, ignore_errors=True)
             raise
-        return cls(process, socket, context, workdir, ready)
+        return cls(process, socket, context, workdir, ready, step_log)
 
     # -- AsyncEngine's interface ---------------------------------------------------------
 
@@ -281,20 +289,28 @@ class EngineClient:
             live = self._live.get(request_id)
             if live is not None:
                 live.queue.put_nowait(None)
+        observe = self.on_request
         for refusal in progress.refused:
             live = self._live.pop(refusal.request_id, None)
             if live is not None:
                 live.queue.put_nowait(_refusal_error(refusal))
+                if observe is not None:
+                    observe(refusal.request_id, False, True)
         for delta in progress.outputs:
             live = self._live.get(delta.request_id)
             if live is not None:
+                first = len(live.ids) == len(live.prompt) and bool(delta.delta_token_ids)
                 if delta.finished:
                     del self._live[delta.request_id]
                 live.queue.put_nowait(_output(delta, live))
+                if observe is not None and (first or delta.finished):
+                    observe(delta.request_id, first, delta.finished)
         if progress.stats is not None:
             self.stats = progress.stats
         for step in progress.steps:
             self.step_log.append(step)
+        if progress.steps and self.on_steps is not None:
+            self.on_steps(progress.steps)
         if progress.kv_events is not None and self.on_kv_events is not None:
             self.on_kv_events(progress.kv_events)
 
@@ -315,8 +331,10 @@ class EngineClient:
 
     def _fail_all(self, exc: BaseException) -> None:
         live, self._live = self._live, {}
-        for request in live.values():
+        for request_id, request in live.items():
             request.queue.put_nowait(exc)
+            if self.on_request is not None:
+                self.on_request(request_id, False, True)
 
 
 def _output(delta: Delta, live: _Live) -> RequestOutput:

@@ -7,6 +7,7 @@ reference assignment.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from carpool.config import SchedulerConfig
@@ -144,3 +145,36 @@ def engine_stats(scheduler: Scheduler, counters: EngineCounters, now: float,
         adaptive=scheduler.controller is not None,
         slo=slo.as_dict() if slo is not None else None,
         predictions=_predictions(scheduler), **_decisions(scheduler))
+
+
+def _summed(dicts) -> dict:
+    total: dict = {}
+    for values in dicts:
+        for key, value in values.items():
+            total[key] = total.get(key, 0) + value
+    return total
+
+
+def merge_stats(snapshots: list[EngineStats]) -> EngineStats:
+    """One view of several engines (a fleet's replicas): counts and
+    counters summed, the first snapshot's settings (knobs, mode, SLO,
+    predictions: every replica runs one configuration), its latest time."""
+    first = snapshots[0]
+    if len(snapshots) == 1:
+        return first
+    counters = EngineCounters()
+    for snapshot in snapshots:
+        c = snapshot.counters
+        for name in ("steps", "requests_added", "long_requests_added", "prompt_tokens",
+                     "generation_tokens", "computed_tokens", "slot_tokens", "busy_seconds"):
+            setattr(counters, name, getattr(counters, name) + getattr(c, name))
+    counters.finished = _summed(s.counters.finished for s in snapshots)
+    summed = {name: sum(getattr(s, name) for s in snapshots) for name in (
+        "num_running", "num_waiting", "waiting_tokens", "kv_num_blocks", "kv_used_blocks",
+        "prefix_queries", "prefix_hits", "num_preemptions", "num_priority_preemptions",
+        "batches")}
+    return dataclasses.replace(
+        first, time=max(s.time for s in snapshots), counters=counters,
+        rejections=_summed(s.rejections for s in snapshots),
+        sessions=_summed(s.sessions for s in snapshots),
+        decision_counts=_summed(s.decision_counts for s in snapshots), **summed)

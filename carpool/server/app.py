@@ -125,6 +125,9 @@ def _add_info_routes(app: FastAPI, serving: OpenAIServing) -> None:
         reason = health_problem(ctx)
         if reason:
             return APIError(503, reason, code="unhealthy").response()
+        degraded = getattr(ctx.engine, "degraded", None)  # a fleet below its size
+        if degraded:
+            return JSONResponse({"status": "degraded", "reason": degraded})
         return JSONResponse({"status": "ok"})
 
     @app.get("/version")
@@ -194,7 +197,7 @@ def _add_info_routes(app: FastAPI, serving: OpenAIServing) -> None:
                              "decisions": list(stats.recent_decisions),
                              # the latency targets, their sources and the calibration rule
                              "adaptive": stats.adaptive, "slo": stats.slo,
-                             "predictions": stats.predictions})
+                             "predictions": stats.predictions, **_routing(ctx.engine)})
 
 
 def health_problem(ctx: ServerContext) -> str | None:
@@ -208,6 +211,20 @@ def health_problem(ctx: ServerContext) -> str | None:
     if stalled > ctx.config.stall_timeout:
         return f"the engine made no progress for {stalled:.0f} s"
     return None
+
+
+def _routing(engine) -> dict:
+    """A fleet's routing: its replicas as the router sees them, decision
+    counts by cause and the latest decisions (each with its cause)."""
+    router = getattr(engine, "router", None)
+    if router is None:
+        return {}
+    views = [{"replica": v.replica_id, "health": v.health.value, "in_flight": v.in_flight,
+              "waiting": v.waiting, "running": v.running, "kv_usage": v.kv_usage}
+             for v in router.views.values()]
+    return {"routing": {"policy": router.policy.name, "replicas": views,
+                        "restarts": engine.restarts, "causes": dict(router.causes),
+                        "decisions": list(router.decisions)[-20:]}}
 
 
 def _step_limit(text: str | None) -> int:

@@ -55,6 +55,12 @@ class ServerConfig:
     # so HTTP, tokenizing and the SSE stream never wait on the model's GIL;
     # false: on a thread of the API process (one process, as before).
     engine_process: bool = True
+    # Engine worker processes behind the router (carpool.server.fleet); 1 =
+    # one engine. Each takes its own KV pool and torch threads: on one
+    # machine, at most about one per two cores pays.
+    replicas: int = 1
+    # The fleet router's policy (carpool.cluster.policies.POLICIES).
+    routing: str = "predicted-ttft"
     header_timeout: float = 10.0  # seconds a connection may take to send its request head
     keep_alive_timeout: float = 5.0  # seconds an idle keep-alive connection stays open
     shutdown_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
@@ -87,6 +93,15 @@ class ServerConfig:
                              "stall_timeout > 0")
         if not self.header_timeout > 0 or not self.keep_alive_timeout > 0:
             raise ValueError("header_timeout and keep_alive_timeout must be > 0 seconds")
+        if self.replicas < 1:
+            raise ValueError(f"replicas must be >= 1, got {self.replicas}")
+        if self.replicas > 1 and not self.engine_process:
+            raise ValueError("replicas > 1 needs engine processes (drop --no-engine-process)")
+        from carpool.cluster.policies import POLICIES
+
+        if self.routing not in POLICIES:
+            raise ValueError(f"unknown routing policy {self.routing!r}; one of "
+                             f"{', '.join(POLICIES)}")
         if self.prep_workers < 1:
             raise ValueError(f"prep_workers must be >= 1, got {self.prep_workers}")
         if self.metrics_prefix not in METRICS_PREFIXES:

@@ -24,6 +24,7 @@ from carpool.engine.llm_engine import LLMEngine
 from carpool.engine.worker import build_serving_engine
 from carpool.server.app import build_app
 from carpool.server.config import LOG_DATE_FORMAT, ServerConfig
+from carpool.server.fleet import FleetEngine
 from carpool.server.http import with_head_timeout
 from carpool.server.metrics import Metrics
 from carpool.server.serving import ServerContext
@@ -225,12 +226,18 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig,
 
 async def _serve_with_worker(engine_config: EngineConfig, server_config: ServerConfig,
                              name: str, schedule, slo_sources) -> int:
-    """Serve with the engine in a worker process (``EngineClient``)."""
+    """Serve with the engine in a worker process (``EngineClient``), or
+    ``--replicas`` of them behind the router (``FleetEngine``)."""
+    launch = {"slo_sources": slo_sources,
+              "profile": schedule.source if schedule is not None else None,
+              "pinned": sorted(schedule.pinned) if schedule is not None else (),
+              "log_format": server_config.log_format, "log_datefmt": LOG_DATE_FORMAT}
     try:
-        client = await EngineClient.start(
-            engine_config, slo_sources, schedule.source if schedule is not None else None,
-            sorted(schedule.pinned) if schedule is not None else (),
-            server_config.log_format, LOG_DATE_FORMAT)
+        if server_config.replicas > 1:
+            client = await FleetEngine.start(engine_config, server_config.replicas,
+                                             server_config.routing, **launch)
+        else:
+            client = await EngineClient.start(engine_config, **launch)
     except EngineLaunchError as exc:
         if exc.usage:  # the settings or the model: one line, as the CLI says them
             print(f"carpool: error: {exc}", file=sys.stderr, flush=True)

@@ -1,0 +1,241 @@
+"""FleetEngine: N engine worker processes behind carpool's router.
+
+``carpool serve --replicas N`` runs one API process (this one: the same
+FastAPI app, keys, limits, errors and metrics) in front of N engine
+worker processes on this machine, each an ``EngineClient`` (the one kind
+of engine connection; N = 1 is plain ``carpool serve``). The router of
+``carpool.cluster`` (the simulator's, unchanged) picks each request's
+replica from live views: what it sent each replica and has not finished
+(exact, counted here), each replica's polled stats, and the fleet prefix
+index fed by the replicas' block events, keyed by hashes every replica
+shares (``CacheConfig.block_hash_key``, one secret per fleet).
+
+A replica whose worker dies fails only its own requests (the client's
+error), leaves the router at once and is started again; /health says
+``degraded`` until it is back. The interface is ``EngineClient``'s, so the
+server cannot tell one engine from a fleet.
+"""
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import os
+import secrets
+import time
+from collections.abc import Sequence
+
+from carpool.cluster.router import Router
+from carpool.cluster.view import Health, ReplicaView, RouteRequest, RoutingError
+from carpool.config import EngineConfig
+from carpool.engine.client import EngineClient
+from carpool.engine.llm_engine import check_prompt
+from carpool.engine.stats import EngineStats, merge_stats
+from carpool.engine.step_log import StepLog
+from carpool.engine.streams import EngineDeadError, RequestStream
+from carpool.sampling_params import SamplingParams
+from carpool.scheduler import RejectedError
+from carpool.scheduler.cost_model import StepCostModel
+from carpool.scheduler.kv_events import BlockKeyChain, KvEventBatch
+
+log = logging.getLogger("carpool.server")
+
+VIEW_INTERVAL_S = 0.25  # how often replicas' polled stats refresh the router's views
+
+
+class FleetEngine:
+    """Several engine workers with one engine's interface (module docstring)."""
+
+    def __init__(self, launch: dict, config: EngineConfig, router: Router,
+                 clients: Sequence[EngineClient]) -> None:
+        self._launch = launch  # EngineClient.start's arguments, for restarts
+        self.config = config
+        self.router = router
+        self.step_log = clients[0].step_log  # shared by every replica
+        self.info = clients[0].info
+        self.tokenizer = clients[0].tokenizer
+        self.size = len(clients)
+        self.on_failure = None  # a replica's death is not the server's: it restarts
+        self.clients: dict[str, EngineClient] = {}
+        self.restarts = 0
+        self._chain = BlockKeyChain(config.cache.block_size,
+                                    bytes.fromhex(config.cache.block_hash_key))
+        self._next_id = 0
+        self._stopping = False
+        self._restarting: set[asyncio.Task] = set()
+        for index, client in enumerate(clients):
+            self._join(f"r{index}", client)
+        self._views = asyncio.ensure_future(self._refresh_views())
+
+    @classmethod
+    async def start(cls, config: EngineConfig, replicas: int, routing: str = "predicted-ttft",
+                    **launch) -> "FleetEngine":
+        """Start ``replicas`` workers (concurrently) on one block-hash secret."""
+        if replicas < 1:
+            raise ValueError(f"replicas must be >= 1, got {replicas}")
+        config = copy.deepcopy(config)
+        if config.cache.block_hash_key is None:  # one secret per fleet, made here
+            config.cache.block_hash_key = secrets.token_hex(32)
+        if config.model.threads is None:
+            # The machine's cores split between the replicas: more torch
+            # threads than cores make every OpenMP region wait (async_engine).
+            config.model.threads = max(1, (os.cpu_count() or 1) // replicas)
+        router = Router(routing)
+        launch = {**launch, "kv_events": True, "step_log": StepLog()}
+        started = await asyncio.gather(*(EngineClient.start(config, **launch)
+                                         for _ in range(replicas)), return_exceptions=True)
+        failure = next((c for c in started if isinstance(c, BaseException)), None)
+        if failure is not None:
+            await asyncio.gather(*(c.wait_closed() for c in started
+                                   if isinstance(c, EngineClient)))
+            raise failure
+        return cls(launch, config, router, started)
+
+    # -- membership ----------------------------------------------------------------------
+
+    def _join(self, replica_id: str, client: EngineClient) -> None:
+        scheduler = self.config.scheduler
+        # The replica's step costs, fitted from its steps as they come: what
+        # the predicted-TTFT policy prices each replica's queue with.
+        cost_model = StepCostModel()
+        self.router.add_replica(ReplicaView(
+            replica_id, max_num_seqs=scheduler.max_num_seqs,
+            max_num_batched_tokens=scheduler.max_num_batched_tokens,
+            block_size=self.config.cache.block_size, free_blocks=client.info.kv_num_blocks,
+            cost_model=cost_model))
+        self.clients[replica_id] = client
+        client.on_steps = lambda steps: [cost_model.record(s.shape.tokens, s.shape.seqs,
+                                                           s.seconds) for s in steps]
+        client.on_kv_events = lambda batch, rid=replica_id: self._kv_events(rid, batch)
+        client.on_request = lambda request_id, first, ended: self._progress(request_id, first,
+                                                                           ended)
+        client.on_failure = lambda exc, rid=replica_id: self._replica_died(rid, exc)
+
+    def _kv_events(self, replica_id: str, batch: KvEventBatch) -> None:
+        if batch.reset:
+            self.router.prefix_index.remove_replica(replica_id)
+        self.router.blocks_evicted(replica_id, batch.evicted)
+        self.router.blocks_stored(replica_id, batch.stored)
+
+    def _progress(self, request_id: str, first: bool, ended: bool) -> None:
+        now = time.monotonic()
+        if first:
+            self.router.first_token(request_id, now)
+        if ended:
+            self.router.finished(request_id, now)
+
+    def _replica_died(self, replica_id: str, exc: BaseException) -> None:
+        """Its requests already failed (the client's error); route around it
+        and start a new worker in its place."""
+        self.router.set_health(replica_id, Health.DEAD)
+        self.router.remove_replica(replica_id)
+        dead = self.clients.pop(replica_id)
+        log.error("replica %s died (%s); starting a new worker", replica_id, exc)
+        if not self._stopping:
+            task = asyncio.ensure_future(self._restart(replica_id, dead))
+            self._restarting.add(task)
+            task.add_done_callback(self._restarting.discard)
+
+    async def _restart(self, replica_id: str, dead: EngineClient) -> None:
+        await dead.wait_closed(timeout=5.0)
+        while not self._stopping:
+            try:
+                client = await EngineClient.start(self.config, **self._launch)
+            except Exception as exc:  # noqa: BLE001 - retried: a restart must not give up
+                log.error("restarting replica %s failed (%s); retrying in 5 s", replica_id, exc)
+                await asyncio.sleep(5.0)
+                continue
+            if self._stopping:
+                await client.wait_closed()
+                return
+            self.restarts += 1
+            self._join(replica_id, client)
+            log.info("replica %s is back (worker pid %d)", replica_id, client.pid)
+            return
+
+    async def _refresh_views(self) -> None:
+        while True:
+            now = time.monotonic()
+            for replica_id, client in list(self.clients.items()):
+                stats = client.stats
+                self.router.update_stats(
+                    replica_id, now, waiting=stats.num_waiting, running=stats.num_running,
+                    kv_usage=stats.kv_usage,
+                    free_blocks=stats.kv_num_blocks - stats.kv_used_blocks)
+            await asyncio.sleep(VIEW_INTERVAL_S)
+
+    # -- EngineClient's interface ----------------------------------------------------------
+
+    @property
+    def stats(self) -> EngineStats:
+        return merge_stats([client.stats for client in self.clients.values()])
+
+    @property
+    def is_alive(self) -> bool:
+        """Serving: some replica is up (``degraded`` says whether all are)."""
+        return not self._stopping and any(c.is_alive for c in self.clients.values())
+
+    @property
+    def degraded(self) -> str | None:
+        """Why the fleet runs below its size, or None."""
+        up = sum(c.is_alive for c in self.clients.values())
+        return None if up == self.size else f"{self.size - up} of {self.size} replicas restarting"
+
+    @property
+    def last_progress(self) -> float:
+        return max((c.last_progress for c in self.clients.values()), default=0.0)
+
+    @property
+    def num_in_flight(self) -> int:
+        return sum(c.num_in_flight for c in self.clients.values())
+
+    def check_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
+        check_prompt(token_ids, params, self.info.max_model_len, self.info.vocab_size)
+
+    async def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                          request_id: str | None = None, priority: int = 0,
+                          session_id: str | None = None, deadline: float | None = None,
+                          max_wait: float | None = None, cache_salt: str | None = None,
+                          received_at: float | None = None) -> RequestStream:
+        """Route, then ``EngineClient.add_request`` on the chosen replica."""
+        if self._stopping:
+            raise EngineDeadError("the engine is shut down")
+        if request_id is None:
+            self._next_id += 1
+            request_id = f"req-{self._next_id}"
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        full_blocks = len(ids) // self.config.cache.block_size
+        _, hashes = self._chain.keys(self._chain.root(cache_salt), ids, 0, full_blocks)
+        try:
+            decision = self.router.route(RouteRequest(request_id, len(ids), hashes, session_id,
+                                                      priority), time.monotonic())
+        except RoutingError as exc:  # no replica ready, or every one over the TTFT target
+            raise RejectedError(exc.reason, exc.retry_after, str(exc)) from None
+        client = self.clients.get(decision.replica_id)
+        try:
+            if client is None:
+                raise EngineDeadError(f"replica {decision.replica_id} is restarting")
+            return await client.add_request(ids, params, request_id, priority, session_id,
+                                            deadline, max_wait, cache_salt, received_at)
+        except BaseException:
+            self.router.finished(request_id, time.monotonic(), learn=False)
+            raise
+
+    def abort(self, request_id: str) -> None:
+        replica_id = self.router.replica_of(request_id)
+        client = self.clients.get(replica_id) if replica_id else None
+        if client is not None:
+            client.abort(request_id)
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        for client in self.clients.values():
+            client.shutdown()
+
+    async def wait_closed(self, timeout: float = 10.0) -> None:
+        self.shutdown()
+        self._views.cancel()
+        for task in list(self._restarting):
+            task.cancel()
+        await asyncio.gather(*(c.wait_closed(timeout) for c in self.clients.values()),
+                             *self._restarting, self._views, return_exceptions=True)

@@ -1,0 +1,110 @@
+"""``carpool serve --replicas 2``: one API process, two engine workers, carpool's router.
+
+Real processes on the tiny model, driven by the official ``openai`` client:
+streaming through the fleet, session affinity, cache-aware routing (the
+replica holding a prefix gets its repeats: ``cached_tokens`` shows the
+hit), and a worker SIGKILLed mid-stream (its request fails with an error
+event, the fleet says degraded, the worker is restarted, nothing else is
+lost).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import openai
+from server_utils import ServerProcess
+
+
+def _workers(server: ServerProcess) -> list[int]:
+    pid = server.proc.pid
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [int(c) for c in children
+            if "carpool.engine.worker" in Path(f"/proc/{c}/cmdline").read_text()]
+
+
+def _fleet(tiny_model_dir, routing: str) -> ServerProcess:
+    return ServerProcess([str(tiny_model_dir), "--attention-backend", "torch", "--adaptive",
+                          "false", "--replicas", "2", "--routing", routing,
+                          "--served-model-name", "tiny"])
+
+
+def _routing(client) -> dict:
+    return client.get("/carpool/policy").json()["routing"]
+
+
+def test_a_two_replica_fleet_streams_keeps_sessions_and_routes_by_cached_prefix(tiny_model_dir):
+    with _fleet(tiny_model_dir, "cache-aware") as server, server.client() as http:
+        assert len(_workers(server)) == 2
+        api = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+        chunks = list(api.completions.create(model="tiny", prompt="hello", max_tokens=8,
+                                             stream=True, temperature=0))
+        assert chunks[-1].choices[0].finish_reason == "length"
+        # A repeated long prefix goes where it is cached.
+        prefix = list(range(5, 5 + 64))
+        first = http.post("/v1/completions", json={"prompt": prefix + [1], "max_tokens": 2})
+        time.sleep(0.6)  # the block events reach the router with the step's message
+        again = http.post("/v1/completions", json={"prompt": prefix + [2], "max_tokens": 2})
+        assert first.status_code == again.status_code == 200
+        assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 48
+        # Every turn of a session lands on one replica.
+        for turn in range(4):
+            api.chat.completions.create(model="tiny", max_tokens=2, extra_headers={
+                "x-session-id": "s-1"}, messages=[{"role": "user", "content": f"turn {turn}"}])
+        routing = _routing(http)
+        session = routing["decisions"][-4:]  # the four turns, sent one after another
+        assert len({d["replica"] for d in session}) == 1, session
+        assert {v["replica"] for v in routing["replicas"]} == {"r0", "r1"}
+        assert sum(v["in_flight"] for v in routing["replicas"]) == 0
+
+
+def test_a_killed_replica_fails_its_request_only_and_is_restarted(tiny_model_dir):
+    with _fleet(tiny_model_dir, "round-robin") as server, server.client() as http:
+        workers = _workers(server)
+        body = {"prompt": "long", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        with http.stream("POST", "/v1/completions", json=body) as doomed:
+            lines = doomed.iter_lines()
+            assert next(line for line in lines if line.startswith("data: {"))
+            victim = _routing(http)["decisions"][-1]["replica"]
+            os.kill(workers[int(victim[1:])], signal.SIGKILL)
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert json.loads(rest[-2][6:])["error"]["code"] == "engine_unavailable"
+        health = http.get("/health")
+        assert health.status_code == 200
+        assert health.json()["status"] in ("degraded", "ok")
+        # The other replica still serves meanwhile; then the fleet is whole again.
+        for _ in range(3):
+            answer = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+            assert answer.status_code == 200, answer.text
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and http.get("/health").json()["status"] != "ok":
+            time.sleep(0.5)
+        assert http.get("/health").json() == {"status": "ok"}
+        assert _routing(http)["restarts"] == 1 and len(_workers(server)) == 2
+        answers = [http.post("/v1/completions", json={"prompt": "y", "max_tokens": 2})
+                   for _ in range(4)]
+        assert all(a.status_code == 200 for a in answers)
+        server.signal(signal.SIGTERM)
+        assert server.wait(60) == 0
+
+
+def test_fleet_stats_sum_the_replicas_counts_and_keep_one_configuration():
+    from carpool.engine.stats import EngineCounters, EngineStats, merge_stats
+
+    def snapshot(running: int, steps: int, stop: int, time_: float) -> EngineStats:
+        return EngineStats(time=time_, num_running=running, num_waiting=1, waiting_tokens=10,
+                           kv_num_blocks=100, kv_used_blocks=running, prefix_queries=4,
+                           prefix_hits=2, num_preemptions=0,
+                           counters=EngineCounters(steps=steps, finished={"stop": stop}),
+                           rejections={"queue_full": 1}, sessions={"session_requests": 2},
+                           knobs={"max_num_seqs": 64.0}, decision_counts={("a", "b"): 1})
+
+    merged = merge_stats([snapshot(3, 10, 1, 5.0), snapshot(4, 7, 2, 6.0)])
+    assert (merged.num_running, merged.num_waiting, merged.kv_num_blocks) == (7, 2, 200)
+    assert merged.counters.steps == 17 and merged.counters.finished == {"stop": 3}
+    assert merged.rejections == {"queue_full": 2} and merged.sessions == {"session_requests": 4}
+    assert merged.decision_counts == {("a", "b"): 2} and merged.time == 6.0
+    assert merged.knobs == {"max_num_seqs": 64.0} and merged.prefix_hit_rate == 0.5
