@@ -69,7 +69,9 @@ def test_a_killed_replica_fails_its_request_only_and_is_restarted(tiny_model_dir
             lines = doomed.iter_lines()
             assert next(line for line in lines if line.startswith("data: {"))
             victim = _routing(http)["decisions"][-1]["replica"]
-            os.kill(workers[int(victim[1:])], signal.SIGKILL)
+            pids = {v["replica"]: v["pid"] for v in _routing(http)["replicas"]}
+            assert sorted(pids.values()) == sorted(workers)
+            os.kill(pids[victim], signal.SIGKILL)
             rest = [line for line in lines if line.startswith("data: ")]
         assert json.loads(rest[-2][6:])["error"]["code"] == "engine_unavailable"
         health = http.get("/health")
@@ -108,3 +110,43 @@ def test_fleet_stats_sum_the_replicas_counts_and_keep_one_configuration():
     assert merged.rejections == {"queue_full": 2} and merged.sessions == {"session_requests": 4}
     assert merged.decision_counts == {("a", "b"): 2} and merged.time == 6.0
     assert merged.knobs == {"max_num_seqs": 64.0} and merged.prefix_hit_rate == 0.5
+
+
+def test_requests_a_killed_replica_had_not_started_go_to_another(tiny_model_dir):
+    """One sequence per replica: A runs on r0, C waits behind it there. r0
+    is SIGKILLed: A (started) fails with an error event, C (not started)
+    is re-routed to r1 and answered as if nothing happened."""
+    import threading
+
+    import httpx
+
+    flags = [str(tiny_model_dir), "--attention-backend", "torch", "--adaptive", "false",
+             "--replicas", "2", "--routing", "round-robin", "--max-num-seqs", "1"]
+    with ServerProcess(flags) as server, server.client() as http:
+        workers = _workers(server)
+        body = {"prompt": "long", "max_tokens": 400, "ignore_eos": True, "stream": True}
+        with http.stream("POST", "/v1/completions", json=body) as running:
+            lines = running.iter_lines()
+            assert next(line for line in lines if line.startswith("data: {"))
+            assert http.post("/v1/completions", json={"prompt": "b", "max_tokens": 2}
+                             ).status_code == 200  # r1: round robin's next turn
+            answer: list[httpx.Response] = []
+            queued = threading.Thread(target=lambda: answer.append(httpx.post(
+                server.url + "/v1/completions", json={"prompt": "c", "max_tokens": 3},
+                timeout=120)))
+            queued.start()
+            deadline = time.monotonic() + 10
+            while len(_routing(http)["decisions"]) < 3 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(0.3)  # C reaches r0's queue
+            decisions = _routing(http)["decisions"]
+            assert [d["replica"] for d in decisions[-3:]] == ["r0", "r1", "r0"], decisions
+            pids = {v["replica"]: v["pid"] for v in _routing(http)["replicas"]}
+            assert sorted(pids.values()) == sorted(workers)
+            os.kill(pids["r0"], signal.SIGKILL)
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert json.loads(rest[-2][6:])["error"]["code"] == "engine_unavailable"
+        queued.join(60)
+        assert answer and answer[0].status_code == 200, answer and answer[0].text
+        assert answer[0].json()["choices"][0]["finish_reason"] == "length"
+        assert _routing(http)["rerouted"] == 1

@@ -75,8 +75,13 @@ class _Live:
     queue: asyncio.Queue
     prompt: list[int]
     ids: list[int]  # prompt + output token ids so far
+    add: Add  # as sent: a fleet re-sends it elsewhere if this worker dies first
     text: str = ""
     logprobs: list[TokenLogprob] | None = None
+    accepted: bool = False
+    # Adopted from a dead worker after its caller saw it accepted: this
+    # worker's acceptance is not passed on again.
+    swallow_accept: bool = False
 
 
 class EngineClient:
@@ -113,6 +118,11 @@ class EngineClient:
         # a fleet router's live counts (refused requests end at once).
         self.on_request: Callable[[str, bool, bool], None] | None = None
         self.on_steps: Callable[[list], None] | None = None  # each round's LoggedSteps
+        # Offered, when this worker dies, each request it had not started
+        # (no output yet): (request id, its Add, its queue, accepted) -> True
+        # when taken elsewhere (a fleet re-routes it), else it fails here.
+        self.on_orphan: Callable[[str, Add, asyncio.Queue, bool], bool] | None = None
+        self.stream_owner = self  # what its RequestStreams abort through (a fleet: itself)
         self.error: BaseException | None = None
         self.last_progress = time.monotonic()
         self._live: dict[str, _Live] = {}
@@ -198,12 +208,12 @@ class EngineClient:
         # AsyncEngine.add_request. One monotonic clock for both processes.
         now = time.monotonic()
         arrival = min(now, received_at) if received_at is not None else now
-        live = _Live(asyncio.Queue(), ids, list(ids),
+        add = Add(request_id, ids, params, priority, session_id, deadline, max_wait,
+                  cache_salt, arrival)
+        live = _Live(asyncio.Queue(), ids, list(ids), add,
                      logprobs=[] if params.logprobs is not None else None)
         self._live[request_id] = live
-        await self._socket.send(self._encoder.encode(Add(
-            request_id, ids, params, priority, session_id, deadline, max_wait, cache_salt,
-            arrival)))
+        await self._socket.send(self._encoder.encode(add))
         try:
             accepted = await live.queue.get()  # None, or why it was refused
         except BaseException:
@@ -211,7 +221,17 @@ class EngineClient:
             raise
         if isinstance(accepted, BaseException):
             raise accepted
-        return RequestStream(self, request_id, live.queue)
+        return RequestStream(self.stream_owner, request_id, live.queue)
+
+    def adopt(self, add: Add, queue: asyncio.Queue, accepted: bool) -> None:
+        """Take over a request another worker held but never started (it
+        died first): the same ``queue`` goes on receiving its outputs;
+        ``accepted``: its caller already saw it accepted."""
+        live = _Live(queue, add.prompt_token_ids, list(add.prompt_token_ids), add,
+                     logprobs=[] if add.params.logprobs is not None else None,
+                     swallow_accept=accepted)
+        self._live[add.request_id] = live
+        self._send_now(add)
 
     def abort(self, request_id: str) -> None:
         self.abort_without_lock(request_id)
@@ -288,7 +308,9 @@ class EngineClient:
         for request_id in progress.accepted:
             live = self._live.get(request_id)
             if live is not None:
-                live.queue.put_nowait(None)
+                live.accepted = True
+                if not live.swallow_accept:
+                    live.queue.put_nowait(None)
         observe = self.on_request
         for refusal in progress.refused:
             live = self._live.pop(refusal.request_id, None)
@@ -325,13 +347,19 @@ class EngineClient:
         self.error = exc
         log.error("%s", exc)
         self._fail_all(exc if isinstance(exc, EngineDeadError)
-                       else EngineDeadError(f"engine loop failed: {exc!r}"))
+                       else EngineDeadError(f"engine loop failed: {exc!r}"), offer=True)
         if self.on_failure is not None:
             self.on_failure(exc)
 
-    def _fail_all(self, exc: BaseException) -> None:
+    def _fail_all(self, exc: BaseException, offer: bool = False) -> None:
+        """End every live request with ``exc``; ``offer``: those not started
+        go to ``on_orphan`` first (the worker died)."""
         live, self._live = self._live, {}
         for request_id, request in live.items():
+            if (offer and self.on_orphan is not None and len(request.ids) == len(request.prompt)
+                    and self.on_orphan(request_id, request.add, request.queue,
+                                       request.accepted)):
+                continue
             request.queue.put_nowait(exc)
             if self.on_request is not None:
                 self.on_request(request_id, False, True)

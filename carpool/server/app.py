@@ -220,10 +220,12 @@ def _routing(engine) -> dict:
     if router is None:
         return {}
     views = [{"replica": v.replica_id, "health": v.health.value, "in_flight": v.in_flight,
-              "waiting": v.waiting, "running": v.running, "kv_usage": v.kv_usage}
+              "waiting": v.waiting, "running": v.running, "kv_usage": v.kv_usage,
+              "pid": getattr(engine.clients.get(v.replica_id), "pid", None)}
              for v in router.views.values()]
     return {"routing": {"policy": router.policy.name, "replicas": views,
-                        "restarts": engine.restarts, "causes": dict(router.causes),
+                        "restarts": engine.restarts, "rerouted": engine.rerouted,
+                        "causes": dict(router.causes),
                         "decisions": list(router.decisions)[-20:]}}
 
 

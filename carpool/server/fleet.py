@@ -33,6 +33,7 @@ from carpool.engine.llm_engine import check_prompt
 from carpool.engine.stats import EngineStats, merge_stats
 from carpool.engine.step_log import StepLog
 from carpool.engine.streams import EngineDeadError, RequestStream
+from carpool.engine.wire import Add
 from carpool.sampling_params import SamplingParams
 from carpool.scheduler import RejectedError
 from carpool.scheduler.cost_model import StepCostModel
@@ -58,6 +59,7 @@ class FleetEngine:
         self.on_failure = None  # a replica's death is not the server's: it restarts
         self.clients: dict[str, EngineClient] = {}
         self.restarts = 0
+        self.rerouted = 0  # requests a dead replica held unstarted, sent to another
         self._chain = BlockKeyChain(config.cache.block_size,
                                     bytes.fromhex(config.cache.block_hash_key))
         self._next_id = 0
@@ -110,6 +112,8 @@ class FleetEngine:
         client.on_request = lambda request_id, first, ended: self._progress(request_id, first,
                                                                            ended)
         client.on_failure = lambda exc, rid=replica_id: self._replica_died(rid, exc)
+        client.on_orphan = lambda *orphan, rid=replica_id: self._reroute(rid, *orphan)
+        client.stream_owner = self  # aborts follow a request to whichever replica has it
 
     def _kv_events(self, replica_id: str, batch: KvEventBatch) -> None:
         if batch.reset:
@@ -135,6 +139,39 @@ class FleetEngine:
             task = asyncio.ensure_future(self._restart(replica_id, dead))
             self._restarting.add(task)
             task.add_done_callback(self._restarting.discard)
+
+    def _route(self, request_id: str, ids: list[int], session_id: str | None, priority: int,
+               cache_salt: str | None) -> str:
+        """The replica for a request (counted there by the router)."""
+        full_blocks = len(ids) // self.config.cache.block_size
+        _, hashes = self._chain.keys(self._chain.root(cache_salt), ids, 0, full_blocks)
+        try:
+            decision = self.router.route(RouteRequest(request_id, len(ids), hashes, session_id,
+                                                      priority), time.monotonic())
+        except RoutingError as exc:  # no replica ready, or every one over the TTFT target
+            raise RejectedError(exc.reason, exc.retry_after, str(exc)) from None
+        return decision.replica_id
+
+    def _reroute(self, dead_id: str, request_id: str, add: Add, queue: asyncio.Queue,
+                 accepted: bool) -> bool:
+        """A request the dead replica held but had not started goes to
+        another one, its caller none the wiser; False: it fails instead."""
+        if self._stopping:
+            return False
+        self.router.set_health(dead_id, Health.DEAD)  # before routing: not back to it
+        self.router.finished(request_id, time.monotonic(), learn=False)
+        try:
+            replica_id = self._route(request_id, add.prompt_token_ids, add.session_id,
+                                     add.priority, add.cache_salt)
+        except RejectedError:
+            return False
+        client = self.clients.get(replica_id)
+        if client is None or not client.is_alive:
+            self.router.finished(request_id, time.monotonic(), learn=False)
+            return False
+        client.adopt(add, queue, accepted)
+        self.rerouted += 1
+        return True
 
     async def _restart(self, replica_id: str, dead: EngineClient) -> None:
         await dead.wait_closed(timeout=5.0)
@@ -204,17 +241,11 @@ class FleetEngine:
             self._next_id += 1
             request_id = f"req-{self._next_id}"
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        full_blocks = len(ids) // self.config.cache.block_size
-        _, hashes = self._chain.keys(self._chain.root(cache_salt), ids, 0, full_blocks)
-        try:
-            decision = self.router.route(RouteRequest(request_id, len(ids), hashes, session_id,
-                                                      priority), time.monotonic())
-        except RoutingError as exc:  # no replica ready, or every one over the TTFT target
-            raise RejectedError(exc.reason, exc.retry_after, str(exc)) from None
-        client = self.clients.get(decision.replica_id)
+        replica_id = self._route(request_id, ids, session_id, priority, cache_salt)
+        client = self.clients.get(replica_id)
         try:
             if client is None:
-                raise EngineDeadError(f"replica {decision.replica_id} is restarting")
+                raise EngineDeadError(f"replica {replica_id} is restarting")
             return await client.add_request(ids, params, request_id, priority, session_id,
                                             deadline, max_wait, cache_salt, received_at)
         except BaseException:
@@ -222,10 +253,20 @@ class FleetEngine:
             raise
 
     def abort(self, request_id: str) -> None:
+        self.abort_without_lock(request_id)
+
+    def abort_without_lock(self, request_id: str) -> None:
+        """Abort where the request is now (any thread: the client queues it)."""
         replica_id = self.router.replica_of(request_id)
         client = self.clients.get(replica_id) if replica_id else None
         if client is not None:
-            client.abort(request_id)
+            client.abort_without_lock(request_id)
+
+    def first_token_seen(self, first_token_time: float) -> None:
+        """The delivery lag is this process's (its event loop), so every
+        replica's admission gets each observation."""
+        for client in self.clients.values():
+            client.first_token_seen(first_token_time)
 
     def shutdown(self) -> None:
         self._stopping = True
