@@ -59,6 +59,14 @@ def test_a_two_replica_fleet_streams_keeps_sessions_and_routes_by_cached_prefix(
         assert len({d["replica"] for d in session}) == 1, session
         assert {v["replica"] for v in routing["replicas"]} == {"r0", "r1"}
         assert sum(v["in_flight"] for v in routing["replicas"]) == 0
+        # /metrics: fleet totals, and per-replica series with a replica label.
+        metrics = http.get("/metrics").text
+        steps = {line.split('replica="')[1][:2]: float(line.split()[-1])
+                 for line in metrics.splitlines()
+                 if line.startswith("carpool:replica_engine_steps_total{")}
+        total = next(float(line.split()[-1]) for line in metrics.splitlines()
+                     if line.startswith("carpool:engine_steps_total{"))
+        assert set(steps) == {"r0", "r1"} and sum(steps.values()) == total > 0
 
 
 def test_a_killed_replica_fails_its_request_only_and_is_restarted(tiny_model_dir):

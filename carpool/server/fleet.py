@@ -67,6 +67,7 @@ class FleetEngine:
         self._restarting: set[asyncio.Task] = set()
         for index, client in enumerate(clients):
             self._join(f"r{index}", client)
+        self._last_stats = self.stats
         self._views = asyncio.ensure_future(self._refresh_views())
 
     @classmethod
@@ -205,7 +206,15 @@ class FleetEngine:
 
     @property
     def stats(self) -> EngineStats:
-        return merge_stats([client.stats for client in self.clients.values()])
+        """The replicas' snapshots merged (``merge_stats``); while none is
+        up (every worker restarting), the last merge."""
+        if self.clients:
+            self._last_stats = merge_stats([c.stats for c in self.clients.values()])
+        return self._last_stats
+
+    def replica_stats(self) -> dict[str, EngineStats]:
+        """Each live replica's latest snapshot (``/metrics``' ``replica`` label)."""
+        return {replica_id: client.stats for replica_id, client in self.clients.items()}
 
     @property
     def is_alive(self) -> bool:

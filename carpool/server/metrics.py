@@ -29,7 +29,7 @@ from prometheus_client.core import Metric
 
 from carpool.engine.outputs import RequestOutput
 from carpool.engine.stats import EngineStats
-from carpool.server.metrics_engine import engine_families
+from carpool.server.metrics_engine import engine_families, replica_families
 
 WINDOW_S = 10.0
 # The series' prefixes for each ``metrics_prefix`` setting.
@@ -101,6 +101,7 @@ class Metrics:
         self._step_log = None  # the engine's StepLog, once bound
         self._steps_seen = 0  # steps of the log already observed
         self._cache: dict[str, str] | None = None
+        self.replica_stats = None  # a fleet's () -> {replica: EngineStats}, once bound
         self._lock = threading.Lock()  # guards the step-log cursor
         self._live = CollectorRegistry(auto_describe=False)  # unprefixed families
         labels = ["model_name"]
@@ -180,6 +181,8 @@ class Metrics:
         stats, rates = self.snapshot()
         yield from self._live.collect()
         yield from engine_families(stats, rates, self.model_name, WINDOW_S, self._cache)
+        if self.replica_stats is not None:
+            yield from replica_families(self.replica_stats(), self.model_name)
 
     def _observe_new_steps(self) -> None:
         """Observe the steps logged since the last scrape. Steps that left

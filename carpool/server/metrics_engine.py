@@ -127,3 +127,41 @@ def _session_families(stats: EngineStats, model: list[str]) -> Iterator[Metric]:
     yield sessions
     for name, doc in SESSION_COUNTERS.items():
         yield _counter(name, doc, model, stats.sessions.get(name, 0))
+
+
+# The per-replica series of a fleet (``carpool serve --replicas N``): the
+# fleet totals above keep their names, these add the ``replica`` label.
+_REPLICA_GAUGES = (
+    ("replica_num_requests_running", "Requests in the replica's running batch.",
+     lambda s: s.num_running),
+    ("replica_num_requests_waiting", "Requests waiting in the replica's queue.",
+     lambda s: s.num_waiting),
+    ("replica_kv_cache_usage_perc", "Share of the replica's KV blocks in use (0-1).",
+     lambda s: s.kv_usage),
+)
+_REPLICA_COUNTERS = (
+    ("replica_generation_tokens", "Tokens the replica generated.",
+     lambda s: s.counters.generation_tokens),
+    ("replica_prompt_tokens", "Prompt tokens of requests the replica finished.",
+     lambda s: s.counters.prompt_tokens),
+    ("replica_prefix_cache_queries", "Prompt tokens the replica looked up in its prefix cache.",
+     lambda s: s.prefix_queries),
+    ("replica_prefix_cache_hits", "Of them, tokens found cached.", lambda s: s.prefix_hits),
+    ("replica_num_preemptions", "Requests the replica preempted.", lambda s: s.num_preemptions),
+    ("replica_engine_steps", "Scheduler steps the replica ran.", lambda s: s.counters.steps),
+)
+
+
+def replica_families(per_replica: dict[str, EngineStats], model_name: str) -> Iterator[Metric]:
+    """A fleet's per-replica gauges and counters, labelled ``replica``."""
+    labels = ["model_name", "replica"]
+    for name, doc, value in _REPLICA_GAUGES:
+        family = GaugeMetricFamily(name, doc, labels=labels)
+        for replica, stats in sorted(per_replica.items()):
+            family.add_metric([model_name, replica], value(stats))
+        yield family
+    for name, doc, value in _REPLICA_COUNTERS:
+        family = CounterMetricFamily(name, doc, labels=labels)
+        for replica, stats in sorted(per_replica.items()):
+            family.add_metric([model_name, replica], value(stats))
+        yield family

@@ -72,6 +72,8 @@ class ServerContext:
         # The metrics take this server's prefix and read what only the engine knows.
         self.metrics.prefix = self.config.metrics_prefix
         self.metrics.bind_engine(self.engine.step_log, self.engine.info.cache_info)
+        if hasattr(self.engine, "replica_stats"):  # a fleet: per-replica series too
+            self.metrics.replica_stats = self.engine.replica_stats
 
     @property
     def max_prompt_chars(self) -> int:
