@@ -122,16 +122,18 @@ def test_token_pieces_need_a_byte_level_tokenizer():
     assert token_pieces(Plain()) is None
 
 
-def test_request_output_copies_token_ids_only_when_read():
-    live = [1, 2, 3, 4]
-    output = RequestOutput.of_request("r", [1, 2], "t", live, "t", [3, 4], False, None, None,
+def test_request_output_copies_token_ids_and_joins_text_only_when_read():
+    live, parts = [1, 2, 3, 4], ["t", "u"]
+    output = RequestOutput.of_request("r", [1, 2], parts, live, "u", [3, 4], False, None, None,
                                       None, 0, 0.0, None, None)
     live.append(5)  # the request goes on; the output keeps what it had
+    parts.append("v")
     assert output.num_output_tokens == 2
-    assert output.token_ids == [3, 4]
+    assert output.token_ids == [3, 4] and output.text == "tu"
     live.append(6)
-    assert output.token_ids == [3, 4]
-    eager = RequestOutput("r", [1, 2], "t", [3, 4], "t", [3, 4])
+    parts.append("w")
+    assert output.token_ids == [3, 4] and output.text == "tu"
+    eager = RequestOutput("r", [1, 2], "tu", [3, 4], "u", [3, 4])
     assert eager == output and repr(eager) == repr(output)
     eager.finished = True
     assert eager != output

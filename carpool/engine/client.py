@@ -21,7 +21,7 @@ import tempfile
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 import zmq
@@ -76,7 +76,7 @@ class _Live:
     prompt: list[int]
     ids: list[int]  # prompt + output token ids so far
     add: Add  # as sent: a fleet re-sends it elsewhere if this worker dies first
-    text: str = ""
+    text_parts: list[str] = field(default_factory=list)  # the text so far, append-only
     logprobs: list[TokenLogprob] | None = None
     accepted: bool = False
     # Adopted from a dead worker after its caller saw it accepted: this
@@ -368,12 +368,12 @@ class EngineClient:
 def _output(delta: Delta, live: _Live) -> RequestOutput:
     """The ``RequestOutput`` of one delta, with the cumulative fields."""
     if delta.delta_text:
-        live.text += delta.delta_text
+        live.text_parts.append(delta.delta_text)  # joined only when an output's text is read
     live.ids.extend(delta.delta_token_ids)
     if live.logprobs is not None and delta.delta_logprobs:
         live.logprobs.extend(delta.delta_logprobs)
     output = RequestOutput.of_request(
-        delta.request_id, live.prompt, live.text, live.ids, delta.delta_text,
+        delta.request_id, live.prompt, live.text_parts, live.ids, delta.delta_text,
         delta.delta_token_ids, delta.finished, delta.stop_reason, live.logprobs,
         delta.delta_logprobs, delta.num_cached_tokens, delta.arrival_time,
         delta.first_scheduled_time, delta.first_token_time)

@@ -51,7 +51,7 @@ class RequestState:
     params: SamplingParams
     seed: int
     detokenizer: IncrementalDetokenizer
-    text: str = ""
+    text_parts: list[str] = field(default_factory=list)  # the output's text, append-only
     logprobs: list[TokenLogprob] | None = None
     first_token_time: float | None = None
     stop_reason: str | int | None = None
@@ -399,7 +399,7 @@ class LLMEngine:
         if pending:
             delta_text = pending[0] if len(pending) == 1 else "".join(pending)
             pending.clear()
-            state.text += delta_text
+            state.text_parts.append(delta_text)  # joined only when an output's text is read
         else:
             delta_text = ""
         token_ids = request.token_ids
@@ -414,6 +414,6 @@ class LLMEngine:
             state.sent_logprobs = len(logprobs)
         # token_ids is copied from the request's own list only when read.
         return RequestOutput.of_request(
-            request.request_id, prompt, state.text, token_ids, delta_text, delta_ids, finished,
+            request.request_id, prompt, state.text_parts, token_ids, delta_text, delta_ids, finished,
             state.stop_reason, logprobs, delta_logprobs, request.num_cached_tokens,
             request.arrival_time, request.first_scheduled_time, state.first_token_time)

@@ -35,8 +35,9 @@ class RequestOutput:
     ``stop`` entries never change once written.
     """
 
-    __slots__ = (*(name for name in _FIELDS if name != "token_ids"), "_token_ids",
-                 "_source", "_start", "_stop")
+    __slots__ = (*(name for name in _FIELDS if name not in ("token_ids", "text")),
+                 "_token_ids", "_source", "_start", "_stop", "_text", "_text_parts",
+                 "_text_count")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], text: str,
                  token_ids: list[int], delta_text: str, delta_token_ids: list[int],
@@ -50,7 +51,9 @@ class RequestOutput:
                  reject_reason: str | None = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
-        self.text = text
+        self._text: str | None = text
+        self._text_parts: list[str] = []
+        self._text_count = 0
         self._token_ids: list[int] | None = token_ids
         self._source: Sequence[int] = ()
         self._start = self._stop = 0
@@ -69,7 +72,7 @@ class RequestOutput:
         self.reject_reason = reject_reason
 
     @classmethod
-    def of_request(cls, request_id: str, prompt_token_ids: list[int], text: str,
+    def of_request(cls, request_id: str, prompt_token_ids: list[int], text_parts: list[str],
                    all_token_ids: Sequence[int], delta_text: str, delta_token_ids: list[int],
                    finished: bool, stop_reason: str | int | None,
                    logprobs: list[TokenLogprob] | None,
@@ -79,12 +82,18 @@ class RequestOutput:
         """An unfinished-reason output whose ``token_ids`` is
         ``all_token_ids[len(prompt_token_ids):]`` as it is now, copied when
         first read: ``all_token_ids`` may grow later (the request's live
-        list) but its entries so far must not change. Sets the slots
-        directly: the engine calls it for every running request every step."""
+        list) but its entries so far must not change. Its ``text`` is
+        ``"".join(text_parts)`` as it is now, joined when first read, with
+        the same rule for ``text_parts``: no per-step copy of everything
+        generated so far (quadratic in the output's length). Sets the
+        slots directly: the engine calls it for every running request every
+        step."""
         self = object.__new__(cls)
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
-        self.text = text
+        self._text = None
+        self._text_parts = text_parts
+        self._text_count = len(text_parts)
         self._token_ids = None
         self._source = all_token_ids
         self._start = len(prompt_token_ids)
@@ -103,6 +112,19 @@ class RequestOutput:
         self.finish_time = None
         self.reject_reason = None
         return self
+
+    @property
+    def text(self) -> str:
+        """The output's text so far (cumulative)."""
+        if self._text is None:
+            parts, count = self._text_parts, self._text_count
+            self._text = parts[0] if count == 1 else "".join(parts[:count])
+            self._text_parts = []
+        return self._text
+
+    @text.setter
+    def text(self, value: str) -> None:
+        self._text, self._text_parts = value, []
 
     @property
     def token_ids(self) -> list[int]:
