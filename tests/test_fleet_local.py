@@ -158,3 +158,47 @@ def test_requests_a_killed_replica_had_not_started_go_to_another(tiny_model_dir)
         assert answer and answer[0].status_code == 200, answer and answer[0].text
         assert answer[0].json()["choices"][0]["finish_reason"] == "length"
         assert _routing(http)["rerouted"] == 1
+
+
+def test_the_autoscaler_adds_a_replica_under_backlog_and_drains_it_when_idle(tiny_model_dir):
+    """One slot per replica and six long requests at once: a backlog the
+    reactive rule answers with a second replica (bounded by --max-replicas);
+    idle again, the fleet drains back to --min-replicas. Every request
+    completes, exactly once."""
+    import threading
+
+    import httpx
+
+    flags = [str(tiny_model_dir), "--attention-backend", "torch", "--adaptive", "false",
+             "--max-num-seqs", "1", "--routing", "least-outstanding", "--autoscale", "reactive",
+             "--min-replicas", "1", "--max-replicas", "2", "--scale-tick", "0.3",
+             "--scale-out-backlog", "1", "--scale-out-wait", "0", "--scale-out-cooldown", "0",
+             "--scale-in-utilization", "0.5", "--scale-in-after", "1", "--scale-in-window", "1"]
+    with ServerProcess(flags) as server, server.client() as http:
+        assert len(_workers(server)) == 1
+        answers: list[httpx.Response] = []
+
+        def ask(index: int) -> None:
+            answers.append(httpx.post(server.url + "/v1/completions", timeout=300, json={
+                "prompt": [index + 1] * 8, "max_tokens": 400, "ignore_eos": True}))
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(6)]
+        for thread in threads:
+            thread.start()
+        most = 1
+        deadline = time.monotonic() + 120
+        while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
+            most = max(most, len(_workers(server)))
+            time.sleep(0.1)
+        for thread in threads:
+            thread.join(60)
+        assert len(answers) == 6 and all(a.status_code == 200 for a in answers)
+        assert all(a.json()["usage"]["completion_tokens"] == 400 for a in answers)
+        assert most == 2
+        deadline = time.monotonic() + 60
+        while len(_workers(server)) > 1 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(_workers(server)) == 1
+        events = http.get("/carpool/policy").json()["scaling"]["events"]
+        assert [(e["from"], e["to"]) for e in events][:2] == [(1, 2), (2, 1)], events
+        assert "backlog" in events[0]["cause"] and "utilization" in events[1]["cause"]

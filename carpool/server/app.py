@@ -223,7 +223,12 @@ def _routing(engine) -> dict:
               "waiting": v.waiting, "running": v.running, "kv_usage": v.kv_usage,
               "pid": getattr(engine.clients.get(v.replica_id), "pid", None)}
              for v in router.views.values()]
-    return {"routing": {"policy": router.policy.name, "replicas": views,
+    scaling = {}
+    if engine.scaler is not None:
+        scaling = {"scaling": {"replicas": engine.scaler.replicas, "events": [
+            {"time": e.time, "from": e.replicas_from, "to": e.replicas_to, "cause": e.cause}
+            for e in engine.scaler.events[-20:]]}}
+    return {**scaling, "routing": {"policy": router.policy.name, "replicas": views,
                         "restarts": engine.restarts, "rerouted": engine.rerouted,
                         "causes": dict(router.causes),
                         "decisions": list(router.decisions)[-20:]}}

@@ -61,6 +61,19 @@ class ServerConfig:
     replicas: int = 1
     # The fleet router's policy (carpool.cluster.policies.POLICIES).
     routing: str = "predicted-ttft"
+    # Live replica counts (carpool.cluster.autoscaler): reactive | predictive,
+    # None = the fixed --replicas. The count moves within [min, max]
+    # (max: default --replicas); the rules' thresholds follow.
+    autoscale: str | None = None
+    min_replicas: int = 1
+    max_replicas: int | None = None
+    scale_tick: float = 10.0  # seconds between autoscaler ticks
+    scale_out_backlog: int = 100  # scale out when more than this many wait ...
+    scale_out_wait: float = 1.0  # ... longer than this at the recent rate (0: the count alone)
+    scale_out_cooldown: float = 30.0
+    scale_in_utilization: float = 0.5  # scale in when slots stay less used than this ...
+    scale_in_after: float = 300.0  # ... for this many seconds
+    scale_in_window: float = 300.0  # and the highest want of this window is lower
     header_timeout: float = 10.0  # seconds a connection may take to send its request head
     keep_alive_timeout: float = 5.0  # seconds an idle keep-alive connection stays open
     shutdown_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
@@ -95,8 +108,14 @@ class ServerConfig:
             raise ValueError("header_timeout and keep_alive_timeout must be > 0 seconds")
         if self.replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {self.replicas}")
-        if self.replicas > 1 and not self.engine_process:
-            raise ValueError("replicas > 1 needs engine processes (drop --no-engine-process)")
+        if (self.replicas > 1 or self.autoscale) and not self.engine_process:
+            raise ValueError("replicas > 1 and autoscale need engine processes (drop "
+                             "--no-engine-process)")
+        if self.autoscale is not None:
+            self.autoscale_config()  # raises on bad bounds or thresholds
+            if self.autoscale not in ("reactive", "predictive"):
+                raise ValueError(f"autoscale must be reactive or predictive, got "
+                                 f"{self.autoscale!r}")
         from carpool.cluster.policies import POLICIES
 
         if self.routing not in POLICIES:
@@ -112,6 +131,17 @@ class ServerConfig:
             raise ValueError(f"uvicorn_log_level must be one of {', '.join(UVICORN_LOG_LEVELS)}, "
                              f"got {self.uvicorn_log_level!r}")
         return self
+
+    def autoscale_config(self):
+        """The ``AutoscaleConfig`` these settings describe (``--autoscale``)."""
+        from carpool.cluster.autoscaler import AutoscaleConfig
+
+        return AutoscaleConfig(
+            min_replicas=self.min_replicas, max_replicas=self.max_replicas or self.replicas,
+            tick_s=self.scale_tick, scale_out_backlog=self.scale_out_backlog,
+            scale_out_wait_s=self.scale_out_wait, scale_out_cooldown_s=self.scale_out_cooldown,
+            scale_in_utilization=self.scale_in_utilization, scale_in_after_s=self.scale_in_after,
+            scale_in_window_s=self.scale_in_window).validate()
 
     def prompt_chars_cap(self, max_model_len: int) -> int:
         """The character cap in force for a model of this context length."""

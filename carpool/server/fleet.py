@@ -25,6 +25,7 @@ import secrets
 import time
 from collections.abc import Sequence
 
+from carpool.cluster.autoscaler import AutoscaleConfig, PoolScaler, PoolSignals, make_scaler
 from carpool.cluster.router import Router
 from carpool.cluster.view import Health, ReplicaView, RouteRequest, RoutingError
 from carpool.config import EngineConfig
@@ -48,14 +49,13 @@ class FleetEngine:
     """Several engine workers with one engine's interface (module docstring)."""
 
     def __init__(self, launch: dict, config: EngineConfig, router: Router,
-                 clients: Sequence[EngineClient]) -> None:
+                 clients: Sequence[EngineClient], scaler: PoolScaler | None = None) -> None:
         self._launch = launch  # EngineClient.start's arguments, for restarts
         self.config = config
         self.router = router
         self.step_log = clients[0].step_log  # shared by every replica
         self.info = clients[0].info
         self.tokenizer = clients[0].tokenizer
-        self.size = len(clients)
         self.on_failure = None  # a replica's death is not the server's: it restarts
         self.clients: dict[str, EngineClient] = {}
         self.restarts = 0
@@ -69,11 +69,26 @@ class FleetEngine:
             self._join(f"r{index}", client)
         self._last_stats = self.stats
         self._views = asyncio.ensure_future(self._refresh_views())
+        # Live replica counts (--autoscale): the autoscaler's ticks, arrivals
+        # since the last one, replicas being started or drained for it.
+        self.scaler = scaler
+        self._joined = len(clients)
+        self._arrivals = 0
+        self._scaling: set[asyncio.Task] = set()
+        self._starting = 0
+        self._ticks = asyncio.ensure_future(self._autoscale()) if scaler is not None else None
 
     @classmethod
     async def start(cls, config: EngineConfig, replicas: int, routing: str = "predicted-ttft",
+                    autoscale: AutoscaleConfig | None = None, autoscale_policy: str = "reactive",
                     **launch) -> "FleetEngine":
-        """Start ``replicas`` workers (concurrently) on one block-hash secret."""
+        """Start ``replicas`` workers (concurrently) on one block-hash secret;
+        ``autoscale``: then move the count within its bounds by the
+        ``autoscale_policy``'s wants (``carpool.cluster.autoscaler``)."""
+        scaler = None
+        if autoscale is not None:
+            scaler = make_scaler(autoscale_policy, autoscale, replicas)
+            replicas = scaler.replicas  # clamped into [min, max]
         if replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {replicas}")
         config = copy.deepcopy(config)
@@ -92,7 +107,7 @@ class FleetEngine:
             await asyncio.gather(*(c.wait_closed() for c in started
                                    if isinstance(c, EngineClient)))
             raise failure
-        return cls(launch, config, router, started)
+        return cls(launch, config, router, started, scaler)
 
     # -- membership ----------------------------------------------------------------------
 
@@ -191,6 +206,64 @@ class FleetEngine:
             log.info("replica %s is back (worker pid %d)", replica_id, client.pid)
             return
 
+    # -- autoscaling -----------------------------------------------------------------------
+
+    async def _autoscale(self) -> None:
+        assert self.scaler is not None
+        while True:
+            await asyncio.sleep(self.scaler.config.tick_s)
+            views = [v for v in self.router.views.values() if v.routable]
+            slots = sum(v.max_num_seqs for v in views)
+            times = [v.service_time for v in views if v.service_time is not None]
+            signals = PoolSignals(
+                now=time.monotonic(), replicas=len(views) + self._starting, ready=len(views),
+                backlog=sum(v.waiting for v in views),
+                in_flight=sum(v.in_flight for v in views), arrivals=self._arrivals,
+                utilization=sum(v.running for v in views) / slots if slots else 0.0,
+                service_time=sum(times) / len(times) if times else None)
+            self._arrivals = 0
+            target = self.scaler.tick(signals)
+            have = len(views) + self._starting
+            for _ in range(target - have):
+                self._spawn(self._add_replica())
+            surplus = max(0, have - target)
+            for view in sorted(views, key=lambda v: (v.in_flight, -v.order))[:surplus]:
+                self._spawn(self._drain_replica(view.replica_id))
+
+    def _spawn(self, work) -> None:
+        task = asyncio.ensure_future(work)
+        self._scaling.add(task)
+        task.add_done_callback(self._scaling.discard)
+
+    async def _add_replica(self) -> None:
+        self._starting += 1
+        try:
+            client = await EngineClient.start(self.config, **self._launch)
+        except Exception as exc:  # noqa: BLE001 - the next tick asks again
+            log.error("autoscaler: starting a replica failed (%s)", exc)
+            return
+        finally:
+            self._starting -= 1
+        if self._stopping:
+            await client.wait_closed()
+            return
+        replica_id = f"r{self._joined}"
+        self._joined += 1
+        self._join(replica_id, client)
+        log.info("autoscaler: replica %s joined (%d ready)", replica_id, len(self.clients))
+
+    async def _drain_replica(self, replica_id: str) -> None:
+        """Take no new requests there, let its own finish, then stop it."""
+        self.router.set_health(replica_id, Health.DRAINING)
+        client = self.clients.get(replica_id)
+        while client is not None and client.num_in_flight and not self._stopping:
+            await asyncio.sleep(0.1)
+        self.router.remove_replica(replica_id)
+        if self.clients.pop(replica_id, None) is not None:
+            client.on_failure = None  # stopping on purpose: no restart
+            await client.wait_closed()
+            log.info("autoscaler: replica %s left (%d ready)", replica_id, len(self.clients))
+
     async def _refresh_views(self) -> None:
         while True:
             now = time.monotonic()
@@ -223,9 +296,10 @@ class FleetEngine:
 
     @property
     def degraded(self) -> str | None:
-        """Why the fleet runs below its size, or None."""
-        up = sum(c.is_alive for c in self.clients.values())
-        return None if up == self.size else f"{self.size - up} of {self.size} replicas restarting"
+        """Why the fleet runs below its size (dead replicas restarting), or None."""
+        if not self._restarting:
+            return None
+        return f"{len(self._restarting)} replica(s) restarting, {len(self.clients)} serving"
 
     @property
     def last_progress(self) -> float:
@@ -250,6 +324,7 @@ class FleetEngine:
             self._next_id += 1
             request_id = f"req-{self._next_id}"
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        self._arrivals += 1
         replica_id = self._route(request_id, ids, session_id, priority, cache_salt)
         client = self.clients.get(replica_id)
         try:
@@ -284,8 +359,10 @@ class FleetEngine:
 
     async def wait_closed(self, timeout: float = 10.0) -> None:
         self.shutdown()
-        self._views.cancel()
-        for task in list(self._restarting):
+        background = [self._views, *self._restarting, *self._scaling]
+        if self._ticks is not None:
+            background.append(self._ticks)
+        for task in background:
             task.cancel()
-        await asyncio.gather(*(c.wait_closed(timeout) for c in self.clients.values()),
-                             *self._restarting, self._views, return_exceptions=True)
+        await asyncio.gather(*(c.wait_closed(timeout) for c in list(self.clients.values())),
+                             *background, return_exceptions=True)

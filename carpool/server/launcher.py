@@ -233,9 +233,11 @@ async def _serve_with_worker(engine_config: EngineConfig, server_config: ServerC
               "pinned": sorted(schedule.pinned) if schedule is not None else (),
               "log_format": server_config.log_format, "log_datefmt": LOG_DATE_FORMAT}
     try:
-        if server_config.replicas > 1:
+        if server_config.replicas > 1 or server_config.autoscale:
+            autoscale = server_config.autoscale_config() if server_config.autoscale else None
             client = await FleetEngine.start(engine_config, server_config.replicas,
-                                             server_config.routing, **launch)
+                                             server_config.routing, autoscale,
+                                             server_config.autoscale or "reactive", **launch)
         else:
             client = await EngineClient.start(engine_config, **launch)
     except EngineLaunchError as exc:
