@@ -95,9 +95,11 @@ class FleetEngine:
         if config.cache.block_hash_key is None:  # one secret per fleet, made here
             config.cache.block_hash_key = secrets.token_hex(32)
         if config.model.threads is None:
-            # The machine's cores split between the replicas: more torch
-            # threads than cores make every OpenMP region wait (async_engine).
-            config.model.threads = max(1, (os.cpu_count() or 1) // replicas)
+            # The machine's cores split between the replicas (as many as the
+            # autoscaler may start): more torch threads than cores make every
+            # OpenMP region wait (see async_engine).
+            most = autoscale.max_replicas if autoscale is not None else replicas
+            config.model.threads = max(1, (os.cpu_count() or 1) // most)
         router = Router(routing)
         launch = {**launch, "kv_events": True, "step_log": StepLog()}
         started = await asyncio.gather(*(EngineClient.start(config, **launch)
