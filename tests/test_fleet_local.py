@@ -202,3 +202,29 @@ def test_the_autoscaler_adds_a_replica_under_backlog_and_drains_it_when_idle(tin
         events = http.get("/carpool/policy").json()["scaling"]["events"]
         assert [(e["from"], e["to"]) for e in events][:2] == [(1, 2), (2, 1)], events
         assert "backlog" in events[0]["cause"] and "utilization" in events[1]["cause"]
+
+
+def test_a_client_that_leaves_frees_its_replicas_kv(tiny_model_dir):
+    """Disconnects reach the worker holding the request (the fleet owns the
+    streams): its KV is freed and the router's counts return to zero."""
+    with _fleet(tiny_model_dir, "round-robin") as server, server.client() as http:
+        for _ in range(2):  # one on each replica
+            body = {"prompt": [3] * 40, "max_tokens": 400, "ignore_eos": True, "stream": True}
+            with http.stream("POST", "/v1/completions", json=body) as response:
+                lines = response.iter_lines()
+                assert next(line for line in lines if line.startswith("data: {"))
+            # leaving the block closes the connection mid-stream
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            routing = _routing(http)
+            metrics = http.get("/metrics").text
+            used = [float(line.split()[-1]) for line in metrics.splitlines()
+                    if line.startswith("carpool:replica_kv_cache_usage_perc{")]
+            if sum(v["in_flight"] for v in routing["replicas"]) == 0 and used and not any(used):
+                break
+            time.sleep(0.2)
+        assert sum(v["in_flight"] for v in routing["replicas"]) == 0, routing["replicas"]
+        assert len(used) == 2 and not any(used), used
+        aborted = [line for line in metrics.splitlines()
+                   if line.startswith('carpool:request_success_total{') and "abort" in line]
+        assert aborted and float(aborted[0].split()[-1]) == 2
