@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 
@@ -78,6 +79,14 @@ class ServerProcess:
     def wait(self, timeout: float = 60.0) -> int:
         assert self.proc is not None
         return self.proc.wait(timeout)
+
+    def engine_workers(self) -> list[int]:
+        """Pids of this server's children that run an engine worker."""
+        assert self.proc is not None
+        pid = self.proc.pid
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        return [int(child) for child in children
+                if "carpool.engine.worker" in Path(f"/proc/{child}/cmdline").read_text()]
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

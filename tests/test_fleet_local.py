@@ -13,17 +13,9 @@ import json
 import os
 import signal
 import time
-from pathlib import Path
 
 import openai
 from server_utils import ServerProcess
-
-
-def _workers(server: ServerProcess) -> list[int]:
-    pid = server.proc.pid
-    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    return [int(c) for c in children
-            if "carpool.engine.worker" in Path(f"/proc/{c}/cmdline").read_text()]
 
 
 def _fleet(tiny_model_dir, routing: str) -> ServerProcess:
@@ -38,15 +30,16 @@ def _routing(client) -> dict:
 
 def test_a_two_replica_fleet_streams_keeps_sessions_and_routes_by_cached_prefix(tiny_model_dir):
     with _fleet(tiny_model_dir, "cache-aware") as server, server.client() as http:
-        assert len(_workers(server)) == 2
+        assert len(server.engine_workers()) == 2
         api = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
         chunks = list(api.completions.create(model="tiny", prompt="hello", max_tokens=8,
                                              stream=True, temperature=0))
         assert chunks[-1].choices[0].finish_reason == "length"
         # A repeated long prefix goes where it is cached.
         prefix = list(range(5, 5 + 64))
+        # The prefill's block events come in the same message as its output,
+        # so the router knows the blocks before the first answer returns.
         first = http.post("/v1/completions", json={"prompt": prefix + [1], "max_tokens": 2})
-        time.sleep(0.6)  # the block events reach the router with the step's message
         again = http.post("/v1/completions", json={"prompt": prefix + [2], "max_tokens": 2})
         assert first.status_code == again.status_code == 200
         assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 48
@@ -71,7 +64,7 @@ def test_a_two_replica_fleet_streams_keeps_sessions_and_routes_by_cached_prefix(
 
 def test_a_killed_replica_fails_its_request_only_and_is_restarted(tiny_model_dir):
     with _fleet(tiny_model_dir, "round-robin") as server, server.client() as http:
-        workers = _workers(server)
+        workers = server.engine_workers()
         body = {"prompt": "long", "max_tokens": 400, "ignore_eos": True, "stream": True}
         with http.stream("POST", "/v1/completions", json=body) as doomed:
             lines = doomed.iter_lines()
@@ -93,7 +86,7 @@ def test_a_killed_replica_fails_its_request_only_and_is_restarted(tiny_model_dir
         while time.monotonic() < deadline and http.get("/health").json()["status"] != "ok":
             time.sleep(0.5)
         assert http.get("/health").json() == {"status": "ok"}
-        assert _routing(http)["restarts"] == 1 and len(_workers(server)) == 2
+        assert _routing(http)["restarts"] == 1 and len(server.engine_workers()) == 2
         answers = [http.post("/v1/completions", json={"prompt": "y", "max_tokens": 2})
                    for _ in range(4)]
         assert all(a.status_code == 200 for a in answers)
@@ -131,7 +124,7 @@ def test_requests_a_killed_replica_had_not_started_go_to_another(tiny_model_dir)
     flags = [str(tiny_model_dir), "--attention-backend", "torch", "--adaptive", "false",
              "--replicas", "2", "--routing", "round-robin", "--max-num-seqs", "1"]
     with ServerProcess(flags) as server, server.client() as http:
-        workers = _workers(server)
+        workers = server.engine_workers()
         body = {"prompt": "long", "max_tokens": 400, "ignore_eos": True, "stream": True}
         with http.stream("POST", "/v1/completions", json=body) as running:
             lines = running.iter_lines()
@@ -146,7 +139,7 @@ def test_requests_a_killed_replica_had_not_started_go_to_another(tiny_model_dir)
             deadline = time.monotonic() + 10
             while len(_routing(http)["decisions"]) < 3 and time.monotonic() < deadline:
                 time.sleep(0.05)
-            time.sleep(0.3)  # C reaches r0's queue
+            time.sleep(0.3)  # C reaches r0's worker (re-routing also covers it in flight)
             decisions = _routing(http)["decisions"]
             assert [d["replica"] for d in decisions[-3:]] == ["r0", "r1", "r0"], decisions
             pids = {v["replica"]: v["pid"] for v in _routing(http)["replicas"]}
@@ -175,7 +168,7 @@ def test_the_autoscaler_adds_a_replica_under_backlog_and_drains_it_when_idle(tin
              "--scale-out-backlog", "1", "--scale-out-wait", "0", "--scale-out-cooldown", "0",
              "--scale-in-utilization", "0.5", "--scale-in-after", "1", "--scale-in-window", "1"]
     with ServerProcess(flags) as server, server.client() as http:
-        assert len(_workers(server)) == 1
+        assert len(server.engine_workers()) == 1
         answers: list[httpx.Response] = []
 
         def ask(index: int) -> None:
@@ -188,7 +181,7 @@ def test_the_autoscaler_adds_a_replica_under_backlog_and_drains_it_when_idle(tin
         most = 1
         deadline = time.monotonic() + 120
         while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
-            most = max(most, len(_workers(server)))
+            most = max(most, len(server.engine_workers()))
             time.sleep(0.1)
         for thread in threads:
             thread.join(60)
@@ -196,9 +189,9 @@ def test_the_autoscaler_adds_a_replica_under_backlog_and_drains_it_when_idle(tin
         assert all(a.json()["usage"]["completion_tokens"] == 400 for a in answers)
         assert most == 2
         deadline = time.monotonic() + 60
-        while len(_workers(server)) > 1 and time.monotonic() < deadline:
+        while len(server.engine_workers()) > 1 and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert len(_workers(server)) == 1
+        assert len(server.engine_workers()) == 1
         events = http.get("/carpool/policy").json()["scaling"]["events"]
         assert [(e["from"], e["to"]) for e in events][:2] == [(1, 2), (2, 1)], events
         assert "backlog" in events[0]["cause"] and "utilization" in events[1]["cause"]

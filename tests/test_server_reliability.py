@@ -222,16 +222,8 @@ def test_port_in_use_is_a_clear_error(tiny_model_dir):
     assert "address already in use" in (result.stdout + result.stderr).lower()
 
 
-def _workers_of(server: ServerProcess) -> list[int]:
-    """The pids of the server's children running an engine worker."""
-    pid = server.proc.pid
-    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    return [int(child) for child in children
-            if "carpool.engine.worker" in Path(f"/proc/{child}/cmdline").read_text()]
-
-
 def _worker_of(server: ServerProcess) -> int:
-    workers = _workers_of(server)
+    workers = server.engine_workers()
     assert len(workers) == 1, workers
     return workers[0]
 
@@ -269,7 +261,7 @@ def test_one_process_mode_serves_the_same_answers(tiny_model_dir):
     for one_process in (False, True):
         with ServerProcess(flags + ["--no-engine-process"] * one_process) as server, \
                 server.client() as c:
-            assert len(_workers_of(server)) == (0 if one_process else 1)
+            assert len(server.engine_workers()) == (0 if one_process else 1)
             choice = c.post("/v1/completions", json=body).json()["choices"][0]
             answers.append((choice["text"], choice["logprobs"]))
     assert answers[0] == answers[1]
