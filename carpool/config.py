@@ -352,6 +352,10 @@ class ModelSettings:
     # Weight-only quantization (vLLM's --quantization): None, int8 or int4
     # (CPU: low-bit weights for decode steps of a few rows, carpool/model/quant.py).
     quantization: str | None = None
+    # CPU bf16: decode steps of a few rows run our packed-weight kernel
+    # (carpool/model/packed_linear.py; a second copy of the weights).
+    # auto: where the copy fits in a quarter of the available memory; on; off.
+    packed_decode: str = "auto"
 
     def validate(self) -> None:
         # vLLM's spellings of the same types.
@@ -366,6 +370,8 @@ class ModelSettings:
         if self.quantization is not None and self.quantization not in ("int8", "int4"):
             raise ValueError(f"quantization must be int8, int4 or null (none), "
                              f"got {self.quantization!r}")
+        if self.packed_decode not in ("auto", "on", "off"):
+            raise ValueError(f"packed_decode must be auto|on|off, got {self.packed_decode!r}")
         if self.row_bucket < 1:
             raise ValueError(f"row_bucket must be >= 1 (1: exact rows), got {self.row_bucket}")
         capture_sizes(self.cuda_graph_sizes, 1)  # raises on a bad spec

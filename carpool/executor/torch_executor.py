@@ -89,6 +89,24 @@ class _Run:
     item: int | None = None
 
 
+def _native_bf16_dot(ops) -> bool:  # noqa: ANN001 - the kernels or a SwitchingCpuOps
+    """Whether the packed kernel has its AVX512-BF16 path (built with it);
+    while the kernels compile in the background, whether this CPU has it."""
+    native = getattr(ops, "packed_linear_native", None)
+    if native is not None:
+        return bool(native())
+    from carpool.machine import cpu_model_and_flags
+
+    return "avx512_bf16" in cpu_model_and_flags()[1]
+
+
+def _free_or_zero(device: torch.device) -> int:
+    try:
+        return free_memory(device)
+    except ValueError:  # the system does not say: assume nothing to spare
+        return 0
+
+
 class TorchExecutor(Executor):
     """Holds the model weights and one preallocated KV pool.
 
@@ -130,6 +148,7 @@ class TorchExecutor(Executor):
         self.attention = select_backend(settings.attention_backend, self.device, self.cpu_ops,
                                         model_config.head_dim)
         self.model.ops = self.cpu_ops
+        self._pack_for_decode(settings.packed_decode)
         if self.attention.name == "triton":  # fused norm, rotary and SwiGLU kernels too
             from carpool.model.triton_ops import TritonOps
 
@@ -174,6 +193,30 @@ class TorchExecutor(Executor):
         dtype = str(self.dtype).removeprefix("torch.")
         print(f"carpool: {scheme.upper()} weights for decode steps of up to a few rows "
               f"(+{added / 2**20:.0f} MiB beside the {dtype} weights)", file=sys.stderr)
+
+    def _pack_for_decode(self, mode: str) -> None:
+        """Packed bf16 weights for small decode steps (carpool/model/packed_linear.py)."""
+        from carpool.model.packed_linear import pack_for_decode, packed_bytes
+
+        if mode == "off":
+            return
+        why = None
+        if self.device.type != "cpu" or self.dtype != torch.bfloat16:
+            why = f"it is a CPU bf16 path (device {self.device}, dtype {self.dtype})"
+        elif self.cpu_ops is None:
+            why = "the CPU kernels are unavailable"
+        elif mode == "auto" and not _native_bf16_dot(self.cpu_ops):
+            why = "this CPU lacks AVX512-BF16 (the kernel's portable loop is no faster than ATen)"
+        elif mode == "auto" and packed_bytes(self.model) > _free_or_zero(self.device) // 4:
+            why = "the packed copy would take over a quarter of the available memory"
+        if why is not None:
+            if mode == "on":
+                print(f"carpool: packed decode weights not used: {why}", file=sys.stderr)
+            return
+        added = pack_for_decode(self.model, self.cpu_ops)
+        if added:
+            print(f"carpool: packed bf16 weights for decode steps of up to a few rows "
+                  f"(+{added / 2**20:.0f} MiB)", file=sys.stderr)
 
     def _num_blocks(self, config: ModelConfig, cache: CacheConfig) -> int:
         """The pool's blocks: ``num_blocks``, else ``gpu_memory_utilization``

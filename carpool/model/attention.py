@@ -140,6 +140,14 @@ class TorchAttention:
         """This backend's step metadata (spans ordered decodes first)."""
         return build_metadata(spans, block_size, device)
 
+    def decode_block(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                     kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                     heads: int, kv_heads: int, scale: float) -> torch.Tensor | None:
+        """A layer's rotary, cache write and attention in one fused call,
+        where the backend has one and the step allows it: qkv [T, (H + 2
+        KVH) * D] -> [T, H * D]. None: the caller goes op by op."""
+        return None
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:
@@ -225,6 +233,19 @@ class CpuPagedAttention(TorchAttention):
 
     def __init__(self, kernel) -> None:  # noqa: ANN001 - the compiled extension module
         self._kernel = kernel
+
+    def decode_block(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                     kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                     heads: int, kv_heads: int, scale: float) -> torch.Tensor | None:
+        """Decode-only steps: ``decode_attention_block`` (csrc/decode_block.cpp),
+        identical to the op-by-op path."""
+        if meta.prefills or not meta.num_decodes:
+            return None
+        cos, sin = rope
+        return self._kernel.decode_attention_block(
+            qkv, cos.flatten(1), sin.flatten(1), kv[0], kv[1], meta.slot_blocks,
+            meta.slot_offsets, meta.decode_blocks, meta.decode_context_lens, heads, kv_heads,
+            scale)
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:

@@ -31,7 +31,8 @@ from carpool.machine import cpu_model_and_flags
 from carpool.paths import default_cache_dir
 
 _SOURCES = [str(Path(__file__).parent / "csrc" / name)
-            for name in ("paged_attention.cpp", "elementwise.cpp")]
+            for name in ("paged_attention.cpp", "elementwise.cpp", "packed_linear.cpp",
+                          "decode_block.cpp")]
 _NAME = "carpool_cpu_ops"
 # A built extension loads in about a second; past this, serve without it.
 _LOAD_WAIT_S = 10.0

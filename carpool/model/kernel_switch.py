@@ -20,7 +20,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from carpool.model.attention import AttentionMetadata, TorchAttention
+from carpool.model.attention import AttentionMetadata, CpuPagedAttention, TorchAttention
 
 
 class SwitchingCpuOps:
@@ -76,6 +76,19 @@ class SwitchingCpuOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def packed_linear(self, *args):  # noqa: ANN002, ANN201
+        """The kernel's packed bf16 linear (carpool/model/packed_linear.py);
+        only once `active`."""
+        if self._kernels is None:
+            raise RuntimeError("the CPU kernels are not active yet")
+        return self._kernels.packed_linear(*args)
+
+    def decode_attention_block(self, *args):  # noqa: ANN002, ANN201
+        """The kernels' fused decode op; only once `active`."""
+        if self._kernels is None:
+            raise RuntimeError("the CPU kernels are not active yet")
+        return self._kernels.decode_attention_block(*args)
+
     def paged_decode_attention(self, *args):  # noqa: ANN002, ANN201
         """The kernel's decode attention; only once `active`."""
         if self._kernels is None:
@@ -92,12 +105,19 @@ class SwitchingCpuAttention(TorchAttention):
 
     def __init__(self, ops: SwitchingCpuOps) -> None:
         self.ops = ops
+        self._kernel = ops  # what CpuPagedAttention.decode_block calls, once active
 
     def build_metadata(self, spans, block_size: int,  # noqa: ANN001
                        device: torch.device) -> AttentionMetadata:
         """The step's metadata; first, the step boundary where ops may switch."""
         self.ops.latch()
         return super().build_metadata(spans, block_size, device)
+
+    def decode_block(self, qkv, rope, kv, meta, heads, kv_heads, scale):  # noqa: ANN001, ANN201
+        """The kernels' fused decode op once active (see `CpuPagedAttention`)."""
+        if not self.ops.active:
+            return None
+        return CpuPagedAttention.decode_block(self, qkv, rope, kv, meta, heads, kv_heads, scale)
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:

@@ -110,13 +110,12 @@ class DecoderLayer(nn.Module):
         # they never touch a real row, and attention sees only real ones.
         rows, tokens = hidden.shape[0], meta.positions.shape[0]
         qkv = self.qkv_proj(self.input_layernorm(hidden, ops))[:tokens]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        rotate = getattr(ops, "rotary", Rotary.apply)
-        q = rotate(q.view(tokens, self.num_heads, self.head_dim), *rope)
-        k = rotate(k.view(tokens, self.num_kv_heads, self.head_dim), *rope)
-        v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        attn = attention.forward(q, k, v, kv[0], kv[1], meta, self.scale)
-        attn = attn.reshape(tokens, self.q_size)
+        # A backend with a fused decode op does rotary, the cache write and
+        # attention in one call (decode-only steps); None: op by op below.
+        attn = attention.decode_block(qkv, rope, kv, meta, self.num_heads, self.num_kv_heads,
+                                      self.scale)
+        if attn is None:
+            attn = self._attention(qkv, rope, kv, meta, attention, ops)
         if rows > tokens:
             attn = F.pad(attn, (0, 0, 0, rows - tokens))
         hidden = hidden + self.o_proj(attn)
@@ -125,6 +124,20 @@ class DecoderLayer(nn.Module):
             return hidden + self.down_proj(ops.silu_and_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return hidden + self.down_proj(F.silu(gate) * up)
+
+
+    def _attention(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                   kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                   attention: TorchAttention, ops) -> torch.Tensor:  # noqa: ANN001
+        """Rotary, cache write and attention of ``qkv`` [T, ...] -> [T, H * D]."""
+        tokens = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        rotate = getattr(ops, "rotary", Rotary.apply)
+        q = rotate(q.view(tokens, self.num_heads, self.head_dim), *rope)
+        k = rotate(k.view(tokens, self.num_kv_heads, self.head_dim), *rope)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        attn = attention.forward(q, k, v, kv[0], kv[1], meta, self.scale)
+        return attn.reshape(tokens, self.q_size)
 
 
 class LlamaModel(nn.Module):

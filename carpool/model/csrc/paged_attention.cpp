@@ -242,10 +242,21 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
 
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor silu_and_mul(torch::Tensor x);
+torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias);
+bool packed_linear_native();
+torch::Tensor decode_attention_block(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
+                                     torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor slot_blocks, torch::Tensor slot_offsets,
+                                     torch::Tensor block_tables, torch::Tensor context_lens,
+                                     int64_t heads, int64_t kv_heads, double scale);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "Decode attention over paged K/V (one query token per sequence)");
   m.def("rms_norm", &rms_norm, "RMSNorm over rows, fp32 math");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up for rows of [gate | up]");
+  m.def("packed_linear", &packed_linear, "x [rows, in] bf16 times a packed weight (+ bias)");
+  m.def("decode_attention_block", &decode_attention_block,
+        "Rotary, K/V cache write and paged attention of a decode-only step's layer");
+  m.def("packed_linear_native", &packed_linear_native, "Whether packed_linear uses AVX512-BF16");
 }
