@@ -352,9 +352,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.engine_model = args.model_path
         config = engine_config_from_args(args)
         if args.command == "serve":
+            server_config = server_config_from_args(args)
+            if server_config.backend == "ray":
+                from carpool.ray_serve.launch import run_ray_server
+
+                return run_ray_server(config, server_config, slo_sources(args),
+                                      profile_schedule(args))
             from carpool.server.launcher import run_server
 
-            return run_server(config, server_config_from_args(args), profile_schedule(args),
+            return run_server(config, server_config, profile_schedule(args),
                               slo_sources=slo_sources(args))
         if args.command == "generate":
             from carpool.repl import run_generate

@@ -77,6 +77,9 @@ ENGINE_FLAGS: list[Flag] = [
     _f("--quantization", "quantization", str, "METHOD",
        "weight-only quantization for CPU decode steps of a few rows: int8 (+50% weight "
        "memory) or int4 (groups of 32, +25%) (default: none)"),
+    _f("--packed-decode", "packed_decode", str, "MODE",
+       "CPU bf16: decode steps of a few rows on a packed copy of the weights (our AVX512-BF16 "
+       "kernel): auto (where it fits in a quarter of the free memory) | on | off"),
     _f("--row-bucket", "row_bucket", int, "N", "pad each step's token rows to a multiple of "
        "this before the linear layers (1: exact rows)"),
     _f("--block-size", "block_size", int, "N", "tokens per KV block"),
@@ -201,6 +204,9 @@ SERVER_FLAGS: list[Flag] = [
     _f("--engine-process", "engine_process", flag_bool, "BOOL",
        "run the engine in a worker process of its own, HTTP and tokenizing in this one "
        "(false: both in one process)"),
+    _f("--backend", "backend", str, "BACKEND",
+       "where the replicas run: local (worker processes on this machine) | ray (Ray Serve "
+       "deployments on a local or attached Ray cluster; pip install -e '.[ray]')"),
     _f("--replicas", "replicas", int, "N",
        "engine worker processes behind carpool's router (each its own KV pool and threads)"),
     _f("--routing", "routing", str, "POLICY",

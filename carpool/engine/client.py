@@ -315,7 +315,7 @@ class EngineClient:
         for refusal in progress.refused:
             live = self._live.pop(refusal.request_id, None)
             if live is not None:
-                live.queue.put_nowait(_refusal_error(refusal))
+                live.queue.put_nowait(refusal_error(refusal))
                 if observe is not None:
                     observe(refusal.request_id, False, True)
         for delta in progress.outputs:
@@ -324,7 +324,7 @@ class EngineClient:
                 first = len(live.ids) == len(live.prompt) and bool(delta.delta_token_ids)
                 if delta.finished:
                     del self._live[delta.request_id]
-                live.queue.put_nowait(_output(delta, live))
+                live.queue.put_nowait(output_of(delta, live))
                 if observe is not None and (first or delta.finished):
                     observe(delta.request_id, first, delta.finished)
         if progress.stats is not None:
@@ -365,8 +365,9 @@ class EngineClient:
                 self.on_request(request_id, False, True)
 
 
-def _output(delta: Delta, live: _Live) -> RequestOutput:
-    """The ``RequestOutput`` of one delta, with the cumulative fields."""
+def output_of(delta: Delta, live) -> RequestOutput:  # noqa: ANN001
+    """The ``RequestOutput`` of one delta, with the cumulative fields that
+    ``live`` keeps (``prompt``, ``ids``, ``text_parts``, ``logprobs``)."""
     if delta.delta_text:
         live.text_parts.append(delta.delta_text)  # joined only when an output's text is read
     live.ids.extend(delta.delta_token_ids)
@@ -384,7 +385,8 @@ def _output(delta: Delta, live: _Live) -> RequestOutput:
     return output
 
 
-def _refusal_error(refusal: Refusal) -> Exception:
+def refusal_error(refusal: Refusal) -> Exception:
+    """The exception ``AsyncEngine.add_request`` raises for a refusal."""
     if refusal.kind == "rejected":
         return RejectedError(refusal.reason, refusal.retry_after, refusal.message)
     if refusal.kind == "context":

@@ -9,6 +9,7 @@ from carpool import limits
 
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 METRICS_PREFIXES = ("carpool", "vllm", "both")
+BACKENDS = ("local", "ray")
 LOG_DATE_FORMAT = "%Y-%m-%d %H:%M:%S"  # %(asctime)s in log_format
 
 
@@ -55,6 +56,10 @@ class ServerConfig:
     # so HTTP, tokenizing and the SSE stream never wait on the model's GIL;
     # false: on a thread of the API process (one process, as before).
     engine_process: bool = True
+    # Where the replicas run: local (this machine: worker processes, or a
+    # thread with --no-engine-process) or ray (Ray Serve deployments on a
+    # Ray cluster, carpool.ray_serve; pip install -e '.[ray]').
+    backend: str = "local"
     # Engine worker processes behind the router (carpool.server.fleet); 1 =
     # one engine. Each takes its own KV pool and torch threads: on one
     # machine, at most about one per two cores pays.
@@ -110,6 +115,12 @@ class ServerConfig:
             raise ValueError(f"replicas must be >= 1, got {self.replicas}")
         if (self.replicas > 1 or self.autoscale) and not self.engine_process:
             raise ValueError("replicas > 1 and autoscale need engine processes (drop "
+                             "--no-engine-process)")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got "
+                             f"{self.backend!r}")
+        if self.backend == "ray" and not self.engine_process:
+            raise ValueError("--backend ray runs each engine in a Ray Serve replica (drop "
                              "--no-engine-process)")
         if self.autoscale is not None:
             self.autoscale_config()  # raises on bad bounds or thresholds

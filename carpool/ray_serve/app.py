@@ -1,0 +1,151 @@
+"""The Ray Serve application: ``serve run carpool.ray_serve.app:build_app model=...``.
+
+Two deployments:
+
+- ``CarpoolIngress``: carpool's FastAPI app (the same endpoints, keys,
+  limits, errors and metrics as ``carpool serve``) over a ``RayEngine``;
+- ``CarpoolEngine``: ``EngineReplica``s, one in-process ``AsyncEngine``
+  each, routed by carpool's router (``CarpoolRequestRouter``) and, with
+  ``autoscale``, sized by carpool's autoscaler (``CarpoolAutoscalingPolicy``).
+
+``build_app``'s arguments are carpool's settings by their flag names (as
+in a ``--config`` file: ``model``, ``replicas``, ``routing``,
+``max-num-seqs``, ``autoscale``, ...) plus ``config`` (a carpool settings
+file on every node), ``replica_cpus`` and ``ingress_cpus`` (Ray CPUs per
+engine replica and for the ingress). Both deployments get their settings
+as msgspec bytes (``AppSettings``), never a pickled carpool object.
+"""
+from __future__ import annotations
+
+import copy
+import secrets
+from typing import Any
+
+from ray import serve
+from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouterConfig
+
+from carpool.cli_flags import file_settings
+from carpool.config import EngineConfig, read_yaml
+from carpool.ray_serve.autoscaling import POLICY_PATH, policy_kwargs
+from carpool.ray_serve.engine import RayEngine
+from carpool.ray_serve.replica import EngineReplica
+from carpool.ray_serve.router import CarpoolRequestRouter
+from carpool.ray_serve.wire import AppSettings
+from carpool.server.app import build_app as build_fastapi_app
+from carpool.server.config import ServerConfig
+from carpool.server.metrics import Metrics
+from carpool.server.serving import ServerContext
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+RAY_KEYS = ("config", "replica_cpus", "ingress_cpus")  # builder arguments that are not carpool's
+ROUTING_STATS_PERIOD_S = 0.5  # how often replicas report their views (and prefix caches)
+INGRESS_MAX_ONGOING = 4096  # concurrent HTTP requests per ingress replica: carpool's limits apply
+# No line per call (the stats polls would log four a second): carpool logs its own.
+QUIET = {"enable_access_log": False}
+
+
+@serve.ingress()
+class CarpoolIngress:
+    """carpool's FastAPI app, built once the engine deployment answered."""
+
+    async def __init__(self, settings: bytes, engine_handle) -> None:
+        app = AppSettings.decode(settings)
+        self.engine = await RayEngine.connect(engine_handle, app.engine)
+        self.ctx = ServerContext(self.engine, self.engine.tokenizer, app.model_name,
+                                 self.engine.info.max_model_len, app.server,
+                                 Metrics(app.model_name, lambda: self.engine.stats))
+        await self.ctx.prep.start()
+
+    def __serve_build_asgi_app__(self):
+        return build_fastapi_app(self.ctx)
+
+    async def __del__(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            await engine.wait_closed()
+
+
+def settings_from_args(args: dict[str, Any]) -> AppSettings:
+    """``AppSettings`` from builder arguments (see the module docstring);
+    values may be text (``serve run key=value``) or YAML's types."""
+    args = {str(k).replace("-", "_"): v for k, v in (args or {}).items()}
+    ray_args = {k: args.pop(k) for k in RAY_KEYS if k in args}
+    layers = []
+    if ray_args.get("config"):
+        layers.append(file_settings(read_yaml(ray_args["config"]), ray_args["config"]))
+    layers.append(file_settings(args, "the application's arguments"))
+    engine = EngineConfig()
+    server = ServerConfig()
+    for layer in layers:
+        engine.update({k: v for k, v in layer.items() if k != "server"})
+        for key, value in (layer.get("server") or {}).items():
+            if not hasattr(server, key):
+                raise ValueError(f"unknown setting {key!r}")
+            setattr(server, key, value)
+    name = server.served_model_name or engine.model.model or DEFAULT_MODEL_NAME
+    return settings_for(engine.validate(), server.validate(), name,
+                        replica_cpus=float(ray_args.get("replica_cpus", 1.0)),
+                        ingress_cpus=float(ray_args.get("ingress_cpus", 0.0)))
+
+
+def settings_for(engine: EngineConfig, server: ServerConfig, model_name: str,
+                 slo_sources: dict[str, str] | None = None, replica_cpus: float = 1.0,
+                 ingress_cpus: float = 0.0) -> AppSettings:
+    """The deployments' settings, with the fleet's block-hash secret (the
+    configured one, else one made here: every replica and router of the
+    application must share it)."""
+    engine = copy.deepcopy(engine)
+    if engine.cache.block_hash_key is None:
+        engine.cache.block_hash_key = engine.cache.block_hash_secret().hex()
+    if replica_cpus < 0 or ingress_cpus < 0:
+        raise ValueError("replica_cpus and ingress_cpus must be >= 0")
+    return AppSettings(engine, server, model_name, dict(slo_sources or {}), replica_cpus,
+                       ingress_cpus)
+
+
+def application(settings: AppSettings):
+    """The Ray Serve ``Application`` of these settings (``serve.run`` it)."""
+    server, scheduler = settings.server, settings.engine.scheduler
+    engine_options: dict[str, Any] = {
+        "name": "CarpoolEngine",
+        "ray_actor_options": {"num_cpus": settings.replica_cpus},
+        # carpool's admission bounds the queue; Ray's cap only guards against a runaway
+        "max_ongoing_requests": scheduler.max_num_seqs + scheduler.max_queue_requests,
+        "graceful_shutdown_timeout_s": server.shutdown_timeout,
+        "logging_config": QUIET,
+        "request_router_config": RequestRouterConfig(
+            request_router_class=CarpoolRequestRouter,
+            request_router_kwargs={"policy": server.routing},
+            request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
+            request_routing_stats_timeout_s=5.0),
+    }
+    if server.autoscale:
+        scaling = server.autoscale_config()
+        engine_options["autoscaling_config"] = AutoscalingConfig(
+            min_replicas=scaling.min_replicas, max_replicas=scaling.max_replicas,
+            initial_replicas=min(scaling.max_replicas, max(scaling.min_replicas,
+                                                           server.replicas)),
+            # carpool's scaler holds its own cooldown and scale-in window
+            upscale_delay_s=0.0, downscale_delay_s=0.0, look_back_period_s=scaling.tick_s,
+            policy=AutoscalingPolicy(policy_function=POLICY_PATH, policy_kwargs=policy_kwargs(
+                server.autoscale, server.replicas, scaling)))
+    else:
+        engine_options["num_replicas"] = server.replicas
+    engine = serve.deployment(EngineReplica, **engine_options)
+    ingress = serve.deployment(CarpoolIngress, name="CarpoolIngress",
+                               ray_actor_options={"num_cpus": settings.ingress_cpus},
+                               max_ongoing_requests=INGRESS_MAX_ONGOING,
+                               graceful_shutdown_timeout_s=server.shutdown_timeout,
+                               logging_config=QUIET)
+    data = settings.encode()
+    return ingress.bind(data, engine.bind(data))
+
+
+def build_app(args: dict[str, Any]):
+    """The application builder ``serve run`` and a RayService name."""
+    return application(settings_from_args(args))
+
+
+def fresh_secret() -> str:
+    """A new block-hash secret (hex), for a deployment file that pins one."""
+    return secrets.token_hex(32)

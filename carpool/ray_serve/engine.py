@@ -1,0 +1,235 @@
+"""RayEngine: the engine deployment behind one handle, with ``AsyncEngine``'s interface.
+
+The ingress replica's FastAPI app (carpool's own, unchanged) is given this
+object as its engine. ``add_request`` tokenizes, computes the prompt's
+chained block hashes with the fleet's secret (the router's ``RouteHint``)
+and calls the engine deployment with a streaming handle; carpool's request
+router (``carpool.ray_serve.router``) picks the replica. The replica's
+``StreamEvent``s become the same ``RequestStream`` of ``RequestOutput``s
+that ``EngineClient`` returns. Aborting (the client went away) cancels the
+handle's stream, which aborts the request on its replica.
+
+Per-replica stats for ``/metrics`` come from polling the deployment's
+``stats`` method (the router spreads these polls over the replicas).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import msgspec
+
+from carpool.config import EngineConfig
+from carpool.engine.client import output_of, refusal_error
+from carpool.engine.llm_engine import check_prompt
+from carpool.engine.outputs import TokenLogprob
+from carpool.engine.stats import EngineStats, merge_stats
+from carpool.engine.step_log import StepLog
+from carpool.engine.streams import EngineDeadError, RequestStream
+from carpool.engine.wire import Add
+from carpool.ray_serve.wire import (
+    Accepted,
+    Failed,
+    Refused,
+    RouteHint,
+    StatsReply,
+    stats_decoder,
+    stream_decoder,
+)
+from carpool.sampling_params import SamplingParams
+from carpool.scheduler.kv_events import BlockKeyChain
+
+log = logging.getLogger("carpool.server")
+
+STATS_POLL_S = 0.25  # between two stats polls (each answered by the next replica)
+STATS_TIMEOUT_S = 5.0
+STALE_S = 10.0  # a replica not heard of for this long has left (scaled in, died)
+
+
+@dataclass
+class _Live:
+    """A request's cumulative fields, as ``EngineClient`` keeps them."""
+
+    prompt: list[int]
+    ids: list[int]
+    text_parts: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+
+
+class RayEngine:
+    """The engine deployment as one engine (see the module docstring)."""
+
+    def __init__(self, handle, config: EngineConfig, first: StatsReply) -> None:
+        from carpool.model.tokenizer import Tokenizer
+
+        self.handle = handle
+        self.config = config
+        self.info = first.info
+        self.tokenizer = Tokenizer.from_description(first.info.tokenizer)
+        self.step_log = StepLog()  # the replicas keep their own steps
+        self.on_failure = None
+        self.last_progress = time.monotonic()
+        self._replicas: dict[str, tuple[float, EngineStats]] = {}
+        self._last_stats = first.stats
+        self._record(first)
+        self._chain = BlockKeyChain(config.cache.block_size,
+                                    bytes.fromhex(config.cache.block_hash_key))
+        self._encoder = msgspec.msgpack.Encoder()
+        self._live: dict[str, asyncio.Task] = {}
+        self._loop = asyncio.get_running_loop()
+        self._next_id = 0
+        self._stopping = False
+        self._poller = asyncio.ensure_future(self._poll())
+
+    @classmethod
+    async def connect(cls, handle, config: EngineConfig) -> "RayEngine":
+        """Ask one replica what the engine is (its ``StatsReply``)."""
+        reply = stats_decoder.decode(await handle.stats.remote())
+        return cls(handle, config, reply)
+
+    # -- AsyncEngine's interface ---------------------------------------------------------
+
+    @property
+    def stats(self) -> EngineStats:
+        """The replicas' latest snapshots merged (the last merge while none answers)."""
+        if self._replicas:
+            self._last_stats = merge_stats([s for _, s in self._replicas.values()])
+        return self._last_stats
+
+    def replica_stats(self) -> dict[str, EngineStats]:
+        """Each replica's latest snapshot (``/metrics``' ``replica`` label)."""
+        return {name: stats for name, (_, stats) in self._replicas.items()}
+
+    @property
+    def is_alive(self) -> bool:
+        return not self._stopping
+
+    @property
+    def degraded(self) -> str | None:
+        return None  # Ray Serve restarts replicas and routes around them
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._live)
+
+    def check_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
+        check_prompt(token_ids, params, self.info.max_model_len, self.info.vocab_size)
+
+    async def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                          request_id: str | None = None, priority: int = 0,
+                          session_id: str | None = None, deadline: float | None = None,
+                          max_wait: float | None = None, cache_salt: str | None = None,
+                          received_at: float | None = None) -> RequestStream:
+        """As ``AsyncEngine.add_request``, on the replica carpool's router picks."""
+        if self._stopping:
+            raise EngineDeadError("the engine is shut down")
+        params = params or SamplingParams()
+        if request_id is None:
+            self._next_id += 1
+            request_id = f"req-{self._next_id}"
+        if request_id in self._live:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        full_blocks = len(ids) // self.config.cache.block_size
+        _, hashes = self._chain.keys(self._chain.root(cache_salt), ids, 0, full_blocks)
+        waited = time.monotonic() - received_at if received_at is not None else 0.0
+        add = Add(request_id, ids, params, priority, session_id, deadline, max_wait, cache_salt)
+        hint = RouteHint(request_id, len(ids), hashes, session_id, priority, max(0.0, waited))
+        stream = self.handle.generate.options(stream=True).remote(
+            self._encoder.encode(add), self._encoder.encode(hint))
+        queue: asyncio.Queue = asyncio.Queue()
+        live = _Live(ids, list(ids), logprobs=[] if params.logprobs is not None else None)
+        self._live[request_id] = asyncio.ensure_future(self._pump(request_id, stream, queue,
+                                                                  live))
+        try:
+            accepted = await queue.get()  # None, or why it was refused
+        except BaseException:
+            self.abort(request_id)
+            raise
+        if isinstance(accepted, BaseException):
+            raise accepted
+        return RequestStream(self, request_id, queue)
+
+    def abort(self, request_id: str) -> None:
+        """Cancel the request's stream: its replica aborts it."""
+        task = self._live.get(request_id)
+        if task is not None:
+            task.cancel()
+
+    def abort_without_lock(self, request_id: str) -> None:
+        """``abort`` from any thread (a finalizer): done on the event loop."""
+        try:
+            self._loop.call_soon_threadsafe(self.abort, request_id)
+        except RuntimeError:
+            pass  # the loop is closed: the streams are gone with it
+
+    def first_token_seen(self, first_token_time: float) -> None:
+        """Each replica measures its own delivery lag (its clock, its loop)."""
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        self._poller.cancel()
+        for task in list(self._live.values()):
+            task.cancel()
+
+    async def wait_closed(self, timeout: float = 10.0) -> None:
+        self.shutdown()
+        await asyncio.wait([self._poller, *self._live.values()], timeout=timeout)
+
+    # -- streams and stats ----------------------------------------------------------------
+
+    async def _pump(self, request_id: str, stream, queue: asyncio.Queue, live: _Live) -> None:
+        """The replica's events onto ``queue``: None when accepted, then
+        outputs; an exception ends it (refused, or the replica failed)."""
+        finished = False
+        try:
+            async for data in stream:
+                event = stream_decoder.decode(data)
+                if isinstance(event, Accepted):
+                    queue.put_nowait(None)
+                elif isinstance(event, Refused):
+                    finished = True
+                    queue.put_nowait(refusal_error(event.refusal))
+                elif isinstance(event, Failed):
+                    finished = True
+                    queue.put_nowait(EngineDeadError(event.error))
+                else:
+                    for delta in event.deltas:
+                        finished = delta.finished
+                        queue.put_nowait(output_of(delta, live))
+            if not finished:
+                queue.put_nowait(EngineDeadError("the engine replica ended the stream early"))
+        except asyncio.CancelledError:
+            stream.cancel()  # reaches the replica: its generator is cancelled, the request aborted
+            raise
+        except Exception as exc:  # noqa: BLE001 - Ray's errors: the replica died, ...
+            log.error("request %s failed on its engine replica: %s", request_id, exc)
+            queue.put_nowait(EngineDeadError(f"the engine replica failed: {type(exc).__name__}"))
+        finally:
+            self._live.pop(request_id, None)
+
+    def _record(self, reply: StatsReply) -> None:
+        now = time.monotonic()
+        self._replicas[reply.replica] = (now, reply.stats)
+        self.last_progress = now
+        for name, (seen, _) in list(self._replicas.items()):
+            if now - seen > STALE_S:
+                del self._replicas[name]
+
+    async def _poll(self) -> None:
+        while True:
+            await asyncio.sleep(STATS_POLL_S)
+            try:
+                reply = await asyncio.wait_for(self._ask_stats(), STATS_TIMEOUT_S)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the next poll asks again
+                log.warning("polling the engine replicas' stats failed: %s", exc)
+                continue
+            self._record(reply)
+
+    async def _ask_stats(self) -> StatsReply:
+        return stats_decoder.decode(await self.handle.stats.remote())

@@ -1,0 +1,158 @@
+"""The engine deployment: each Ray Serve replica holds one in-process ``AsyncEngine``.
+
+Requests come as msgspec bytes (``carpool.engine.wire.Add`` and
+``RouteHint``) and stream back as ``StreamEvent`` bytes, one per output.
+Leaving the stream early (the ingress cancels it: the client went away)
+cancels this generator, which aborts the request and frees its KV blocks
+before the engine's next step.
+
+The replica reports, for carpool's request router, the ``ReplicaReport``
+its ``ReplicaView`` needs (``record_routing_stats``), and, for carpool's
+autoscaling policy, its waiting and running counts, slots and arrivals
+(``record_autoscaling_stats``).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import AsyncIterator, Iterable
+
+import msgspec
+
+from carpool.engine.async_engine import AsyncEngine
+from carpool.engine.streams import EngineDeadError
+from carpool.engine.wire import Add
+from carpool.engine.worker import build_serving_engine, delta_of, refusal_of
+from carpool.ray_serve.wire import (
+    REPORT_KEY,
+    Accepted,
+    AppSettings,
+    Failed,
+    Outputs,
+    Refused,
+    ReplicaReport,
+    RouteHint,
+    StatsReply,
+)
+from carpool.scheduler import RejectedError
+
+log = logging.getLogger("carpool.server")
+
+# Recent steps a routing report carries: the router fits the replica's step costs on them.
+REPORTED_STEPS = 64
+
+_add_decoder = msgspec.msgpack.Decoder(Add)
+_hint_decoder = msgspec.msgpack.Decoder(RouteHint)
+
+
+class HeldBlocks:
+    """``BlockEvents`` kept as the set of block hashes the prefix cache
+    holds. The engine thread reports, the replica's event loop snapshots:
+    hence the lock (a ``KvEventBuffer`` is single-threaded)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: set[int] = set()
+
+    def stored(self, hashes: Iterable[int]) -> None:
+        with self._lock:
+            self._held.update(hashes)
+
+    def evicted(self, hashes: Iterable[int]) -> None:
+        with self._lock:
+            self._held.difference_update(hashes)
+
+    def snapshot(self) -> list[int]:
+        with self._lock:
+            return list(self._held)
+
+
+def replica_name() -> str:
+    """This Ray Serve replica's unique id (what the request router sees)."""
+    from ray import serve
+
+    return serve.get_replica_context().replica_id.unique_id
+
+
+class EngineReplica:
+    """One engine; the deployment's class (``carpool.ray_serve.app``)."""
+
+    def __init__(self, settings: bytes) -> None:
+        app = AppSettings.decode(settings)
+        self.config = app.engine
+        self.name = replica_name()
+        self.held = HeldBlocks()
+        self._encoder = msgspec.msgpack.Encoder()
+        if self.config.model.threads is None:
+            # Ray's CPUs for this replica (at least one thread): more torch
+            # threads than cores make every OpenMP region wait (async_engine).
+            self.config.model.threads = max(1, int(app.replica_cpus))
+
+        def build():
+            engine = build_serving_engine(self.config, app.slo_sources, None, log.info)
+            engine.scheduler.kv.report_blocks_to(self.held)  # before the first request
+            return engine
+
+        # Built on the engine thread: one thread runs every torch op.
+        self.engine = AsyncEngine(build)
+        log.info("engine replica %s ready (pid %d)", self.name, os.getpid())
+
+    async def generate(self, add: bytes, hint: bytes) -> AsyncIterator[bytes]:
+        """Run one request: ``Accepted`` or ``Refused`` first, then ``Outputs``
+        until one finishes (``Failed`` if the engine dies under it)."""
+        request = _add_decoder.decode(add)
+        route = _hint_decoder.decode(hint)
+        encode = self._encoder.encode
+        try:
+            stream = await self.engine.add_request(
+                request.prompt_token_ids, request.params, request.request_id,
+                request.priority, request.session_id, request.deadline, request.max_wait,
+                request.cache_salt, received_at=time.monotonic() - max(0.0, route.waited_s))
+        except (ValueError, RejectedError) as exc:
+            yield encode(Refused(refusal_of(request.request_id, exc)))
+            return
+        except EngineDeadError as exc:
+            yield encode(Failed(str(exc)))
+            return
+        yield encode(Accepted(self.name))
+        try:
+            async for output in stream:
+                yield encode(Outputs([delta_of(output)]))
+        except EngineDeadError as exc:
+            yield encode(Failed(str(exc)))
+        finally:
+            await stream.aclose()  # cancelled (the ingress left): abort, free the blocks
+
+    async def stats(self) -> bytes:
+        """This replica's ``StatsReply`` (the ingress polls it for /metrics)."""
+        return self._encoder.encode(StatsReply(self.name, self.engine.stats, self.engine.info))
+
+    def record_routing_stats(self) -> dict[str, bytes]:
+        """Ray Serve's routing-stats hook: a ``ReplicaReport`` for carpool's router."""
+        stats, cache, scheduler = self.engine.stats, self.config.cache, self.config.scheduler
+        steps, _ = self.engine.step_log.snapshot(REPORTED_STEPS)
+        report = ReplicaReport(
+            self.name, stats.num_waiting, stats.num_running, stats.kv_usage,
+            stats.kv_num_blocks - stats.kv_used_blocks, scheduler.max_num_seqs,
+            scheduler.max_num_batched_tokens, cache.block_size, self.held.snapshot(),
+            [(s.shape.tokens, s.shape.seqs, s.seconds) for s in steps])
+        return {REPORT_KEY: self._encoder.encode(report)}
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Ray Serve's custom-metrics hook, read by carpool's autoscaling policy."""
+        stats = self.engine.stats
+        return {"waiting": float(stats.num_waiting), "running": float(stats.num_running),
+                "slots": float(self.config.scheduler.max_num_seqs),
+                "requests_added": float(stats.counters.requests_added)}
+
+    def check_health(self) -> None:
+        """Ray Serve's health check: a dead engine loop restarts the replica."""
+        if not self.engine.is_alive:
+            raise RuntimeError(f"the engine loop of replica {self.name} is dead")
+
+    def __del__(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()  # in flight: each stream ends with an error
