@@ -66,9 +66,11 @@ def test_bench_serve_replays_mooncake_and_writes_json_and_html(server, tmp_path)
         assert request["server_input_tokens"] == request["input_tokens"]
         assert request["output_tokens"] <= OUTPUT_CAP
         assert 0 < request["ttft"] <= request["e2e"]
+        assert 0 <= request["cached_tokens"] < request["server_input_tokens"]
     assert summary["ttft"]["p50"] > 0 and summary["e2e"]["p99"] >= summary["ttft"]["p99"]
     assert summary["slo_attainment"] is not None and summary["peak_concurrency"] >= 2
     assert summary["output_tokens"] == sum(r["output_tokens"] for r in done)
+    assert summary["cache_reported"] == len(done)  # carpool's usage says what it cached
     # requests sharing leading hash ids share leading prompt text: the server reuses it
     assert _prefix_hits(server) > hits_before
     html = (tmp_path / "html" / "report.html").read_text()
@@ -97,3 +99,30 @@ def test_bench_sweep_and_compare(server, tmp_path):
     table = _bench("compare", str(serve), str(sweep), "--html", str(tmp_path / "cmp")).stdout
     assert "B/A" in table
     assert (tmp_path / "cmp" / "compare.html").is_file()
+
+
+def test_bench_serve_records_the_prefix_cache_hits_of_a_repeated_prefix(server, tmp_path):
+    # Three requests 1 s apart whose prompts share their first four Mooncake
+    # blocks (ids no other test uses): x1/16 makes a block 32 tokens, a
+    # prompt 160 tokens, 128 of them shared, then a tail of its own.
+    trace = tmp_path / "repeated.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": 1000 * i, "input_length": 2560,
+                                         "output_length": 64,
+                                         "hash_ids": [9100, 9101, 9102, 9103]}) + "\n"
+                             for i in range(3)))
+    out = tmp_path / "repeated.json"
+    _bench("serve", "--base-url", server.url + "/v1", "--workload", str(trace),
+           "--token-scale", "0.0625", "--arrival", "trace", "--num-requests", "3",
+           "--no-progress", "--json", str(out))
+    result = json.loads(out.read_text())
+    requests = result["requests"]
+    assert [r["status"] for r in requests] == ["ok"] * 3
+    assert [r["server_input_tokens"] for r in requests] == [160] * 3
+    # The first computes the prefix; the others find its 8 full 16-token blocks.
+    assert [r["cached_tokens"] for r in requests] == [0, 128, 128]
+    summary = result["summary"]
+    assert summary["cached_tokens"] == 256
+    assert summary["prefix_hit_rate"] == pytest.approx(256 / 480)
+    printed = _bench("compare", str(out), str(out)).stdout
+    assert next(line for line in printed.splitlines()
+                if line.startswith("prefix hit %")).split()[3:5] == ["53.3", "53.3"]

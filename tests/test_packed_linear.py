@@ -114,3 +114,40 @@ def test_packed_model_matches_the_unpacked_one(ops, tiny_model_dir):
     for a, b in zip(before, after):
         assert _bf16_ulps(b, a.float()) <= 4.0
     assert (logits_after.float() - logits_before.float()).abs().max().item() < 0.05
+
+
+@pytest.mark.parametrize("out_features,in_features", [(256, 96), (80, 64), (48, 32)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+def test_int4_kernel_is_the_dequantized_product(ops, out_features, in_features, rows):
+    """csrc/packed_int4.cpp against fp32 math on the dequantized weight
+    (w = code * scale + min, scales and minimums rounded to fp16 as stored)."""
+    from carpool.model.quant import INT4_GROUP, pack_int4, quantize_groups
+
+    gen = torch.Generator().manual_seed(rows * 7 + in_features)
+    weight = torch.randn(out_features, in_features, generator=gen).bfloat16()
+    bias = torch.randn(out_features, generator=gen).bfloat16()
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    codes, scale, low = quantize_groups(weight)
+    scale, low = scale.half().float(), low.half().float()
+    groups = in_features // INT4_GROUP
+    dequantized = (codes.float().view(out_features, groups, INT4_GROUP) * scale[..., None]
+                   + low[..., None]).view(out_features, in_features)
+    for b in (None, bias):
+        want = F.linear(x.float(), dequantized, None if b is None else b.float())
+        got = ops.int4_linear(x, *pack_int4(codes, scale, low), b)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
+        assert _bf16_ulps(got, want) <= 4.0
+
+
+def test_int4_layers_run_our_kernel_until_the_step_is_large(ops):
+    from carpool.model.quant import LowBitDecodeLinear
+
+    gen = torch.Generator().manual_seed(11)
+    weight = torch.randn(64, 64, generator=gen).bfloat16()
+    layer = LowBitDecodeLinear(weight, None, "int4", max_rows=4, kernels=ops)
+    small, large = (torch.randn(n, 64, generator=gen).bfloat16() for n in (4, 5))
+    assert torch.equal(layer(small), ops.int4_linear(small, layer.qweight, layer.scales,
+                                                     layer.mins, None))
+    assert torch.equal(layer(large), F.linear(large, weight))
+    waiting = LowBitDecodeLinear(weight, None, "int4", max_rows=4, kernels=_Inactive())
+    assert torch.equal(waiting(small), F.linear(small, weight))  # kernels still compiling

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from carpool import LLM, SamplingParams
+from carpool.model.packed_linear import PackedDecodeLinear
 from carpool.model.quant import INT4_GROUP, LowBitDecodeLinear, quantize_groups, quantize_rows
 
 TEXT = Path(__file__).parent / "data" / "perplexity.txt"
@@ -94,10 +95,13 @@ def test_low_bit_greedy_answers_agree_with_bf16(real_model_path, scheme):
     reference = LLM(str(real_model_path), dtype="bfloat16").generate(prompts, params)
     low_bit = LLM(str(real_model_path), dtype="bfloat16", quantization=scheme)
     model = low_bit.engine.executor.model
-    layers = [m for m in model.modules() if isinstance(m, LowBitDecodeLinear)]
-    assert len(layers) == 4 * len(model.layers) + 1  # and the LM head
-    for layer in layers:
-        layer.max_rows = 10**9  # the low-bit kernel on every step
+    layers = [getattr(layer, name) for layer in model.layers
+              for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")]
+    assert all(isinstance(layer, LowBitDecodeLinear) for layer in layers)
+    # The LM head: INT8, or (INT4 on our kernels) bf16 through the packed kernel.
+    assert isinstance(model.head, (LowBitDecodeLinear, PackedDecodeLinear))
+    for layer in [*layers, model.head]:
+        layer.max_rows = 10**9  # the low-bit (or packed) kernel on every step
     outputs = low_bit.generate(prompts, params)
     prefixes = [_common_prefix(a.token_ids, b.token_ids) for a, b in zip(reference, outputs)]
     identical = sum(p == 32 for p in prefixes)
@@ -116,7 +120,7 @@ def test_low_bit_perplexity_stays_near_bf16(hf_reference, scheme):
     bf16 = _perplexity(_with_linear_weights(model, lambda w: w.bfloat16().float()), ids)
     low_bit = _perplexity(_with_linear_weights(
         model, lambda w: _dequantized(w.bfloat16(), "int8" if w.shape[0] > 10_000 else scheme)),
-        ids)  # the LM head (the one matrix that wide) is INT8 under both
+        ids)  # the LM head (the one matrix that wide) at INT8: the worst it runs at
     print(f"perplexity: bf16 weights {bf16:.3f}, {scheme} weights {low_bit:.3f}")
     assert 1.0 < bf16 < 100.0 and abs(low_bit / bf16 - 1) < PERPLEXITY_WITHIN[scheme]
 

@@ -144,6 +144,12 @@ def test_sessions_stay_on_one_replica_and_prefixes_go_where_they_are_cached(ray_
         after = _settled(before, 4)
         added = _delta(after, before, lambda s: s.counters.requests_added)
         assert sorted(added.values()) == [0, 4], added
+        # /carpool/policy shows Ray's request router's decisions, with causes.
+        routing = http.get("/carpool/policy").json()["routing"]
+        assert routing["policy"] == "predicted-ttft" and len(routing["replicas"]) == 2
+        turns = routing["decisions"][-4:]
+        assert [d["replica"] for d in turns] == [next(r for r, n in added.items() if n)] * 4
+        assert turns[-1]["cause"] == "session home", turns
         # Four long prefixes at once spread over both replicas; once their
         # replicas reported them (routing stats, every 0.5 s), each repeat
         # goes where its prefix is cached.

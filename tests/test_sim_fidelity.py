@@ -47,6 +47,9 @@ def test_fidelity_on_a_short_window_of_the_azure_trace(real_engine, tmp_path):
     real, simulated = result.real["summary"], result.simulated["summary"]
     assert real["completed"] == simulated["completed"] == 10
     assert real["output_tokens"] == simulated["output_tokens"]
+    # both sides count each prompt's cached tokens (Azure prompts share none)
+    assert real["cache_reported"] == simulated["cache_reported"] == 10
+    assert real["prefix_hit_rate"] == simulated["prefix_hit_rate"] == 0.0
     assert {row.name for row in result.rows} >= {"TTFT p50", "TPOT p99", "output tok/s"}
     assert result.simulated["simulation"]["cost_model_kind"] == "measured"
     for doc in (result.real, result.simulated):  # compare's legend reads the scales

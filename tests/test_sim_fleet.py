@@ -253,3 +253,26 @@ def test_a_scheduled_fleet_follows_its_table():
     assert rows[-1][1] == 2 and all(n == 3 for t, n, _ in rows if 100 <= t < 560)
     with pytest.raises(SystemExit):
         parser.parse_args(["--autoscale", "schedule", "--scale-schedule", "100:2,0:1"])
+
+
+@pytest.mark.parametrize("replicas,policy", [(1, "round-robin"), (2, "round-robin"),
+                                             (2, "predicted-ttft")])
+def test_simulated_records_carry_each_prompts_cached_tokens(replicas, policy):
+    from carpool.workload.results import LoadRun, make_result
+
+    cost = analytic_from_names("l4", "llama-3-8b")
+    plan = _conversations(200, 20.0)
+    run = simulate(plan, EngineConfig(), cost, 2000,
+                   SimSettings(replicas=replicas, routing=policy, hash_block=32))
+    assert all(r.status == "ok" and r.cached_tokens is not None for r in run.records)
+    # What the replicas' schedulers counted, request by request: a hit is
+    # whole 16-token blocks of the prompt's shared (hash id) part.
+    cached = [r.cached_tokens for r in run.records]
+    assert sum(cached) == sum(row["cached_tokens"] for row in run.per_replica) > 0
+    for record, item in zip(run.records, plan):
+        assert record.cached_tokens % 16 == 0
+        assert record.cached_tokens <= 32 * len(item.hash_ids)
+    summary = make_result("sim", {}, LoadRun(run.records, run.duration), {})["summary"]
+    assert summary["cache_reported"] == len(plan)
+    assert summary["prefix_hit_rate"] == pytest.approx(
+        sum(cached) / sum(item.input_len for item in plan))

@@ -45,6 +45,8 @@ def test_always_prefills_every_request_remotely_and_decodes_where_the_kv_went():
     for record, item in zip(run.records, plan):
         assert record.sent == item.arrival and record.output_tokens == item.output_len
         assert record.chunk_times[0] > record.sent
+        # No prompt shares a prefix: the KV a decode leg loaded is no cache hit.
+        assert record.cached_tokens == 0
 
 
 def test_conditional_keeps_short_prompts_on_the_decode_replicas():

@@ -170,12 +170,16 @@ def test_same_seed_same_report_and_compare_reads_it(tmp_path, capsys):
     assert first["kind"] == "bench-serve" and first["simulation"]["cost_model_kind"] == "analytic"
     assert "(analytic)" in first["label"]
     assert first["summary"]["completed"] == 150
+    # Azure prompts share no prefix; every record still says what it hit
+    assert first["summary"]["prefix_hit_rate"] == 0.0
+    assert all(r["cached_tokens"] == 0 for r in first["requests"])
 
     from carpool.cli import main
 
     capsys.readouterr()
     assert main(["bench", "compare", str(tmp_path / "a.json"), str(tmp_path / "b.json")]) == 0
-    assert "TTFT" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "TTFT" in out and "prefix hit %" in out
 
 
 def test_default_cost_model_and_bad_ones(tmp_path, capsys):

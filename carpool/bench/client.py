@@ -4,7 +4,9 @@ Works against any server speaking ``/v1/completions`` or
 ``/v1/chat/completions`` with server-sent events (carpool, vLLM, SGLang,
 TGI, llama.cpp's server...). Output tokens come from the final usage chunk
 (``stream_options.include_usage``); only servers that send none are counted
-with our tokenizer (see ``send_request``).
+with our tokenizer (see ``send_request``). The same chunk's
+``prompt_tokens_details.cached_tokens``, where the server sends it, is the
+request's prefix-cache hit.
 """
 from __future__ import annotations
 
@@ -120,6 +122,7 @@ async def _read_events(response: httpx.Response, endpoint: str, record: RequestR
             usage_seen = True
             record.output_tokens = int(usage["completion_tokens"])
             record.server_input_tokens = usage.get("prompt_tokens")
+            record.cached_tokens = _cached_tokens(usage)
     record.finished = clock()
     record.text = "".join(parts)
     if not done:
@@ -129,6 +132,14 @@ async def _read_events(response: httpx.Response, endpoint: str, record: RequestR
     else:
         record.status = OK
     return usage_seen
+
+
+def _cached_tokens(usage: dict) -> int | None:
+    """``usage.prompt_tokens_details.cached_tokens`` (OpenAI's field, which
+    carpool and vLLM fill), or None when the server does not say."""
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return cached if isinstance(cached, int) and not isinstance(cached, bool) else None
 
 
 def _content(event: dict, endpoint: str) -> str:

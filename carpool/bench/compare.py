@@ -45,6 +45,7 @@ SUMMARY_ROWS = (
     ("E2E p99 ms", ("e2e", "p99"), "ms"),
     ("goodput req/s", ("goodput",), "rate"),
     ("SLO attainment %", ("slo_attainment",), "pct"),
+    ("prefix hit %", ("prefix_hit_rate",), "pct"),
 )
 # Per phase of a surge schedule (``stats.phase_summaries``).
 PHASE_ROWS = (

@@ -132,6 +132,7 @@ def _finish(record: RequestRecord, output, start: float) -> None:
     record.status = OK
     record.chunk_times = [output.first_token_time - start]
     record.output_tokens = output.num_output_tokens
+    record.cached_tokens = output.num_cached_tokens
 
 
 def _result(engine, records: list[RequestRecord], before, seconds: float) -> RegimeResult:

@@ -66,6 +66,12 @@ class RequestStream:
     def __aiter__(self) -> "RequestStream":
         return self
 
+    @property
+    def ready(self) -> bool:
+        """Whether the next output (or error) is already here: ``anext``
+        returns it without waiting."""
+        return not self._queue.empty()
+
     async def __anext__(self) -> RequestOutput:
         if self._done:
             raise StopAsyncIteration

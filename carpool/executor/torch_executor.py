@@ -138,13 +138,13 @@ class TorchExecutor(Executor):
         self.model.to(device=self.device, dtype=self.dtype).eval()
         # Rotary tables stay fp32 whatever the weights' dtype.
         self.model.rotary.float()
-        if settings.quantization is not None:
-            self._quantize_for_decode(settings.quantization)
         self.cpu_ops = None
         if self.device.type == "cpu" and settings.attention_backend in ("auto", "cpu"):
             from carpool.model.cpu_kernels import load_cpu_ops
 
             self.cpu_ops = load_cpu_ops(background=kernels_in_background)
+        if settings.quantization is not None:
+            self._quantize_for_decode(settings.quantization)
         self.attention = select_backend(settings.attention_backend, self.device, self.cpu_ops,
                                         model_config.head_dim)
         self.model.ops = self.cpu_ops
@@ -189,7 +189,9 @@ class TorchExecutor(Executor):
         why = low_bit_unavailable(scheme, self.device)
         if why is not None:
             raise ValueError(f"--quantization {scheme} cannot run here: {why}")
-        added = quantize_for_decode(self.model, scheme)
+        # Our INT4 kernel where it has its AVX512-BF16 path; else ATen's.
+        native = self.cpu_ops is not None and _native_bf16_dot(self.cpu_ops)
+        added = quantize_for_decode(self.model, scheme, kernels=self.cpu_ops if native else None)
         dtype = str(self.dtype).removeprefix("torch.")
         print(f"carpool: {scheme.upper()} weights for decode steps of up to a few rows "
               f"(+{added / 2**20:.0f} MiB beside the {dtype} weights)", file=sys.stderr)

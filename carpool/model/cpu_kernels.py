@@ -32,7 +32,7 @@ from carpool.paths import default_cache_dir
 
 _SOURCES = [str(Path(__file__).parent / "csrc" / name)
             for name in ("paged_attention.cpp", "elementwise.cpp", "packed_linear.cpp",
-                          "decode_block.cpp")]
+                          "packed_int4.cpp", "decode_block.cpp")]
 _NAME = "carpool_cpu_ops"
 # A built extension loads in about a second; past this, serve without it.
 _LOAD_WAIT_S = 10.0

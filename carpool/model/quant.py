@@ -66,14 +66,22 @@ class LowBitDecodeLinear(nn.Module):
     ``x``'s dtype."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, scheme: str = "int8",
-                 max_rows: int = LOW_BIT_MAX_ROWS) -> None:
+                 max_rows: int = LOW_BIT_MAX_ROWS, kernels=None) -> None:  # noqa: ANN001
+        """``kernels``: our compiled CPU ops (or a ``SwitchingCpuOps``) for
+        INT4 in our own layout (``pack_int4``); None: ATen's kernels."""
         super().__init__()
         self.weight, self.bias, self.scheme, self.max_rows = weight, bias, scheme, max_rows
+        self.kernels = kernels if scheme == "int4" else None
         if scheme == "int8":
             quantized, scale = quantize_rows(weight)
             self.register_buffer("qweight", quantized, persistent=False)
             # The kernel applies the scales in the activations' dtype.
             self.register_buffer("scales", scale.to(torch.bfloat16), persistent=False)
+        elif scheme == "int4" and self.kernels is not None:
+            codes, scales, mins = pack_int4(*quantize_groups(weight))
+            self.register_buffer("qweight", codes, persistent=False)
+            self.register_buffer("scales", scales, persistent=False)
+            self.register_buffer("mins", mins, persistent=False)
         elif scheme == "int4":
             codes, scale, low = quantize_groups(weight)
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
@@ -88,12 +96,15 @@ class LowBitDecodeLinear(nn.Module):
     @property
     def nbytes(self) -> int:
         """Bytes of the low-bit copy."""
-        return (self.qweight.numel() * self.qweight.element_size()
-                + self.scales.numel() * self.scales.element_size())
+        return sum(buffer.numel() * buffer.element_size() for buffer in self.buffers())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > self.max_rows:
             return F.linear(x, self.weight, self.bias)
+        if self.kernels is not None:
+            if x.dtype != torch.bfloat16 or not getattr(self.kernels, "active", True):
+                return F.linear(x, self.weight, self.bias)  # e.g. still compiling: bf16
+            return self.kernels.int4_linear(x, self.qweight, self.scales, self.mins, self.bias)
         rows = x.to(torch.bfloat16).contiguous()
         if self.scheme == "int8":
             out = torch.ops.aten._weight_int8pack_mm(rows, self.qweight, self.scales)
@@ -102,6 +113,24 @@ class LowBitDecodeLinear(nn.Module):
                                                              self.scales)
         out = out.to(x.dtype)
         return out if self.bias is None else out + self.bias
+
+
+def pack_int4(codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``quantize_groups``' output in our kernel's layout (csrc/packed_int4.cpp):
+    codes uint8 [out/16, in/4, 32] (byte 2r + s of quad u: row r's inputs
+    4u + s in the low nibble, 4u + 2 + s in the high one), scales and
+    minimums fp16 [out/16, in/32, 16]."""
+    out_features, in_features = codes.shape
+    quads = codes.to(torch.uint8).view(out_features // 16, 16, in_features // 4, 2, 2)
+    packed = (quads[..., 0, :] | (quads[..., 1, :] << 4)).permute(0, 2, 1, 3).contiguous()
+    packed = packed.view(out_features // 16, in_features // 4, 32)
+
+    def by_group(values: torch.Tensor) -> torch.Tensor:
+        return (values.view(out_features // 16, 16, in_features // INT4_GROUP).permute(0, 2, 1)
+                .to(torch.float16).contiguous())
+
+    return packed, by_group(scale), by_group(low)
 
 
 _KERNELS = {"int8": ("_weight_int8pack_mm",),
@@ -118,20 +147,25 @@ def low_bit_unavailable(scheme: str, device: torch.device) -> str | None:
     return None
 
 
-def quantize_for_decode(model: nn.Module, scheme: str,
-                        max_rows: int = LOW_BIT_MAX_ROWS) -> int:
+def quantize_for_decode(model: nn.Module, scheme: str, max_rows: int = LOW_BIT_MAX_ROWS,
+                        kernels=None) -> int:  # noqa: ANN001
     """Give ``model`` (a ``LlamaModel``) low-bit decode copies of every
     decoder linear layer and of the LM head; returns the bytes they take.
     An INT4 layer whose inputs are not a multiple of the group stays bf16.
     Under INT4 the LM head is INT8, as llama.cpp's Q4 files keep their
     output matrix at 8 bits or more (the default model's GGUF: Q4_1 layers,
     a Q8_0 embedding): 4-bit logits forked 5 of 16 greedy answers at their
-    first token."""
+    first token.
+
+    ``kernels`` (INT4 only): run our INT4 kernel (csrc/packed_int4.cpp)
+    instead of ATen's, and leave the LM head to ``pack_for_decode`` (bf16
+    through our packed kernel: faster here than ATen's INT8 and exact)."""
     def low_bit(weight: torch.Tensor, bias: torch.Tensor | None,
                 kind: str = scheme) -> nn.Module | None:
-        if kind == "int4" and weight.shape[1] % INT4_GROUP:
+        if kind == "int4" and (weight.shape[1] % INT4_GROUP
+                               or (kernels is not None and weight.shape[0] % 16)):
             return None
-        return LowBitDecodeLinear(weight, bias, kind, max_rows)
+        return LowBitDecodeLinear(weight, bias, kind, max_rows, kernels)
 
     added = 0
     for layer in model.layers:
@@ -141,6 +175,8 @@ def quantize_for_decode(model: nn.Module, scheme: str,
             if replacement is not None:
                 setattr(layer, name, replacement)
                 added += replacement.nbytes
+    if kernels is not None and scheme == "int4":
+        return added
     head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     model.head = low_bit(head, None, "int8")
     added += 0 if model.head is None else model.head.nbytes

@@ -50,7 +50,7 @@ class CarpoolIngress:
 
     async def __init__(self, settings: bytes, engine_handle) -> None:
         app = AppSettings.decode(settings)
-        self.engine = await RayEngine.connect(engine_handle, app.engine)
+        self.engine = await RayEngine.connect(engine_handle, app.engine, app.server.routing)
         self.ctx = ServerContext(self.engine, self.engine.tokenizer, app.model_name,
                                  self.engine.info.max_model_len, app.server,
                                  Metrics(app.model_name, lambda: self.engine.stats))

@@ -11,6 +11,14 @@ handle's stream, which aborts the request on its replica.
 
 Per-replica stats for ``/metrics`` come from polling the deployment's
 ``stats`` method (the router spreads these polls over the replicas).
+
+``/carpool/policy``'s routing section (policy, replicas, decisions with
+causes, as the local fleet shows it) comes from ``self.router``: a
+carpool ``Router`` that never chooses. Ray's request router runs inside
+Ray's handle (its own object, maybe its own event loop), so rather than
+reach into it, each decision travels with its request to the replica and
+back in ``Accepted`` (``wire.Routed``), and is logged here on the
+ingress's loop; the replicas' polled stats fill in the views.
 """
 from __future__ import annotations
 
@@ -22,6 +30,8 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from carpool.cluster.router import Router
+from carpool.cluster.view import ReplicaView, RouteDecision, RouteRequest
 from carpool.config import EngineConfig
 from carpool.engine.client import output_of, refusal_error
 from carpool.engine.llm_engine import check_prompt
@@ -62,7 +72,8 @@ class _Live:
 class RayEngine:
     """The engine deployment as one engine (see the module docstring)."""
 
-    def __init__(self, handle, config: EngineConfig, first: StatsReply) -> None:
+    def __init__(self, handle, config: EngineConfig, first: StatsReply,
+                 routing: str = "predicted-ttft") -> None:
         from carpool.model.tokenizer import Tokenizer
 
         self.handle = handle
@@ -73,6 +84,14 @@ class RayEngine:
         self.on_failure = None
         self.last_progress = time.monotonic()
         self._replicas: dict[str, tuple[float, EngineStats]] = {}
+        # The routing as this ingress saw it, in the local fleet's form (its
+        # /carpool/policy section): a Router that never chooses, only told
+        # the decisions Ray's request router made (returned by the replicas
+        # with Accepted) and the replicas' polled stats.
+        self.router = Router(routing)
+        self.clients: dict = {}  # no worker processes of ours (the fleet's pids)
+        self.scaler = None  # the autoscaler runs in Ray's controller
+        self.restarts = self.rerouted = 0  # Ray Serve restarts replicas and retries
         self._last_stats = first.stats
         self._record(first)
         self._chain = BlockKeyChain(config.cache.block_size,
@@ -85,10 +104,12 @@ class RayEngine:
         self._poller = asyncio.ensure_future(self._poll())
 
     @classmethod
-    async def connect(cls, handle, config: EngineConfig) -> "RayEngine":
-        """Ask one replica what the engine is (its ``StatsReply``)."""
+    async def connect(cls, handle, config: EngineConfig,
+                      routing: str = "predicted-ttft") -> "RayEngine":
+        """Ask one replica what the engine is (its ``StatsReply``);
+        ``routing``: the request router's policy (named in /carpool/policy)."""
         reply = stats_decoder.decode(await handle.stats.remote())
-        return cls(handle, config, reply)
+        return cls(handle, config, reply, routing)
 
     # -- AsyncEngine's interface ---------------------------------------------------------
 
@@ -189,6 +210,7 @@ class RayEngine:
             async for data in stream:
                 event = stream_decoder.decode(data)
                 if isinstance(event, Accepted):
+                    self._accepted(request_id, len(live.prompt), event)
                     queue.put_nowait(None)
                 elif isinstance(event, Refused):
                     finished = True
@@ -210,14 +232,39 @@ class RayEngine:
             queue.put_nowait(EngineDeadError(f"the engine replica failed: {type(exc).__name__}"))
         finally:
             self._live.pop(request_id, None)
+            self.router.finished(request_id, time.monotonic(), learn=False)
+
+    def _accepted(self, request_id: str, prompt_tokens: int, event: Accepted) -> None:
+        """Log where the request went and why (the router's own cause, unless
+        Ray sent it to another replica than chosen: the choice was full)."""
+        self._view(event.replica)
+        routed = event.routed
+        if routed is None:
+            decision = RouteDecision(event.replica, "not routed by carpool's router")
+        elif routed.replica != event.replica:
+            decision = RouteDecision(event.replica, f"fallback: chosen {routed.replica} full")
+        else:
+            decision = RouteDecision(routed.replica, routed.cause, routed.cached_tokens,
+                                     routed.predicted_ttft)
+        self.router.assign(RouteRequest(request_id, prompt_tokens), decision, time.monotonic())
+
+    def _view(self, name: str) -> None:
+        if name not in self.router.views:
+            self.router.add_replica(ReplicaView(name))
 
     def _record(self, reply: StatsReply) -> None:
         now = time.monotonic()
         self._replicas[reply.replica] = (now, reply.stats)
         self.last_progress = now
+        stats = reply.stats
+        self._view(reply.replica)
+        self.router.update_stats(reply.replica, now, waiting=stats.num_waiting,
+                                 running=stats.num_running, kv_usage=stats.kv_usage,
+                                 free_blocks=stats.kv_num_blocks - stats.kv_used_blocks)
         for name, (seen, _) in list(self._replicas.items()):
             if now - seen > STALE_S:
                 del self._replicas[name]
+                self.router.remove_replica(name)
 
     async def _poll(self) -> None:
         while True:

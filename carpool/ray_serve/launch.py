@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 
@@ -23,6 +24,13 @@ log = logging.getLogger("carpool.server")
 
 APP_NAME = "carpool"
 INSTALL_HINT = "--backend ray needs Ray Serve: pip install -e '.[ray]'"
+
+
+def free_port(host: str) -> int:
+    """A port free on ``host`` now (``--port 0``)."""
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
 
 
 def run_ray_server(engine_config: EngineConfig, server_config: ServerConfig,
@@ -56,6 +64,8 @@ def run_ray_server(engine_config: EngineConfig, server_config: ServerConfig,
     most = server_config.max_replicas or server_config.replicas
     settings = settings_for(engine_config, server_config, model_name(engine_config, server_config),
                             slo_sources, replica_cpus=cpus / max(1, most))
+    if server_config.port == 0:  # any free port (Ray's proxy cannot say which it took)
+        server_config.port = free_port(server_config.host)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     attached = bool(os.environ.get("RAY_ADDRESS"))
     if attached:

@@ -1,7 +1,8 @@
 """The engine deployment: each Ray Serve replica holds one in-process ``AsyncEngine``.
 
-Requests come as msgspec bytes (``carpool.engine.wire.Add`` and
-``RouteHint``) and stream back as ``StreamEvent`` bytes, one per output.
+Requests come as msgspec bytes (``carpool.engine.wire.Add``, ``RouteHint``
+and the router's ``Routed`` decision) and stream back as ``StreamEvent``
+bytes: acceptance, then every output waiting at each send in one event.
 Leaving the stream early (the ingress cancels it: the client went away)
 cancels this generator, which aborts the request and frees its KV blocks
 before the engine's next step.
@@ -22,8 +23,8 @@ from collections.abc import AsyncIterator, Iterable
 import msgspec
 
 from carpool.engine.async_engine import AsyncEngine
-from carpool.engine.streams import EngineDeadError
-from carpool.engine.wire import Add
+from carpool.engine.streams import EngineDeadError, RequestStream
+from carpool.engine.wire import Add, Delta
 from carpool.engine.worker import build_serving_engine, delta_of, refusal_of
 from carpool.ray_serve.wire import (
     REPORT_KEY,
@@ -33,6 +34,7 @@ from carpool.ray_serve.wire import (
     Outputs,
     Refused,
     ReplicaReport,
+    Routed,
     RouteHint,
     StatsReply,
 )
@@ -45,6 +47,25 @@ REPORTED_STEPS = 64
 
 _add_decoder = msgspec.msgpack.Decoder(Add)
 _hint_decoder = msgspec.msgpack.Decoder(RouteHint)
+_routed_decoder = msgspec.msgpack.Decoder(Routed)
+
+
+async def _batches(stream: RequestStream) -> AsyncIterator[list[Delta]]:
+    """The stream's outputs as deltas, each batch every output already
+    queued when the previous batch left: one stream item per token costs a
+    Ray hop per token, and a hop slower than a step queues them. A batch
+    never waits for a token (the first of each is awaited alone); an error
+    after some outputs sends those first."""
+    async for output in stream:
+        batch = [delta_of(output)]
+        while not output.finished and stream.ready:
+            try:
+                output = await anext(stream)  # queued: returns without waiting
+            except EngineDeadError:
+                yield batch
+                raise
+            batch.append(delta_of(output))
+        yield batch
 
 
 class HeldBlocks:
@@ -99,9 +120,11 @@ class EngineReplica:
         self.engine = AsyncEngine(build)
         log.info("engine replica %s ready (pid %d)", self.name, os.getpid())
 
-    async def generate(self, add: bytes, hint: bytes) -> AsyncIterator[bytes]:
-        """Run one request: ``Accepted`` or ``Refused`` first, then ``Outputs``
-        until one finishes (``Failed`` if the engine dies under it)."""
+    async def generate(self, add: bytes, hint: bytes, routed: bytes = b"",
+                       ) -> AsyncIterator[bytes]:
+        """Run one request: ``Accepted`` (with the router's ``routed``
+        decision) or ``Refused`` first, then ``Outputs`` until one finishes
+        (``Failed`` if the engine dies under it)."""
         request = _add_decoder.decode(add)
         route = _hint_decoder.decode(hint)
         encode = self._encoder.encode
@@ -116,10 +139,10 @@ class EngineReplica:
         except EngineDeadError as exc:
             yield encode(Failed(str(exc)))
             return
-        yield encode(Accepted(self.name))
+        yield encode(Accepted(self.name, _routed_decoder.decode(routed) if routed else None))
         try:
-            async for output in stream:
-                yield encode(Outputs([delta_of(output)]))
+            async for deltas in _batches(stream):
+                yield encode(Outputs(deltas))
         except EngineDeadError as exc:
             yield encode(Failed(str(exc)))
         finally:

@@ -23,6 +23,13 @@ of a replica with long decodes errs high, never low).
 
 Other methods than ``generate`` (the ingress's stats polls) go round robin.
 
+Each decision (replica, cause, cached tokens, predicted TTFT) is added to
+the request as ``Routed`` bytes (``generate``'s ``routed`` argument); the
+replica returns it with its ``Accepted`` event, and the ingress's
+``RayEngine`` logs it for ``/carpool/policy``. The router object itself is
+Ray's (one per handle, possibly on its own event loop): nothing of it is
+shared with the ingress's code.
+
 Ray ships this module to each router by value (cloudpickle), so it holds
 no module-level objects but classes and functions (no msgspec decoders).
 """
@@ -37,7 +44,7 @@ from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, R
 from carpool.cluster.policies import make_policy
 from carpool.cluster.router import Router
 from carpool.cluster.view import ReplicaView, Role, RouteDecision, RouteRequest
-from carpool.ray_serve.wire import REPORT_KEY, ReplicaReport, RouteHint
+from carpool.ray_serve.wire import REPORT_KEY, ROUTED_KWARG, ReplicaReport, Routed, RouteHint
 from carpool.scheduler.cost_model import StepCostModel
 
 log = logging.getLogger("carpool.server")
@@ -120,6 +127,11 @@ class CarpoolRequestRouter(FIFOMixin, RequestRouter):
         decision = self.router.policy.choose(request, views, self.router, now)
         self.router.assign(request, decision, now)
         self._routed[pending_request.metadata.internal_request_id] = hint
+        # The decision rides with the request; its replica returns it to the
+        # ingress's RayEngine (/carpool/policy's routing section).
+        pending_request.kwargs[ROUTED_KWARG] = msgspec.msgpack.encode(Routed(
+            decision.replica_id, decision.cause, decision.cached_tokens,
+            decision.predicted_ttft))
         chosen = by_name[decision.replica_id]
         return [[chosen], [r for r in candidate_replicas if r is not chosen]]
 

@@ -37,10 +37,23 @@ class RouteHint(msgspec.Struct, array_like=True):
     waited_s: float = 0.0
 
 
-class Accepted(msgspec.Struct, tag=True, array_like=True):
-    """The replica's engine took the request; ``replica``: which one."""
+class Routed(msgspec.Struct, array_like=True):
+    """The request router's decision (``carpool.cluster.view.RouteDecision``'s
+    fields), sent with the request to the replica, which returns it in
+    ``Accepted``: how the ingress learns why its request went where it did."""
 
     replica: str
+    cause: str
+    cached_tokens: int = 0
+    predicted_ttft: float | None = None
+
+
+class Accepted(msgspec.Struct, tag=True, array_like=True):
+    """The replica's engine took the request; ``replica``: which one;
+    ``routed``: the router's decision, when a carpool router chose."""
+
+    replica: str
+    routed: Routed | None = None
 
 
 class Refused(msgspec.Struct, tag=True, array_like=True):
@@ -48,7 +61,9 @@ class Refused(msgspec.Struct, tag=True, array_like=True):
 
 
 class Outputs(msgspec.Struct, tag=True, array_like=True):
-    """The request's deltas since the previous event (the last one finished)."""
+    """The request's deltas since the previous event (the last one finished):
+    every output that was waiting when the replica sent the previous event,
+    so a slow hop never queues one stream item per token."""
 
     deltas: list[Delta]
 
@@ -61,6 +76,8 @@ class Failed(msgspec.Struct, tag=True, array_like=True):
 
 StreamEvent = Accepted | Refused | Outputs | Failed
 stream_decoder = msgspec.msgpack.Decoder(StreamEvent)
+# The keyword argument of the replica's ``generate`` the request router sets (``Routed`` bytes).
+ROUTED_KWARG = "routed"
 
 
 class ReplicaReport(msgspec.Struct, array_like=True):

@@ -283,7 +283,8 @@ def _serve_tables(summary: dict) -> list[str]:
               for name, key in _COUNT_ROWS if key in summary or key != "unsent"]
     counts += [["request throughput (req/s)", _num(summary.get("request_throughput"))],
                ["output throughput (tok/s)", _num(summary.get("output_throughput"), ".1f")],
-               ["total token throughput (tok/s)", _num(summary.get("total_token_throughput"), ".1f")]]
+               ["total token throughput (tok/s)", _num(summary.get("total_token_throughput"), ".1f")],
+               ["prefix hit rate (cached / prompt tokens)", _pct(summary.get("prefix_hit_rate"))]]
     reasons = [[status, reason, n] for status in ("rejected", "failed")
                for reason, n in (summary.get(f"{status}_by_reason") or {}).items()]
     parts = ["<h2>Latency (ms)</h2>", html_table(["metric", *SUMMARY_STATS], latency),

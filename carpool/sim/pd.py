@@ -128,6 +128,7 @@ class FleetPD:
             record.status, record.reason, record.error = leg.status, leg.reason, leg.error
             router.finished(str(index), now, learn=False)
             return
+        record.cached_tokens = leg.cached_tokens  # the prompt's hit is where it was prefilled
         decode = plan.decode.replica_id
         self.inboxes[decode].expect(f"r{index}", now + plan.exposed_s)
         self.handoffs.append((self.replica(decode), item, record))

@@ -304,6 +304,8 @@ class SimReplica:
         if not self.token_times:
             record.chunk_times = [request.first_token_time]
         record.output_tokens = request.num_output_tokens
+        if not request.kv_handoff:  # a decode leg's "hit" is its transfer: the P/D planner
+            record.cached_tokens = request.num_cached_tokens  # copies its prefill leg's
         self.prompt_tokens += request.num_prompt_tokens
         self.cached_tokens += request.num_cached_tokens
         self.loaded_tokens += request.num_loaded_tokens

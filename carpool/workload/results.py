@@ -68,6 +68,7 @@ def format_result(result: dict) -> str:
         limits = ", ".join(f"{k}<={v * 1000:g}ms" for k, v in s["slo"].items())
         lines.append(f"goodput {s['goodput']:.2f} req/s, {s['slo_attainment']:.1%} of "
                      f"requests meet {limits}")
+    lines.append(format_prefix_cache(s))
     fallback = s.get("tokenizer_counted") or 0  # absent from results written before it
     if fallback:
         lines.append(f"note: {fallback} of {s['completed']} responses came without usage; "
@@ -81,6 +82,18 @@ def format_result(result: dict) -> str:
         lines.append(f"{metric.upper():<6}" + "".join(
             f"{'-':>9}" if v is None else f"{v * 1000:>9.1f}" for v in cells))
     return "\n".join(lines)
+
+
+def format_prefix_cache(summary: dict) -> str:
+    """The prefix hit rate line; "-" when no request reported cached tokens
+    (a server that does not say, or a result written before the field)."""
+    rate = summary.get("prefix_hit_rate")
+    if rate is None:
+        return "prefix hit rate - (no cached-token counts)"
+    reported, completed = summary.get("cache_reported"), summary["completed"]
+    share = f", {reported} of {completed} requests reported" if reported != completed else ""
+    return (f"prefix hit rate {rate:.1%}: {summary['cached_tokens']} prompt tokens from the "
+            f"prefix cache{share}")
 
 
 def format_phases(phases: list[dict]) -> list[str]:

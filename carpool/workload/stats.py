@@ -46,6 +46,9 @@ class RequestRecord:
     output_tokens: int = 0  # the server's usage (else our tokenizer's count)
     counted_tokens: int | None = None  # our tokenizer on the returned text
     server_input_tokens: int | None = None
+    # Prompt tokens served from the prefix cache (the server's usage, the
+    # simulated scheduler's count); None when the server reported none.
+    cached_tokens: int | None = None
     text: str = ""  # the answer's text (not stored in reports)
     error: str = ""  # the start of an error body or message (failed or rejected)
 
@@ -88,7 +91,8 @@ class RequestRecord:
                 "first_token": self.chunk_times[0] if self.ok else None,
                 "finished": self.finished, "input_tokens": self.input_tokens,
                 "output_tokens": self.output_tokens, "counted_tokens": self.counted_tokens,
-                "server_input_tokens": self.server_input_tokens, "error": self.error or None}
+                "server_input_tokens": self.server_input_tokens,
+                "cached_tokens": self.cached_tokens, "error": self.error or None}
 
 
 def distribution(values: list[float]) -> dict[str, float | None]:
@@ -123,6 +127,18 @@ def _within(record: RequestRecord, latencies: tuple[float, float | None, float] 
             return False
     limit = slo.get("itl")
     return limit is None or all(gap <= limit for gap in record.itl)
+
+
+def prefix_cache(records: list[RequestRecord]) -> dict:
+    """Over completed ``records`` that report cached tokens: their cached
+    and prompt tokens and the hit rate (None when none reports any)."""
+    reported = [r for r in records if r.ok and r.cached_tokens is not None]
+    cached = sum(r.cached_tokens for r in reported)
+    prompt = sum(r.input_tokens if r.server_input_tokens is None else r.server_input_tokens
+                 for r in reported)
+    return {"prefix_hit_rate": cached / prompt if reported and prompt else None,
+            "cached_tokens": cached if reported else None,
+            "cache_reported": len(reported)}
 
 
 def peak_concurrency(records: list[RequestRecord]) -> int:
@@ -173,6 +189,7 @@ def summarize(records: list[RequestRecord], duration: float,
         # reported no usage (a server's own usage is never second-guessed:
         # re-encoding decoded text need not give back the tokens generated).
         "tokenizer_counted": sum(r.counted_tokens is not None for r in done),
+        **prefix_cache(done),
     }
 
 

@@ -244,6 +244,8 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor silu_and_mul(torch::Tensor x);
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias);
 bool packed_linear_native();
+torch::Tensor int4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
+                          torch::Tensor mins, c10::optional<torch::Tensor> bias);
 torch::Tensor decode_attention_block(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
                                      torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor slot_blocks, torch::Tensor slot_offsets,
@@ -258,5 +260,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_linear", &packed_linear, "x [rows, in] bf16 times a packed weight (+ bias)");
   m.def("decode_attention_block", &decode_attention_block,
         "Rotary, K/V cache write and paged attention of a decode-only step's layer");
+  m.def("int4_linear", &int4_linear, "x [rows, in] bf16 times packed INT4 codes, scales, mins");
   m.def("packed_linear_native", &packed_linear_native, "Whether packed_linear uses AVX512-BF16");
 }

@@ -1,0 +1,186 @@
+#!/usr/bin/env bash
+# Issue 19 item 5: one replica vs two with round-robin vs two with carpool's
+# router (predicted-ttft), each served for real (`carpool serve`, measured
+# by `carpool bench serve`) and simulated (`carpool simulate`) on the same
+# Mooncake conversation window; prints the prefix hit rate, TTFT p50/p99
+# and goodput of each side and the simulator's TTFT error.
+#
+# The window follows scripts/fidelity_windows.sh's rule, fixed before
+# measuring: COUNT requests from START seconds into the trace, token scale
+# min(1/8, 128 / the window's mean prompt tokens), time scale the window's
+# own mean arrival rate / 1 req/s (offered at 1 req/s on average, its
+# burstiness kept). TOKEN_SCALE / TIME_SCALE override the rule.
+#
+# Threads: one replica gets every core (THREADS, default nproc); each of
+# two replicas half of them, as `carpool serve --replicas 2` splits the
+# cores itself (carpool/server/fleet.py); both are passed explicitly, and
+# the simulator prices each case with a cost model measured at that thread
+# count (`carpool measure --grid GRID --threads N`, just before its runs).
+#
+# SLO (goodput): ttft=2s,tpot=200ms by default: the targets of the
+# README's tuning examples on this 2-core CPU, a few times the unloaded
+# TTFT/TPOT of the default model here, so goodput separates a fleet that
+# keeps up from one whose queue grows.
+#
+#   scripts/fleet_compare.sh                          # ~15 min on 2 cores, alone
+#   COUNT=12 GRID=smoke OUT=/tmp/fc scripts/fleet_compare.sh   # a smoke run
+#
+# Needs the machine alone and the whole trace (../shared/traces or
+# $CARPOOL_TRACES). Servers listen on 127.0.0.1 only and are always stopped.
+set -euo pipefail
+
+TRACE=${TRACE:-mooncake-conv}
+START=${START:-1800}
+COUNT=${COUNT:-200}
+DTYPE=${DTYPE:-bfloat16}
+GRID=${GRID:-quick}
+SLO=${SLO:-ttft=2s,tpot=200ms}
+OUT=${OUT:-fleet-compare}
+THREADS=${THREADS:-$(nproc)}
+WARMUP=${WARMUP:-8}               # requests before each real run (even: keeps round-robin's turn)
+RUN_TIMEOUT=${RUN_TIMEOUT:-1800}  # seconds one bench run may take at most
+START_TIMEOUT=${START_TIMEOUT:-300}  # seconds a server may take to become healthy
+HALF=$(( THREADS / 2 > 0 ? THREADS / 2 : 1 ))
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+
+read -r RULE_TOKEN RULE_TIME MEAN_PROMPT RATE < <(python - "$TRACE" "$START" "$COUNT" <<'EOF'
+import sys
+from carpool.workload.traces import load_trace, select_window
+
+# The rule of scripts/fidelity_windows.sh, kept in step with it.
+name, start, count = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
+window = select_window(load_trace(name), start_s=start, max_requests=count)
+if len(window) < max(count, 2):
+    sys.exit(f"{name}: only {len(window)} requests from {start} s")
+mean_prompt = sum(r.input_len for r in window) / len(window)
+rate = (len(window) - 1) / (window[-1].arrival - window[0].arrival)
+print(f"{min(1 / 8, 128 / mean_prompt):.5f} {rate / 1.0:.4f} {mean_prompt:.0f} {rate:.3f}")
+EOF
+)
+TOKEN_SCALE=${TOKEN_SCALE:-$RULE_TOKEN}
+TIME_SCALE=${TIME_SCALE:-$RULE_TIME}
+WORKLOAD=(--workload "$TRACE" --arrival trace --trace-start "$START" --num-requests "$COUNT"
+          --token-scale "$TOKEN_SCALE" --time-scale "$TIME_SCALE")
+echo "== $TRACE: $COUNT requests from ${START} s (mean prompt $MEAN_PROMPT tokens, $RATE req/s):" \
+     "token scale $TOKEN_SCALE, time scale $TIME_SCALE | SLO $SLO | threads $THREADS / $HALF"
+
+SERVER_PID=""
+stop_server() {  # SIGTERM drains the fleet; SIGKILL only if it hangs
+  [ -n "$SERVER_PID" ] || return 0
+  if kill -0 "$SERVER_PID" 2>/dev/null; then
+    kill -TERM "$SERVER_PID" 2>/dev/null || true
+    for _ in $(seq 1 60); do kill -0 "$SERVER_PID" 2>/dev/null || break; sleep 1; done
+    kill -KILL "$SERVER_PID" 2>/dev/null || true
+  fi
+  wait "$SERVER_PID" 2>/dev/null || true
+  SERVER_PID=""
+}
+trap stop_server EXIT
+trap 'exit 130' INT TERM
+
+free_port() {
+  python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+}
+
+measure() {  # $1: threads -> $OUT/cost-model-t$1.json
+  local began=$SECONDS
+  carpool measure --dtype "$DTYPE" --threads "$1" --grid "$GRID" \
+    --out "$OUT/cost-model-t$1.json" >"$OUT/measure-t$1.txt" 2>"$OUT/measure-t$1.err"
+  echo "   carpool measure --grid $GRID --threads $1 took $((SECONDS - began)) s"
+}
+
+serve() {  # $1: dir, $2: threads, rest: serve flags -> $SERVER_PID, $URL
+  local dir=$1 threads=$2 port
+  shift 2
+  port=$(free_port)
+  carpool serve --host 127.0.0.1 --port "$port" --dtype "$DTYPE" --threads "$threads" \
+    --adaptive false "$@" >"$dir/server.log" 2>&1 &
+  SERVER_PID=$!
+  URL="http://127.0.0.1:$port"
+  for _ in $(seq 1 "$START_TIMEOUT"); do
+    curl -sf "$URL/health" >/dev/null 2>&1 && return 0
+    kill -0 "$SERVER_PID" 2>/dev/null || { echo "server died; see $dir/server.log" >&2; exit 1; }
+    sleep 1
+  done
+  echo "server not healthy after $START_TIMEOUT s; see $dir/server.log" >&2
+  exit 1
+}
+
+run_case() {  # $1: name, $2: replicas, $3: routing, $4: threads, $5: cost model
+  local name=$1 replicas=$2 routing=$3 threads=$4 cost=$5 dir="$OUT/$1" began=$SECONDS
+  local fleet=()
+  if [ "$replicas" -gt 1 ]; then fleet=(--replicas "$replicas" --routing "$routing"); fi
+  mkdir -p "$dir"
+  serve "$dir" "$threads" "${fleet[@]}"
+  if [ "$WARMUP" -gt 0 ]; then  # first-use costs (kernels, the router's step fit), not recorded
+    timeout "$RUN_TIMEOUT" carpool bench serve --base-url "$URL/v1" --num-requests "$WARMUP" \
+      --input-len 128 --output-len 8 --rate 1000 --max-concurrency 4 --no-progress \
+      >"$dir/warmup.txt" 2>&1
+  fi
+  timeout "$RUN_TIMEOUT" carpool bench serve --base-url "$URL/v1" "${WORKLOAD[@]}" \
+    --slo "$SLO" --label "real: $name" --no-progress --json "$dir/real.json" \
+    >"$dir/real.txt" 2>"$dir/real.err"
+  stop_server
+  carpool simulate --cost-model "$cost" "${WORKLOAD[@]}" --replicas "$replicas" \
+    --routing "$routing" --slo "$SLO" --label "simulated: $name" --json "$dir/sim.json" \
+    >"$dir/sim.txt" 2>"$dir/sim.err"
+  echo "   $name: real and simulated in $((SECONDS - began)) s"
+}
+
+BEGAN=$SECONDS
+measure "$THREADS"
+run_case one-replica 1 round-robin "$THREADS" "$OUT/cost-model-t$THREADS.json"
+measure "$HALF"
+run_case two-round-robin 2 round-robin "$HALF" "$OUT/cost-model-t$HALF.json"
+run_case two-router 2 predicted-ttft "$HALF" "$OUT/cost-model-t$HALF.json"
+
+CASES=(one-replica two-round-robin two-router)
+echo
+echo "## real vs simulated, per configuration"
+for name in "${CASES[@]}"; do
+  echo
+  echo "### $name"
+  carpool bench compare --markdown "$OUT/$name/real.json" "$OUT/$name/sim.json" 2>/dev/null
+done
+echo
+echo "## the real runs side by side (A: one replica)"
+REALS=()
+for name in "${CASES[@]}"; do REALS+=("$OUT/$name/real.json"); done
+carpool bench compare --markdown "${REALS[@]}" 2>/dev/null
+echo
+python - "$OUT" "${CASES[@]}" <<'EOF'
+import json
+import sys
+from pathlib import Path
+
+out, names = Path(sys.argv[1]), sys.argv[2:]
+
+
+def pct(value):
+    return "-" if value is None else f"{value:.1%}"
+
+
+def ms(value):
+    return "-" if value is None else f"{value * 1000:.0f}"
+
+
+def error(real, sim):
+    return "-" if not real or sim is None else f"{sim / real - 1:+.1%}"
+
+
+print("## summary (real / simulated; TTFT error = simulated / real - 1, goal |p50| <= 15%)")
+for name in names:
+    real, sim = (json.loads((out / name / f"{side}.json").read_text())["summary"]
+                 for side in ("real", "sim"))
+    r50, r99 = real["ttft"]["p50"], real["ttft"]["p99"]
+    s50, s99 = sim["ttft"]["p50"], sim["ttft"]["p99"]
+    good = [("-" if s.get("goodput") is None else f"{s['goodput']:.2f}") for s in (real, sim)]
+    within = "" if not r50 or s50 is None else (" ok" if abs(s50 / r50 - 1) <= 0.15 else " OVER")
+    print(f"{name:<16} hit rate {pct(real.get('prefix_hit_rate'))} / "
+          f"{pct(sim.get('prefix_hit_rate'))} | TTFT p50 {ms(r50)} / {ms(s50)} ms "
+          f"({error(r50, s50)}{within}) | p99 {ms(r99)} / {ms(s99)} ms ({error(r99, s99)}) | "
+          f"goodput {good[0]} / {good[1]} req/s | completed {real['completed']} / "
+          f"{sim['completed']} of {real['requests']}")
+EOF
+echo "total $((SECONDS - BEGAN)) s; results under $OUT"
