@@ -9,7 +9,11 @@
 # measuring: COUNT requests from START seconds into the trace, token scale
 # min(1/8, 128 / the window's mean prompt tokens), time scale the window's
 # own mean arrival rate / 1 req/s (offered at 1 req/s on average, its
-# burstiness kept). TOKEN_SCALE / TIME_SCALE override the rule.
+# burstiness kept). TOKEN_SCALE / TIME_SCALE override the rule. For
+# mooncake-* traces the token scale is 16/512 instead: their prefix sharing
+# comes as 512-token hash blocks, which then become exactly the server's
+# 16-token KV blocks (at the rule's ~1/85 a trace block is 6 tokens and
+# whole-block caching loses most of the sharing the comparison is about).
 #
 # Threads: one replica gets every core (THREADS, default nproc); each of
 # two replicas half of them, as `carpool serve --replicas 2` splits the
@@ -17,12 +21,21 @@
 # the simulator prices each case with a cost model measured at that thread
 # count (`carpool measure --grid GRID --threads N`, just before its runs).
 #
+# Two cost models price each case: the grid's (measured alone, in one
+# process) and the server's own (`carpool measure --from URL`: fitted on the
+# steps the live server ran while replaying a calibration window, CAL_COUNT
+# requests from CAL_START s, then a fresh server of the same configuration
+# serves the measured window, its cache cold as the simulator's: a
+# prediction, not a fit of the run it predicts). The live one includes what serving adds to
+# a step on a small machine: the API process, the benchmark client and (two
+# replicas) the other replica on the same cores.
+#
 # SLO (goodput): ttft=2s,tpot=200ms by default: the targets of the
 # README's tuning examples on this 2-core CPU, a few times the unloaded
 # TTFT/TPOT of the default model here, so goodput separates a fleet that
 # keeps up from one whose queue grows.
 #
-#   scripts/fleet_compare.sh                          # ~15 min on 2 cores, alone
+#   scripts/fleet_compare.sh                          # ~25 min on 2 cores, alone
 #   COUNT=12 GRID=smoke OUT=/tmp/fc scripts/fleet_compare.sh   # a smoke run
 #
 # Needs the machine alone and the whole trace (../shared/traces or
@@ -38,6 +51,8 @@ SLO=${SLO:-ttft=2s,tpot=200ms}
 OUT=${OUT:-fleet-compare}
 THREADS=${THREADS:-$(nproc)}
 WARMUP=${WARMUP:-8}               # requests before each real run (even: keeps round-robin's turn)
+CAL_START=${CAL_START:-600}       # the calibration window (the live cost model's steps)
+CAL_COUNT=${CAL_COUNT:-100}       # 0: no live cost model
 RUN_TIMEOUT=${RUN_TIMEOUT:-1800}  # seconds one bench run may take at most
 START_TIMEOUT=${START_TIMEOUT:-300}  # seconds a server may take to become healthy
 HALF=$(( THREADS / 2 > 0 ? THREADS / 2 : 1 ))
@@ -58,6 +73,7 @@ rate = (len(window) - 1) / (window[-1].arrival - window[0].arrival)
 print(f"{min(1 / 8, 128 / mean_prompt):.5f} {rate / 1.0:.4f} {mean_prompt:.0f} {rate:.3f}")
 EOF
 )
+case "$TRACE" in mooncake*) RULE_TOKEN=0.03125 ;; esac  # 512-token trace blocks -> 16
 TOKEN_SCALE=${TOKEN_SCALE:-$RULE_TOKEN}
 TIME_SCALE=${TIME_SCALE:-$RULE_TIME}
 WORKLOAD=(--workload "$TRACE" --arrival trace --trace-start "$START" --num-requests "$COUNT"
@@ -107,24 +123,46 @@ serve() {  # $1: dir, $2: threads, rest: serve flags -> $SERVER_PID, $URL
   exit 1
 }
 
+warm_up() {  # $1: dir. First-use costs (kernels, the router's step fit), not recorded.
+  [ "$WARMUP" -gt 0 ] || return 0
+  timeout "$RUN_TIMEOUT" carpool bench serve --base-url "$URL/v1" --num-requests "$WARMUP" \
+    --input-len 128 --output-len 8 --rate 1000 --max-concurrency 4 --no-progress \
+    >"$1/warmup.txt" 2>&1
+}
+
+simulate() {  # $1: dir, $2: cost model, $3: result name, $4: replicas, $5: routing, $6: label
+  carpool simulate --cost-model "$2" "${WORKLOAD[@]}" --replicas "$4" --routing "$5" \
+    --slo "$SLO" --label "$6" --json "$1/$3.json" >"$1/$3.txt" 2>"$1/$3.err"
+}
+
 run_case() {  # $1: name, $2: replicas, $3: routing, $4: threads, $5: cost model
   local name=$1 replicas=$2 routing=$3 threads=$4 cost=$5 dir="$OUT/$1" began=$SECONDS
   local fleet=()
   if [ "$replicas" -gt 1 ]; then fleet=(--replicas "$replicas" --routing "$routing"); fi
   mkdir -p "$dir"
   serve "$dir" "$threads" "${fleet[@]}"
-  if [ "$WARMUP" -gt 0 ]; then  # first-use costs (kernels, the router's step fit), not recorded
-    timeout "$RUN_TIMEOUT" carpool bench serve --base-url "$URL/v1" --num-requests "$WARMUP" \
-      --input-len 128 --output-len 8 --rate 1000 --max-concurrency 4 --no-progress \
-      >"$dir/warmup.txt" 2>&1
+  warm_up "$dir"
+  if [ "$CAL_COUNT" -gt 0 ]; then  # the live cost model: this server's steps on another window
+    timeout "$RUN_TIMEOUT" carpool bench serve --base-url "$URL/v1" --workload "$TRACE" \
+      --arrival trace --trace-start "$CAL_START" --num-requests "$CAL_COUNT" \
+      --token-scale "$TOKEN_SCALE" --time-scale "$TIME_SCALE" --no-progress \
+      >"$dir/calibration.txt" 2>&1
+    carpool measure --from "$URL" --out "$dir/cost-model-live.json" >"$dir/measure-live.txt" 2>&1
+    # A fresh server for the measured window: the calibration's prefixes
+    # must not warm its cache (the simulator starts empty too).
+    stop_server
+    serve "$dir" "$threads" "${fleet[@]}"
+    warm_up "$dir"
   fi
   timeout "$RUN_TIMEOUT" carpool bench serve --base-url "$URL/v1" "${WORKLOAD[@]}" \
     --slo "$SLO" --label "real: $name" --no-progress --json "$dir/real.json" \
     >"$dir/real.txt" 2>"$dir/real.err"
   stop_server
-  carpool simulate --cost-model "$cost" "${WORKLOAD[@]}" --replicas "$replicas" \
-    --routing "$routing" --slo "$SLO" --label "simulated: $name" --json "$dir/sim.json" \
-    >"$dir/sim.txt" 2>"$dir/sim.err"
+  simulate "$dir" "$cost" sim "$replicas" "$routing" "simulated: $name"
+  if [ "$CAL_COUNT" -gt 0 ]; then
+    simulate "$dir" "$dir/cost-model-live.json" sim-live "$replicas" "$routing" \
+      "simulated (live cost model): $name"
+  fi
   echo "   $name: real and simulated in $((SECONDS - began)) s"
 }
 
@@ -141,7 +179,7 @@ echo "## real vs simulated, per configuration"
 for name in "${CASES[@]}"; do
   echo
   echo "### $name"
-  carpool bench compare --markdown "$OUT/$name/real.json" "$OUT/$name/sim.json" 2>/dev/null
+  carpool bench compare --markdown "$OUT/$name/real.json" "$OUT/$name"/sim*.json 2>/dev/null
 done
 echo
 echo "## the real runs side by side (A: one replica)"
@@ -170,14 +208,17 @@ def error(real, sim):
 
 
 print("## summary (real / simulated; TTFT error = simulated / real - 1, goal |p50| <= 15%)")
-for name in names:
-    real, sim = (json.loads((out / name / f"{side}.json").read_text())["summary"]
-                 for side in ("real", "sim"))
+for name, side in [(name, side) for name in names for side in ("sim", "sim-live")]:
+    if not (out / name / f"{side}.json").is_file():
+        continue
+    real, sim = (json.loads((out / name / f"{kind}.json").read_text())["summary"]
+                 for kind in ("real", side))
+    model = "grid" if side == "sim" else "live"
     r50, r99 = real["ttft"]["p50"], real["ttft"]["p99"]
     s50, s99 = sim["ttft"]["p50"], sim["ttft"]["p99"]
     good = [("-" if s.get("goodput") is None else f"{s['goodput']:.2f}") for s in (real, sim)]
     within = "" if not r50 or s50 is None else (" ok" if abs(s50 / r50 - 1) <= 0.15 else " OVER")
-    print(f"{name:<16} hit rate {pct(real.get('prefix_hit_rate'))} / "
+    print(f"{name:<16} {model} hit rate {pct(real.get('prefix_hit_rate'))} / "
           f"{pct(sim.get('prefix_hit_rate'))} | TTFT p50 {ms(r50)} / {ms(s50)} ms "
           f"({error(r50, s50)}{within}) | p99 {ms(r99)} / {ms(s99)} ms ({error(r99, s99)}) | "
           f"goodput {good[0]} / {good[1]} req/s | completed {real['completed']} / "

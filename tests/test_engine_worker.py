@@ -208,6 +208,27 @@ def test_the_worker_dies_with_its_front(tiny_model_dir, tmp_path) -> None:
         front.stdout.close()
 
 
+def test_a_worker_whose_front_is_gone_before_launch_exits(tmp_path) -> None:
+    """A worker whose front died before sending ``Launch`` (or before the
+    worker asked for its death signal) does not wait for ever: it exits."""
+    endpoint = f"ipc://{tmp_path}/nobody.sock"
+    # Its front already gone: the pid given is not its parent.
+    gone = subprocess.run([sys.executable, "-m", "carpool.engine.worker", "--connect", endpoint,
+                           "--parent-pid", "1"], timeout=60)
+    assert gone.returncode == 1
+    # Its front leaves while it waits for Launch (an intermediate shell is the front).
+    shell = subprocess.Popen(["sh", "-c", f"{sys.executable} -m carpool.engine.worker "
+                              f"--connect {endpoint} --parent-pid $$ & echo $!; sleep 1"],
+                             stdout=subprocess.PIPE, text=True)
+    worker_pid = int(shell.stdout.readline())
+    shell.wait(30)
+    shell.stdout.close()
+    deadline = time.monotonic() + 15
+    while _pid_alive(worker_pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _pid_alive(worker_pid)
+
+
 def test_the_schema_refuses_what_does_not_match() -> None:
     encoder = msgspec.msgpack.Encoder()
     frame = encoder.encode(Add("r1", [1, 2, 3], SamplingParams(max_tokens=3)))

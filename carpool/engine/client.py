@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import shutil
 import sys
 import tempfile
@@ -156,7 +157,8 @@ class EngineClient:
         endpoint = f"ipc://{workdir}/engine.sock"
         socket.bind(endpoint)
         process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "carpool.engine.worker", "--connect", endpoint)
+            sys.executable, "-m", "carpool.engine.worker", "--connect", endpoint,
+            "--parent-pid", str(os.getpid()))
         try:
             await socket.send(msgspec.msgpack.encode(Launch(
                 config, dict(slo_sources or {}), profile, list(pinned), log_format,

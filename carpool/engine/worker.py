@@ -205,6 +205,11 @@ def serve(endpoint: str, parent_pid: int) -> int:
     socket.setsockopt(zmq.LINGER, 1000)
     socket.connect(endpoint)
     encoder = msgspec.msgpack.Encoder()
+    # The front sends Launch at once; one that died first never will.
+    while not socket.poll(1000):
+        if os.getppid() != parent_pid:
+            socket.close()
+            return 1
     launch = to_worker_decoder.decode(socket.recv())
     if not isinstance(launch, Launch):
         raise SystemExit(f"carpool worker: expected a Launch message, got {type(launch).__name__}")
@@ -240,11 +245,17 @@ def main(argv: list[str] | None = None) -> int:
                                      description="a carpool engine worker (started by the "
                                                  "API process, not by hand)")
     parser.add_argument("--connect", required=True, help="the front's ZeroMQ endpoint")
+    parser.add_argument("--parent-pid", type=int, default=None,
+                        help="the front's pid (default: this process's parent now)")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    parent_pid = os.getppid()
+    parent_pid = args.parent_pid if args.parent_pid is not None else os.getppid()
     _die_with_parent()
+    # A front that died before the line above sent no death signal: its
+    # worker already has another parent.
+    if os.getppid() != parent_pid:
+        return 1
     return serve(args.connect, parent_pid)
 
 
