@@ -108,6 +108,10 @@ def test_packed_model_matches_the_unpacked_one(ops, tiny_model_dir):
         logits_before = model.compute_logits(hidden)
         predicted = packed_bytes(model)
         assert pack_for_decode(model, ops) == predicted > 0
+        # A step with a prefill: the original weights, exactly (see StepKind).
+        model.step_kind.decode_only = False
+        assert torch.equal(model.layers[0].gate_up_proj(hidden), before[0])
+        model.step_kind.decode_only = True
         assert all(isinstance(layer.gate_up_proj, PackedDecodeLinear) for layer in model.layers)
         after = [layer.gate_up_proj(hidden) for layer in model.layers]
         logits_after = model.compute_logits(hidden)

@@ -101,7 +101,8 @@ def test_low_bit_greedy_answers_agree_with_bf16(real_model_path, scheme):
     # The LM head: INT8, or (INT4 on our kernels) bf16 through the packed kernel.
     assert isinstance(model.head, (LowBitDecodeLinear, PackedDecodeLinear))
     for layer in [*layers, model.head]:
-        layer.max_rows = 10**9  # the low-bit (or packed) kernel on every step
+        # The low-bit (or packed) kernel on every step, prefills included.
+        layer.max_rows, layer.step_kind = 10**9, None
     outputs = low_bit.generate(prompts, params)
     prefixes = [_common_prefix(a.token_ids, b.token_ids) for a, b in zip(reference, outputs)]
     identical = sum(p == 32 for p in prefixes)

@@ -8,6 +8,7 @@ q/k/v and gate/up projections are fused into one matmul each at load time.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +17,22 @@ from torch import nn
 from carpool.model.attention import AttentionMetadata, TorchAttention
 from carpool.model.config import ModelConfig
 from carpool.model.hf_names import EMBED_TOKENS, FINAL_NORM, LM_HEAD, layer_names, o_proj_has_bias
+
+
+@dataclass
+class StepKind:
+    """What the step now running is, set by ``LlamaModel.forward`` before
+    its first layer and read by the decode-only linear layers (packed bf16,
+    INT8/INT4: carpool/model/packed_linear.py, quant.py).
+
+    Why only decode-only steps: their kernels round differently from the
+    bf16 matrix kernel, and a prefill's rows depend on how much of the
+    prompt the prefix cache already held. Were short prefills to take
+    the other kernel, one seeded request would sample differently the
+    second time it came. (A prefill gains nothing from them anyway: they
+    win only up to a few rows.)"""
+
+    decode_only: bool = False
 
 
 class RMSNorm(nn.Module):
@@ -155,6 +172,7 @@ class LlamaModel(nn.Module):
         self.ops = None  # fused kernels (CPU or Triton), set by the executor when available
         # The LM head as a module when it is not plain F.linear (INT8 decode: carpool.model.quant).
         self.head: nn.Module | None = None
+        self.step_kind = StepKind()
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -164,6 +182,7 @@ class LlamaModel(nn.Module):
         matrix kernel serves every step of R rows: see
         ``carpool.executor.shapes.padded_rows``) and nothing else reads.
         Returns final hidden states [T, hidden] (pre-norm)."""
+        self.step_kind.decode_only = not meta.prefills
         hidden = self.embed_tokens(input_ids)
         rope = self.rotary.tables(meta.positions, hidden.dtype)
         for layer, kv in zip(self.layers, kv_caches):

@@ -41,8 +41,9 @@ def packable(weight: torch.Tensor) -> bool:
 
 
 class PackedDecodeLinear(nn.Module):
-    """A bf16 linear layer whose steps of up to ``max_rows`` rows run our
-    packed kernel, and larger ones ``F.linear`` on the original weight.
+    """A bf16 linear layer whose decode-only steps of up to ``max_rows``
+    rows run our packed kernel, and other steps ``F.linear`` on the
+    original weight.
 
     ``kernels``: the compiled CPU ops, or a ``SwitchingCpuOps`` (then the
     portable path runs until it is ``active``; it switches between steps
@@ -50,9 +51,12 @@ class PackedDecodeLinear(nn.Module):
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernels,  # noqa: ANN001
-                 max_rows: int = PACKED_MAX_ROWS) -> None:
+                 step_kind=None, max_rows: int = PACKED_MAX_ROWS) -> None:  # noqa: ANN001
         super().__init__()
         self.weight, self.bias, self.kernels, self.max_rows = weight, bias, kernels, max_rows
+        # The model's StepKind (llama.py): the kernel on decode-only steps
+        # only; None: on any step of up to max_rows rows.
+        self.step_kind = step_kind
         self.register_buffer("packed", pack_weight(weight), persistent=False)
 
     @property
@@ -62,6 +66,7 @@ class PackedDecodeLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (x.shape[0] <= self.max_rows and x.dtype == torch.bfloat16
+                and (self.step_kind is None or self.step_kind.decode_only)
                 and getattr(self.kernels, "active", True)):
             return self.kernels.packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
@@ -76,12 +81,12 @@ def pack_for_decode(model: nn.Module, kernels) -> int:  # noqa: ANN001
         for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
             linear = getattr(layer, name)
             if type(linear) is nn.Linear and packable(linear.weight):
-                packed = PackedDecodeLinear(linear.weight, linear.bias, kernels)
+                packed = PackedDecodeLinear(linear.weight, linear.bias, kernels, model.step_kind)
                 setattr(layer, name, packed)
                 added += packed.nbytes
     head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     if model.head is None and packable(head):
-        model.head = PackedDecodeLinear(head, None, kernels)
+        model.head = PackedDecodeLinear(head, None, kernels, model.step_kind)
         added += model.head.nbytes
     return added
 

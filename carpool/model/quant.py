@@ -66,11 +66,15 @@ class LowBitDecodeLinear(nn.Module):
     ``x``'s dtype."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, scheme: str = "int8",
-                 max_rows: int = LOW_BIT_MAX_ROWS, kernels=None) -> None:  # noqa: ANN001
+                 max_rows: int = LOW_BIT_MAX_ROWS, kernels=None,  # noqa: ANN001
+                 step_kind=None) -> None:  # noqa: ANN001
         """``kernels``: our compiled CPU ops (or a ``SwitchingCpuOps``) for
-        INT4 in our own layout (``pack_int4``); None: ATen's kernels."""
+        INT4 in our own layout (``pack_int4``); None: ATen's kernels.
+        ``step_kind``: the model's ``StepKind``: low-bit weights on
+        decode-only steps only (see llama.py); None: on any small step."""
         super().__init__()
         self.weight, self.bias, self.scheme, self.max_rows = weight, bias, scheme, max_rows
+        self.step_kind = step_kind
         self.kernels = kernels if scheme == "int4" else None
         if scheme == "int8":
             quantized, scale = quantize_rows(weight)
@@ -99,7 +103,8 @@ class LowBitDecodeLinear(nn.Module):
         return sum(buffer.numel() * buffer.element_size() for buffer in self.buffers())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > self.max_rows:
+        if x.shape[0] > self.max_rows or not (self.step_kind is None
+                                               or self.step_kind.decode_only):
             return F.linear(x, self.weight, self.bias)
         if self.kernels is not None:
             if x.dtype != torch.bfloat16 or not getattr(self.kernels, "active", True):
@@ -165,7 +170,7 @@ def quantize_for_decode(model: nn.Module, scheme: str, max_rows: int = LOW_BIT_M
         if kind == "int4" and (weight.shape[1] % INT4_GROUP
                                or (kernels is not None and weight.shape[0] % 16)):
             return None
-        return LowBitDecodeLinear(weight, bias, kind, max_rows, kernels)
+        return LowBitDecodeLinear(weight, bias, kind, max_rows, kernels, model.step_kind)
 
     added = 0
     for layer in model.layers:
