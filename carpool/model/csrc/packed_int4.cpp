@@ -17,8 +17,6 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#include "bf16_bits.h"
-
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -35,8 +33,20 @@ constexpr int64_t kRows = 16;      // output rows per group
 constexpr int64_t kQuantGroup = 32;  // inputs per scale
 constexpr int kMaxRows = 4;         // token rows one pass over the weights takes
 
-using carpool::bf16_to_float;
-using carpool::float_to_bf16;
+inline float bf16_bits_to_float(uint32_t v) {
+  uint32_t bits = v << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+inline uint16_t to_bf16(float v) {  // round to nearest even, as torch
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
 
 struct Int4Weight {
   const uint8_t* codes;
@@ -105,8 +115,8 @@ void block(const Int4Weight& w, const uint32_t* x, const float* xsum, int64_t g,
             const uint8_t* tile = w.codes + ((g + j) * w.quads + u) * 2 * kRows + 2 * r;
             const uint32_t* xm = x + m * 2 * w.quads + 2 * u;
             for (int s = 0; s < 2; ++s) {  // input 4u + s (low nibble), 4u + 2 + s (high)
-              const float low_x = bf16_to_float(s ? xm[0] >> 16 : xm[0] & 0xffff);
-              const float high_x = bf16_to_float(s ? xm[1] >> 16 : xm[1] & 0xffff);
+              const float low_x = bf16_bits_to_float(s ? xm[0] >> 16 : xm[0] & 0xffff);
+              const float high_x = bf16_bits_to_float(s ? xm[1] >> 16 : xm[1] & 0xffff);
               dot += static_cast<float>(tile[s] & 0xf) * low_x +
                      static_cast<float>(tile[s] >> 4) * high_x;
             }
@@ -130,8 +140,8 @@ void block_to_output(const Int4Weight& w, const uint32_t* x, const float* xsum, 
       for (int64_t r = 0; r < kRows; ++r) {
         const int64_t col = (g + j) * kRows + r;
         float v = acc[(m * G + j) * kRows + r];
-        if (bias != nullptr) v += bf16_to_float(bias[col]);
-        y[m * out + col] = float_to_bf16(v);
+        if (bias != nullptr) v += bf16_bits_to_float(bias[col]);
+        y[m * out + col] = to_bf16(v);
       }
 }
 
@@ -195,7 +205,7 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor sc
   const auto* xbits = reinterpret_cast<const uint16_t*>(x.data_ptr());
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t k = 0; k < in; ++k)
-      xsum[r * quant_groups + k / kQuantGroup] += bf16_to_float(xbits[r * in + k]);
+      xsum[r * quant_groups + k / kQuantGroup] += bf16_bits_to_float(xbits[r * in + k]);
   auto y = torch::empty({rows, out}, x.options());
   const Int4Weight w{codes.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(),
                      mins.data_ptr<at::Half>(), in / 4, in / kQuantGroup};

@@ -13,8 +13,6 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#include "bf16_bits.h"
-
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -29,8 +27,20 @@ namespace {
 constexpr int64_t kGroup = 16;   // output rows per packed group
 constexpr int kMaxRows = 4;      // rows (tokens) one pass over the weights takes
 
-using carpool::bf16_to_float;
-using carpool::float_to_bf16;
+inline float bf16_to_float(uint16_t v) {
+  uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+inline uint16_t float_to_bf16(float v) {  // round to nearest even, as torch
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
 
 // Rows x groups block: y[m][g*16 .. g*16+16*G) for m < M.
 template <int M, int G>
@@ -82,7 +92,7 @@ inline void block_to_output(const uint16_t* w, const uint32_t* x, int64_t x_pair
         const int64_t col = (g + j) * 16 + r;
         float v = acc[(m * G + j) * 16 + r];
         if (bias != nullptr) v += bf16_to_float(bias[col]);
-        y[m * out + col] = float_float_to_bf16(v);
+        y[m * out + col] = float_to_bf16(v);
       }
 }
 
