@@ -69,6 +69,12 @@ class ModelSettings:
     # (carpool/model/packed_linear.py; a second copy of the weights).
     # auto: where the copy fits in a quarter of the available memory; on; off.
     packed_decode: str = "auto"
+    # Make a step's outputs (detokenizing, stop strings, per-request
+    # outputs) while the executor runs the next step, as vLLM's async
+    # scheduling and SGLang's overlap scheduler do: auto (on where the
+    # executor waits on a device: CUDA; off on a CPU, whose forward needs
+    # every core) | on | off. Outputs then come one step later.
+    overlap: str = "auto"
 
     def validate(self) -> None:
         # vLLM's spellings of the same types.
@@ -85,6 +91,8 @@ class ModelSettings:
                              f"got {self.quantization!r}")
         if self.packed_decode not in ("auto", "on", "off"):
             raise ValueError(f"packed_decode must be auto|on|off, got {self.packed_decode!r}")
+        if self.overlap not in ("auto", "on", "off"):
+            raise ValueError(f"overlap must be auto|on|off, got {self.overlap!r}")
         if self.row_bucket < 1:
             raise ValueError(f"row_bucket must be >= 1 (1: exact rows), got {self.row_bucket}")
         capture_sizes(self.cuda_graph_sizes, 1)  # raises on a bad spec

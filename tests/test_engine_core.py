@@ -13,25 +13,34 @@ def _core(max_model_len=None) -> EngineCore:
                       max_model_len)
 
 
-def _step(core: EngineCore, token: int = 7, stop=None):
+def _step(core: EngineCore, token: int = 7, on_stop=None):
     output, _ = core.begin()
     sampled = [(span.request, token) for span in output.spans if span.sample]
-    return core.complete(output, sampled, 0.01, stop)
+    return core.complete(output, sampled, 0.01, on_stop)
 
 
-def test_stop_check_first_then_length():
+def test_stop_token_first_then_length():
     core = _core()
-    a, b = Request("a", [1, 2, 3], 2, 0.0), Request("b", [4, 5], 5, 0.0)
+    a = Request("a", [1, 2, 3], 2, 0.0, stop_token_ids=frozenset({9}))
+    b = Request("b", [4, 5], 5, 0.0, stop_token_ids=frozenset({7}))
     core.scheduler.add_request(a)
     core.scheduler.add_request(b)
-    progressed, finished = _step(core)
-    assert progressed == [a, b] and finished == []
-    # b's stop check fires on the same step a reaches its length: both end, each by its rule.
-    progressed, finished = _step(core, stop=lambda r, t: (RequestStatus.FINISHED_STOPPED
-                                                         if r is b else None))
-    assert finished == [a, b]
+    seen = []
+    progressed, finished = _step(core, token=8, on_stop=lambda r, t: seen.append((r, t)))
+    assert progressed == [a, b] and finished == [] and seen == []
+    # b samples its stop token on the step a reaches its length: both end, each by its rule.
+    progressed, finished = _step(core, token=7, on_stop=lambda r, t: seen.append((r, t)))
+    assert finished == [a, b] and seen == [(b, 7)]
     assert (a.status, b.status) == (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED)
     assert not core.scheduler.has_unfinished
+
+
+def test_a_stop_token_at_the_length_is_a_stop():
+    core = _core()
+    last = Request("last", [1, 2], 1, 0.0, stop_token_ids=frozenset({7}))
+    core.scheduler.add_request(last)
+    _, finished = _step(core, token=7)
+    assert finished == [last] and last.status == RequestStatus.FINISHED_STOPPED
 
 
 def test_context_length_finishes_and_aborted_requests_do_not_progress():

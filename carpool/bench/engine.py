@@ -7,8 +7,11 @@ model's real tokenizer, so detokenizing costs what it costs in serving.
 added at once; the bench steps until all of them decode together, runs
 ``--warmup-steps`` more, then times ``--steps`` steps: each step's wall
 time and its phases (``StepPhases``: schedule, batch items and sampling
-rows, executor, commit with stop checks and detokenizing, per-request
-outputs, counters and step log). Requests are greedy with ``ignore_eos``
+rows, executor, commit with the stop-token and length checks, outputs:
+detokenizing, stop strings and per-request outputs, counters and step log). ``--step-seconds`` makes the fake wait as
+a device would, from its launch (with ``--overlap on`` the previous step's
+outputs are made meanwhile); the summary then gives the host time per step
+beyond it. Requests are greedy with ``ignore_eos``
 and long enough (``--output-len``, by default) that none finishes while
 timed, so every timed step decodes exactly ``--num-seqs`` sequences.
 """
@@ -70,6 +73,8 @@ class EngineBenchResult:
     step_ms: list[float]
     phase_ms: dict[str, list[float]]
     decode_seqs: list[int]
+    step_seconds: float = 0.0  # the fake device's time per step
+    overlap: bool = False
 
     def summary(self) -> dict:
         """Median and p90 of the step and of each phase, in milliseconds."""
@@ -80,7 +85,11 @@ class EngineBenchResult:
                 "prompt_len": self.prompt_len, "output_len": self.output_len,
                 "step": stats(self.step_ms),
                 "phases": {name: stats(ms) for name, ms in self.phase_ms.items()},
-                "us_per_seq": 1000 * statistics.median(self.step_ms) / max(1, self.num_seqs)}
+                "us_per_seq": 1000 * statistics.median(self.step_ms) / max(1, self.num_seqs),
+                "step_seconds": self.step_seconds, "overlap": self.overlap,
+                # What the host adds to a step beyond the device's time: all
+                # of it without a device; with overlap, what it could not hide.
+                "host_ms": statistics.median(self.step_ms) - 1000 * self.step_seconds}
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -163,7 +172,8 @@ def run_bench(engine: LLMEngine, num_seqs: int, steps: int, warmup_steps: int,
             for name, seconds in zip(PHASES, engine.last_phases):
                 phase_ms[name].append(1000 * seconds)
             decode_seqs.append(log.snapshot(1)[0][-1].shape.decode_seqs)
-    return EngineBenchResult(num_seqs, prompt_len, output_len, step_ms, phase_ms, decode_seqs)
+    return EngineBenchResult(num_seqs, prompt_len, output_len, step_ms, phase_ms, decode_seqs,
+                             getattr(engine.executor, "step_seconds", 0.0), engine.overlap)
 
 
 def _step_until_all_decode(engine: LLMEngine, num_seqs: int, most: int = 1_000_000) -> None:
@@ -202,6 +212,10 @@ def format_summary(summary: dict) -> str:
                      f"{stats['mean']:.3f} |")
     lines.append("")
     lines.append(f"{summary['us_per_seq']:.2f} us per sequence per step (median)")
+    if summary.get("step_seconds"):
+        lines.append(f"host time per step beyond the fake device's "
+                     f"{1000 * summary['step_seconds']:g} ms: {summary['host_ms']:.3f} ms (median; "
+                     f"overlap {'on' if summary['overlap'] else 'off'})")
     return "\n".join(lines)
 
 

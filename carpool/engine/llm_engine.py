@@ -14,20 +14,21 @@ import logging
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from operator import attrgetter
 from pathlib import Path
 
 from carpool.config import CacheConfig, EngineConfig
 from carpool.engine.detokenizer import IncrementalDetokenizer, token_pieces
-from carpool.engine.outputs import RequestOutput, TokenLogprob
+from carpool.engine.output_stage import OutputStage, RequestState
+from carpool.engine.outputs import RequestOutput
 from carpool.engine.stats import LONG_PROMPT_TOKENS, EngineCounters, EngineStats, engine_stats
 from carpool.engine.step_log import StepLog, StepPhases
 from carpool.engine.wire import EngineInfo
-from carpool.executor.base import BatchItem, Executor, step_padding
+from carpool.executor.base import BatchItem, Executor, resolve_overlap, step_padding
 from carpool.executor.shapes import StepShape
 from carpool.model.kernel_switch import SwitchingCpuAttention
-from carpool.model.sampler import SampleResult, SamplingRow
+from carpool.model.sampler import SamplingRow
 from carpool.sampling_params import SamplingParams
 from carpool.scheduler import Request, RequestStatus, Scheduler
 from carpool.scheduler.core import EngineCore
@@ -36,32 +37,11 @@ from carpool.scheduler.step import ScheduledSpan
 
 logger = logging.getLogger(__name__)
 
-# How a finished request's status reads in its output.
-_FINISH_REASONS = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length"}
+_token_id = attrgetter("token_id")  # of a SampleResult
 
 
 class ContextLengthError(ValueError):
     """Prompt plus max_tokens exceed the model's context length."""
-
-
-@dataclass
-class RequestState:
-    """Engine-side state of a request (the scheduler's ``payload``)."""
-
-    params: SamplingParams
-    seed: int
-    detokenizer: IncrementalDetokenizer
-    text_parts: list[str] = field(default_factory=list)  # the output's text, append-only
-    logprobs: list[TokenLogprob] | None = None
-    first_token_time: float | None = None
-    stop_reason: str | int | None = None
-    sent_tokens: int = 0
-    sent_logprobs: int = 0
-    pending_text: list[str] = field(default_factory=list)
-    # The request's executor item and sampling row, made at its first step
-    # and updated in place at each later one (see LLMEngine._batch_items).
-    item: BatchItem | None = None
-    row: SamplingRow | None = None
 
 
 def check_prompt(token_ids: list[int], params: SamplingParams, max_model_len: int,
@@ -102,11 +82,17 @@ class LLMEngine:
         self.step_log = StepLog(row_bucket=config.model.row_bucket)
         self.last_phases: StepPhases | None = None  # the latest step that ran a batch
         self._seeds = random.Random(config.model.seed)
-        self._eos_ids = set(model_config.eos_token_ids) | set(tokenizer.eos_token_ids)
+        # Token-level stops for the commit; text and outputs after it.
+        self.output_stage = OutputStage(
+            set(model_config.eos_token_ids) | set(tokenizer.eos_token_ids), self.counters, clock)
         # The detokenizer's per-token texts (token_pieces), built at the first request.
         self._pieces: tuple[str | None, ...] | None = None
         self._pieces_built = False
-        self._step_results: dict[Request, SampleResult] = {}  # the step's, by request
+        # Overlap: the previous step's outputs are made while the device
+        # computes this one (see _execute).
+        self.overlap = resolve_overlap(config.model.overlap, executor)
+        # The committed step whose outputs are not made yet (overlap only).
+        self._pending: list[Request] | None = None
         self._next_id = 0
         self._schedule = None  # a profile's time-of-day windows, see follow_schedule
         self.slo = None  # the ServingSLO being served (carpool serve), for stats
@@ -192,8 +178,11 @@ class LLMEngine:
         request = Request(request_id, token_ids, params.max_tokens,
                           self.clock() if arrival_time is None else arrival_time, priority,
                           payload=state, session_id=session_id, deadline=deadline,
-                          max_wait=max_wait, cache_salt=cache_salt)
+                          max_wait=max_wait, cache_salt=cache_salt,
+                          stop_token_ids=self.output_stage.stop_ids(params))
         self.scheduler.add_request(request)
+        if state.logprobs is not None:
+            self.output_stage.num_logprob_requests += 1
         self.counters.requests_added += 1
         self.counters.long_requests_added += len(token_ids) > LONG_PROMPT_TOKENS
         return request_id
@@ -223,11 +212,12 @@ class LLMEngine:
         request = self.scheduler.abort_request(request_id)
         if request is None:
             return None
-        return self._finish_output(request, "abort")
+        return self.output_stage.final(request, "abort")
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished
+        """Requests in the scheduler, or a step's outputs not handed out yet."""
+        return self.scheduler.has_unfinished or bool(self._pending)
 
     @property
     def kernels_pending(self) -> bool:
@@ -263,54 +253,86 @@ class LLMEngine:
             self._schedule = None
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduler step; return outputs of requests that progressed.
-        A step that ran a batch leaves its phases' seconds in ``last_phases``."""
+        """Run one scheduler step; return outputs of requests that progressed
+        (with overlap: those of the step before, see ``_execute``). A step
+        that ran a batch leaves its phases' seconds in ``last_phases``."""
         clock = time.perf_counter
         begun = clock()
         if self._schedule is not None:
             self._follow_schedule()
         schedule, expired = self.core.begin()
-        rejected = [self._finish_output(r, "rejected") for r in expired]
+        outputs = [self.output_stage.final(r, "rejected") for r in expired]
         if schedule.is_empty:
-            return rejected
+            if self._pending:  # nothing runs next: hand out the last step's outputs
+                outputs += self._make_outputs(self._pending)
+                self._pending = None
+            return outputs
         started = clock()
         items = self._batch_items(schedule.spans)
         padding = step_padding(schedule.pad_rows, self.config.scheduler.padding_mode)
         built = clock()
-        results = self.executor.execute(items, padding)
+        results = self._execute(items, padding, outputs)
         executed = clock()
         elapsed = executed - started
         requests = [span.request for span in schedule.spans if span.sample]
-        self._step_results = dict(zip(requests, results, strict=True))
-        try:
-            progressed, finished = self.core.complete(
-                schedule, [(r, res.token_id) for r, res in zip(requests, results)], elapsed,
-                stop=self._take_sample)
-        finally:
-            self._step_results = {}
+        stage = self.output_stage
+        if stage.num_logprob_requests:
+            stage.record_logprobs(requests, results)
+        if len(results) != len(requests):
+            raise RuntimeError(f"the executor returned {len(results)} samples for "
+                               f"{len(requests)} sampling items")
+        progressed, _ = self.core.complete(
+            schedule, list(zip(requests, map(_token_id, results))), elapsed,
+            on_stop=stage.on_stop_token)
         committed = clock()
-        outputs = rejected + self._outputs(progressed, finished)
+        if self.overlap:
+            self._pending = progressed  # their outputs are made while the next step runs
+        else:
+            outputs += self._make_outputs(progressed)
         output_end = clock()
         counters = self.counters
         counters.steps += 1
         counters.generation_tokens += len(progressed)  # the stop check saw each of them
-        counters.computed_tokens += schedule.num_tokens
-        counters.slot_tokens += schedule.num_slots  # padding included
         counters.busy_seconds += elapsed
         if padding is None:  # a padded step costs its rectangle, not its ragged shape
-            self.step_log.record(StepShape.of(items), clock() - begun, begun)
+            shape = StepShape.of(items)
+            counters.computed_tokens += shape.prefill_tokens + shape.decode_seqs
+            counters.slot_tokens += shape.prefill_tokens + shape.decode_seqs  # ragged: no padding
+            self.step_log.record(shape, clock() - begun, begun)
+        else:
+            counters.computed_tokens += schedule.num_tokens
+            counters.slot_tokens += schedule.num_slots  # padding included
         self.last_phases = StepPhases(started - begun, built - started, executed - built,
                                       committed - executed, output_end - committed,
                                       clock() - output_end)
         return outputs
 
-    def _outputs(self, progressed: list[Request], finished: list[Request]) -> list[RequestOutput]:
-        """The outputs of a step's progressed requests, the finished ones' final."""
-        if not finished:
-            return [self._output(r, False) for r in progressed]
-        done = set(map(id, finished))
-        return [self._finish_output(r, _FINISH_REASONS[r.status]) if id(r) in done
-                else self._output(r, False) for r in progressed]
+    def _execute(self, items: list[BatchItem], padding, outputs: list[RequestOutput]) -> list:
+        """Run the batch; with overlap, launch it and make the previous
+        step's outputs (into ``outputs``) before waiting for it: a device
+        computes meanwhile. The requests a stop string ended there are
+        finished once the batch is done (it computed one token too many for
+        them; the commit drops it)."""
+        if not self.overlap:
+            return self.executor.execute(items, padding)
+        wait = self.executor.launch(items, padding)
+        pending, self._pending = self._pending, None
+        made, stopped = self.output_stage.outputs(pending) if pending else ([], [])
+        try:
+            results = wait()
+        finally:
+            # After the batch: the executor reads its requests' block tables while it runs.
+            for request in stopped:
+                self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
+        outputs += made
+        return results
+
+    def _make_outputs(self, progressed: list[Request]) -> list[RequestOutput]:
+        """The output stage for committed requests, finishing those a stop string ended."""
+        outputs, stopped = self.output_stage.outputs(progressed)
+        for request in stopped:
+            self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
+        return outputs
 
     def stats(self) -> EngineStats:
         """A snapshot for metrics; call it from the thread that steps the engine."""
@@ -325,7 +347,7 @@ class LLMEngine:
         executor reads items only during ``execute`` (the interface's rule)."""
         tables = self.scheduler.kv.block_tables
         items = []
-        for span in spans:
+        for span in spans:  # every request, every step: kept lean
             request = span.request
             state: RequestState = request.payload
             item = state.item
@@ -335,7 +357,14 @@ class LLMEngine:
             else:
                 item.start, item.num_tokens = span.start, span.num_tokens
                 item.block_table = tables[request.request_id]  # new after a preemption
-            item.sampling = self._sampling_row(request, state) if span.sample else None
+            row = state.row
+            if not span.sample:
+                item.sampling = None
+            elif row is None or row.penalized:
+                item.sampling = self._sampling_row(request, state)
+            else:  # _sampling_row's common case, inlined
+                row.step = len(request.token_ids) - len(request.prompt_token_ids)
+                item.sampling = row
             items.append(item)
         return items
 
@@ -351,69 +380,3 @@ class LLMEngine:
         if row.penalized:  # only penalties read the output tokens: copy them only then
             row.output_token_ids = request.token_ids[len(prompt):]
         return row
-
-    def _take_sample(self, request: Request, token_id: int) -> RequestStatus | None:
-        """The engine core's stop check: record the sampled token's time,
-        logprobs and text; FINISHED_STOPPED at an EOS, a stop token or a stop
-        string (the core finishes by length otherwise). On every sampled
-        token's path: kept lean."""
-        state: RequestState = request.payload
-        params = state.params
-        if state.first_token_time is None:
-            state.first_token_time = self.clock()
-        if state.logprobs is not None:
-            result = self._step_results[request]
-            state.logprobs.append(TokenLogprob(token_id, result.logprob, result.top_logprobs or []))
-        if token_id in self._eos_ids and not params.ignore_eos:
-            state.stop_reason = None
-            return RequestStatus.FINISHED_STOPPED
-        if token_id in params.stop_token_ids:
-            state.stop_reason = token_id
-            return RequestStatus.FINISHED_STOPPED
-        detokenizer = state.detokenizer
-        delta, stopped = detokenizer.add_token(token_id)
-        if delta:
-            state.pending_text.append(delta)
-        if stopped:
-            state.stop_reason = detokenizer.stop_reason
-            return RequestStatus.FINISHED_STOPPED
-        return None
-
-    def _finish_output(self, request: Request, reason: str) -> RequestOutput:
-        state: RequestState = request.payload
-        # After a stop string the detokenizer has nothing held back; otherwise
-        # text that might have begun a stop string is released now.
-        state.pending_text.append(state.detokenizer.flush())
-        if reason != "rejected":
-            self.counters.prompt_tokens += request.num_prompt_tokens
-        self.counters.finished[reason] = self.counters.finished.get(reason, 0) + 1
-        output = self._output(request, finished=True)
-        output.finish_reason = reason
-        output.finish_time = self.clock()
-        output.reject_reason = request.reject_reason
-        return output
-
-    def _output(self, request: Request, finished: bool) -> RequestOutput:
-        state: RequestState = request.payload
-        pending = state.pending_text
-        if pending:
-            delta_text = pending[0] if len(pending) == 1 else "".join(pending)
-            pending.clear()
-            state.text_parts.append(delta_text)  # joined only when an output's text is read
-        else:
-            delta_text = ""
-        token_ids = request.token_ids
-        prompt = request.prompt_token_ids
-        sent = len(prompt) + state.sent_tokens
-        delta_ids = token_ids[sent:]
-        state.sent_tokens = len(token_ids) - len(prompt)
-        logprobs = state.logprobs
-        delta_logprobs = None
-        if logprobs is not None:
-            delta_logprobs = logprobs[state.sent_logprobs:]
-            state.sent_logprobs = len(logprobs)
-        # token_ids is copied from the request's own list only when read.
-        return RequestOutput.of_request(
-            request.request_id, prompt, state.text_parts, token_ids, delta_text, delta_ids, finished,
-            state.stop_reason, logprobs, delta_logprobs, request.num_cached_tokens,
-            request.arrival_time, request.first_scheduled_time, state.first_token_time)

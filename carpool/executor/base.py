@@ -73,6 +73,11 @@ class Executor(ABC):
     #: KV blocks the executor allocated; the scheduler's pool has exactly these.
     num_blocks: int
     block_size: int
+    #: Whether ``launch`` returns while a device still computes the batch,
+    #: so host work before its wait costs the step nothing: the engine's
+    #: overlap (``overlap: auto``) is on for such executors. Not on a CPU,
+    #: whose forward runs on the host and needs every core.
+    overlaps_host: bool = False
 
     @abstractmethod
     def execute(self, items: Sequence[BatchItem], padding: Padding | None = None) -> list[Any]:
@@ -80,6 +85,16 @@ class Executor(ABC):
         return one sample result per item whose ``sampling`` is set, in item
         order. Items and their rows are read during the call only: the live
         engine updates them in place for its next step."""
+
+    def launch(self, items: Sequence[BatchItem], padding: Padding | None = None,
+               ) -> Callable[[], list[Any]]:
+        """Start the batch; return the function that waits for it and gives
+        ``execute``'s results. A device executor returns while the device
+        computes (the engine makes the previous step's outputs before it
+        waits); this default runs the whole batch first. Items are read
+        until the wait returns."""
+        results = self.execute(items, padding)
+        return lambda: results
 
 
 def batch_items(spans: Sequence[Any], block_tables: Mapping[str, Sequence[int]],
@@ -92,6 +107,14 @@ def batch_items(spans: Sequence[Any], block_tables: Mapping[str, Sequence[int]],
                       span.num_tokens, block_tables[span.request.request_id],
                       sampling_row(span.request) if span.sample else None)
             for span in spans]
+
+
+def resolve_overlap(mode: str, executor: Executor) -> bool:
+    """Whether an engine overlaps host work with ``executor``'s steps:
+    ``on``, ``off``, or ``auto`` (where the executor ``overlaps_host``)."""
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"overlap must be auto|on|off, got {mode!r}")
+    return mode == "on" or (mode == "auto" and executor.overlaps_host)
 
 
 def step_padding(pad_rows: int, align: str) -> Padding | None:

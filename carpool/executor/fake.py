@@ -4,7 +4,8 @@
 ``TorchExecutor`` but computes nothing: every item that samples gets a
 token picked from ``token_ids`` by a cheap hash of its row's seed and step
 (the same row, the same token; never EOS unless the pool holds it), and
-each step optionally waits ``step_seconds`` to stand in for the device.
+each step optionally waits ``step_seconds`` to stand in for the device
+(then it ``overlaps_host``, as a device executor does).
 ``carpool bench engine`` drives the live engine with it, so a step's wall
 time is the engine's own per-step work (scheduling, batch items, sampling
 rows, stop checks, detokenizing, outputs) and nothing else. Holds no KV
@@ -13,7 +14,7 @@ tensors: ``num_blocks`` only sizes the scheduler's pool.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from carpool.executor.base import BatchItem, Executor, Padding
 from carpool.model.sampler import SampleResult
@@ -43,6 +44,8 @@ class FakeExecutor(Executor):
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.step_seconds = step_seconds
+        # Its wait stands in for a device's (see launch).
+        self.overlaps_host = step_seconds > 0
         self._pool = pool
         # One shared result per token: the engine only reads results, and a
         # fake should spend no time of its own making them.
@@ -62,10 +65,22 @@ class FakeExecutor(Executor):
                 ) -> list[SampleResult]:
         """One ``SampleResult`` per item that samples, in item order; waits
         ``step_seconds`` first when set."""
-        if self.step_seconds > 0:
-            time.sleep(self.step_seconds)
+        return self.launch(items, padding)()
+
+    def launch(self, items: Sequence[BatchItem], padding: Padding | None = None,
+               ) -> Callable[[], list[SampleResult]]:
+        """As a device does: the results are made now, and the wait ends
+        ``step_seconds`` after the launch, whatever the host did meanwhile."""
+        done = time.perf_counter() + self.step_seconds
         self.steps += 1
         self.items += len(items)
         index, results = self._index, self._results
-        return [results[index(item.sampling.seed, item.sampling.step)]
-                for item in items if item.sampling is not None]
+        picked = [results[index(item.sampling.seed, item.sampling.step)]
+                  for item in items if item.sampling is not None]
+
+        def wait() -> list[SampleResult]:
+            left = done - time.perf_counter()
+            if left > 0:
+                time.sleep(left)
+            return picked
+        return wait

@@ -11,7 +11,7 @@ real tokens never see them and results equal the ragged path's.
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -129,6 +129,8 @@ class TorchExecutor(Executor):
             torch.set_num_threads(settings.threads)
         self.device = resolve_device(settings.device)
         self.dtype = resolve_dtype(settings.dtype, self.device)
+        # A GPU's step is mostly waiting on the device (the engine's overlap, auto).
+        self.overlaps_host = self.device.type == "cuda"
         self.block_size = cache.block_size
         self.row_bucket = settings.row_bucket
         # Built on the device: an 8B model's init never runs on the host.
@@ -244,6 +246,12 @@ class TorchExecutor(Executor):
     @torch.inference_mode()
     def execute(self, items: Sequence[BatchItem],
                 padding: Padding | None = None) -> list[SampleResult]:
+        return self.launch(items, padding)()
+
+    def launch(self, items: Sequence[BatchItem], padding: Padding | None = None,
+               ) -> Callable[[], list[SampleResult]]:
+        """The forward and the LM head are queued (on a GPU they run on
+        after this returns); the wait samples, which reads the logits."""
         runs = self._runs(items, padding)
         bucket = self._graph_bucket(runs) if padding is None else None
         if bucket is not None:  # pad the batch to its graph's size
@@ -269,16 +277,19 @@ class TorchExecutor(Executor):
         else:
             hidden = self.model(ids, meta, self.kv_caches, self.attention)
         if not sampled_items:
-            return []
+            return list
         # The LM head's rows are bucketed too: the last sampled row repeated.
         num_sampled = len(sample_rows)
         sample_rows += sample_rows[-1:] * (padded_rows(num_sampled, self.row_bucket)
                                            - num_sampled)
         rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
         logits = self.model.compute_logits(hidden[rows])[:num_sampled]
-        results = self.sampler.sample(logits, [items[i].sampling for i in sampled_items])
-        # Back to item order (indices are unique, so results are never compared).
-        return [result for _, result in sorted(zip(sampled_items, results))]
+
+        def sample() -> list[SampleResult]:
+            results = self.sampler.sample(logits, [items[i].sampling for i in sampled_items])
+            # Back to item order (indices are unique, so results are never compared).
+            return [result for _, result in sorted(zip(sampled_items, results))]
+        return sample
 
     def _graph_bucket(self, runs: list[_Run]) -> int | None:
         """The captured batch size a step of decodes only replays in, else None."""

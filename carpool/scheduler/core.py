@@ -14,16 +14,17 @@ per-request records. Pure Python; time comes from the scheduler's clock.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from carpool.scheduler.fast_forward import apply_decode_steps, decode_run_limit
 from carpool.scheduler.request import Request, RequestStatus
 from carpool.scheduler.scheduler import Scheduler
 from carpool.scheduler.step import SchedulerOutput
 
-# A stop check: given a request that just sampled ``token_id``, the status
-# to finish it with (e.g. FINISHED_STOPPED), or None to go on.
-StopCheck = Callable[[Request, int], "RequestStatus | None"]
+# Told that a request sampled one of its ``stop_token_ids`` (the token
+# given), before the core finishes it FINISHED_STOPPED: the live engine
+# records why it stopped.
+StopHook = Callable[[Request, int], None]
 
 
 class EngineCore:
@@ -43,32 +44,42 @@ class EngineCore:
         output = self.scheduler.schedule()
         return output, self.scheduler.pop_rejected()
 
-    def complete(self, output: SchedulerOutput, sampled: Sequence[tuple[Request, int]],
-                 seconds: float, stop: StopCheck | None = None,
+    def complete(self, output: SchedulerOutput, sampled: Iterable[tuple[Request, int]],
+                 seconds: float, on_stop: StopHook | None = None,
                  ) -> tuple[list[Request], list[Request]]:
         """Commit ``output`` (which took ``seconds``) with the ``sampled``
         tokens. Returns (progressed: the sampled requests still running when
-        the step ended, in batch order; finished: those of them that ended
-        now, by ``stop`` first, else by length)."""
+        the step ended, in batch order; ``sampled`` is read once; finished: those of them that ended
+        now: at one of their ``stop_token_ids`` (FINISHED_STOPPED, after
+        ``on_stop``), else at their length)."""
         scheduler = self.scheduler
-        scheduler.commit(output, sampled)
+        scheduler.commit_spans(output)
         scheduler.record_step(output.num_tokens, len(output.spans), seconds)
         progressed, finished = [], []
         running, length = RequestStatus.RUNNING, RequestStatus.FINISHED_LENGTH
         context = self.max_model_len if self.max_model_len is not None else math.inf
-        for request, token_id in sampled:  # on every step's path: kept lean
+        now = scheduler.clock()
+        for request, token_id in sampled:  # every request, every step: kept lean
             if request.status is not running:
                 continue  # aborted while the step ran
+            # scheduler.append_token, inlined
+            tokens = request.token_ids
+            tokens.append(token_id)
+            if request.first_token_time is None:
+                scheduler.first_token(request, now)
+            request.last_token_time = now
             progressed.append(request)
-            status = stop(request, token_id) if stop is not None else None
-            if status is None:  # _at_length, inlined
-                num_tokens = len(request.token_ids)
-                if (num_tokens - len(request.prompt_token_ids) >= request.max_tokens
-                        or num_tokens >= context):
-                    status = length
-            if status is not None:
-                scheduler.finish_request(request, status)
-                finished.append(request)
+            num_tokens = len(tokens)
+            if token_id in request.stop_token_ids:
+                if on_stop is not None:
+                    on_stop(request, token_id)
+                status = RequestStatus.FINISHED_STOPPED
+            elif num_tokens >= request.max_num_tokens or num_tokens >= context:  # _at_length
+                status = length
+            else:
+                continue
+            scheduler.finish_request(request, status)
+            finished.append(request)
         return progressed, finished
 
     def decode_run_limit(self, most: int | None = None) -> int:

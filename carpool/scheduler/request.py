@@ -79,10 +79,15 @@ class Request:
     # Prefix-cache namespace: blocks are reused only between requests with an
     # equal salt (it seeds the first block's chain hash). None = the common one.
     cache_salt: str | None = None
+    # Sampling one of these ends it (FINISHED_STOPPED): EOS unless the client
+    # ignores it, and its stop token ids. The engine core checks them.
+    stop_token_ids: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+        # Tokens (prompt and output) at which max_tokens is reached.
+        self.max_num_tokens = len(self.prompt_token_ids) + self.max_tokens
 
     @property
     def num_prompt_tokens(self) -> int:

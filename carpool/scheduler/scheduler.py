@@ -268,8 +268,12 @@ class Scheduler:
         if self.waiting.num_short:
             return self.long_prefill_cap
         is_long = self.waiting.is_long
-        for request in self.running:  # every step: decodes (most of them) leave first
-            if not is_decoding(request) and not is_long(request):
+        for request in self.running:  # every step, every request: kept lean
+            tokens = request.token_ids
+            if (len(tokens) - request.num_computed_tokens == 1  # is_decoding, inlined
+                    and len(tokens) > len(request.prompt_token_ids)):
+                continue
+            if not is_long(request):
                 return self.long_prefill_cap
         return math.inf
 
@@ -288,7 +292,8 @@ class Scheduler:
     def _schedule_running(self, output: SchedulerOutput, step: StepBudget) -> None:
         running = RequestStatus.RUNNING
         is_long, try_grow, spans = self.waiting.is_long, self.kv.try_grow, output.spans
-        for request in self.running_order():
+        tables, block_size, granted = self.kv.block_tables, self.kv.block_size, step.granted
+        for request in self.running_order():  # every request, every step: kept lean
             if step.tokens <= 0:
                 break
             if request.status is not running:
@@ -296,11 +301,17 @@ class Scheduler:
             tokens, computed = request.token_ids, request.num_computed_tokens
             pending = len(tokens) - computed
             assert pending > 0, "a running request always has a token to compute"
+            if (pending == 1 and len(tokens) > len(request.prompt_token_ids)
+                    and computed < len(tables[request.request_id]) * block_size):
+                # A decode whose block has room (is_decoding and try_grow,
+                # inlined: the common case at a thousand sequences): one
+                # token, never capped, step.tokens > 0 leaves room for it.
+                spans.append(ScheduledSpan(request, computed, 1, True))
+                step.tokens -= 1  # step.grant, inlined
+                granted[request] = (1, 0)
+                continue
             if pending == 1 and len(tokens) > len(request.prompt_token_ids):
-                # A decode (is_decoding, inlined: the loop's common case at
-                # a thousand sequences): one token, never capped, and
-                # step.tokens > 0 leaves room for it.
-                capped, num_tokens = False, 1
+                capped, num_tokens = False, 1  # a decode that needs a block
             else:
                 capped = is_long(request)  # _is_capped, for a prefill
                 num_tokens = min(pending, step.limit(capped))
@@ -454,23 +465,43 @@ class Scheduler:
     def commit(self, output: SchedulerOutput, sampled: Iterable[tuple[Request, int]]) -> None:
         """Record that ``output`` ran: advance computed counts, append sampled
         tokens and register newly full blocks in the prefix cache."""
+        self.commit_spans(output)
+        now = self.clock()
+        running = RequestStatus.RUNNING
+        for request, token_id in sampled:
+            if request.status is running:
+                self.append_token(request, token_id, now)
+
+    def commit_spans(self, output: SchedulerOutput) -> None:
+        """``commit``'s first half: the spans' tokens are computed."""
         running, cache_blocks = RequestStatus.RUNNING, self.kv.cache_computed_blocks
+        block_size = self.kv.block_size
         for span in output.spans:  # every span of every step: kept lean
             request = span.request
             if request.status is not running:
                 continue  # aborted while the step ran
-            request.num_computed_tokens = span.start + span.num_tokens
-            cache_blocks(request)
-        now = self.clock()
-        for request, token_id in sampled:
-            if request.status is running:
-                request.token_ids.append(token_id)  # append_output, inlined
-                if request.first_token_time is None:
-                    request.first_token_time = now
-                    self.admission.observe_first_token(request, now)
-                    if self.controller is not None:
-                        self.controller.observe_ttft(now, now - request.arrival_time)
-                request.last_token_time = now
+            start = span.start
+            end = request.num_computed_tokens = start + span.num_tokens
+            # Blocks are registered up to start // block_size already (each
+            # commit registers all full ones): only a span that fills one
+            # has any to add.
+            if end // block_size > start // block_size:
+                cache_blocks(request)
+
+    def append_token(self, request: Request, token_id: int, now: float) -> None:
+        """``commit``'s second half for one running request: it sampled
+        ``token_id`` at ``now`` (the engine core inlines the common case)."""
+        request.token_ids.append(token_id)
+        if request.first_token_time is None:
+            self.first_token(request, now)
+        request.last_token_time = now
+
+    def first_token(self, request: Request, now: float) -> None:
+        """The request's first output token came at ``now``."""
+        request.first_token_time = now
+        self.admission.observe_first_token(request, now)
+        if self.controller is not None:
+            self.controller.observe_ttft(now, now - request.arrival_time)
 
     def check_invariants(self) -> None:
         """Bookkeeping consistency, for tests."""
