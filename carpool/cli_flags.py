@@ -94,6 +94,15 @@ ENGINE_FLAGS: list[Flag] = [
        "--kv-cache-memory (default: unset)"),
     _f("--num-blocks", "num_blocks", int, "N", "KV pool size in blocks (overrides "
        "--kv-cache-memory and --gpu-memory-utilization)"),
+    _f("--kv-store", "kv_store", str, "URL",
+       "a shared KV store for prompt blocks: memory | tcp://HOST:PORT | "
+       "redis://HOST:PORT[/DB] (default: none)"),
+    _f("--kv-store-ttl", "kv_store_ttl", float, "SECONDS",
+       "seconds a stored block stays after its last use"),
+    _f("--kv-store-capacity", "kv_store_capacity", str, "SIZE",
+       "the memory KV store's capacity, e.g. 1GiB (Redis: set its maxmemory)"),
+    _f("--kv-store-max-inflight", "kv_store_max_inflight", str, "SIZE",
+       "KV blocks being written to the store at most; more are dropped"),
     _f("--enable-prefix-caching", "enable_prefix_caching", bool, None,
        "reuse cached KV blocks of shared prefixes", "--prefix-caching"),
     _f("--watermark", "watermark", float, "FRACTION",

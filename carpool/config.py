@@ -67,6 +67,15 @@ class CacheConfig:
     # it agrees). A secret: settings file or environment only, never a
     # command-line flag (ps shows those), kept out of repr and of metrics.
     block_hash_key: str | None = field(default=None, repr=False)
+    # A shared KV store (carpool/kv_transfer): full prompt blocks are written
+    # through, and on a local prefix miss the blocks it holds are loaded
+    # instead of computed. memory (this process) | tcp://HOST:PORT |
+    # redis://HOST:PORT[/DB]; None: off. Replicas share blocks only with
+    # one block_hash_key (a fleet's).
+    kv_store: str | None = None
+    kv_store_ttl: float = 1800.0  # seconds a block stays after its last use
+    kv_store_capacity: str = "1GiB"  # the memory store's (Redis: its maxmemory)
+    kv_store_max_inflight: str = "256MiB"  # blocks being written; more are dropped
 
     # Fields never to show (metrics labels, logs, config dumps).
     SECRET_FIELDS: ClassVar[tuple[str, ...]] = ("block_hash_key",)
@@ -106,6 +115,15 @@ class CacheConfig:
                                      not 0.0 < fraction <= 1.0):  # also rejects NaN
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {fraction!r}")
         parse_size(self.kv_cache_memory)
+        parse_size(self.kv_store_capacity)
+        parse_size(self.kv_store_max_inflight)
+        if not self.kv_store_ttl > 0:
+            raise ValueError(f"kv_store_ttl must be > 0 seconds, got {self.kv_store_ttl}")
+        if self.kv_store is not None and not (
+                self.kv_store == "memory" or self.kv_store.startswith(
+                    ("tcp://", "redis://", "rediss://", "unix://"))):
+            raise ValueError(f"kv_store must be memory, tcp://HOST:PORT or "
+                             f"redis://HOST:PORT[/DB], got {self.kv_store!r}")
         self.block_hash_secret()  # raises on a malformed key (the value is dropped)
 
 

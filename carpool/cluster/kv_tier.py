@@ -115,10 +115,10 @@ class TierClient:
     def loadable(self, request, hashes: Sequence[int]) -> int:
         return self.tier.count(hashes, self.clock())
 
-    def load(self, request, hashes: Sequence[int]) -> float:
+    def load(self, request, hashes: Sequence[int], first: int = 0) -> float:
         return self.tier.load_seconds(self.tier.lookup(hashes, self.clock()))
 
-    def save(self, request, hashes: Sequence[int]) -> None:
+    def save(self, request, hashes: Sequence[int], first: int = 0) -> None:
         self.tier.store(hashes, self.clock())
 
     def count(self, hashes: Sequence[int]) -> int:

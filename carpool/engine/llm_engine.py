@@ -64,7 +64,11 @@ class LLMEngine:
     """Owns tokenizer, scheduler and executor of one replica."""
 
     def __init__(self, config: EngineConfig, tokenizer, model_config, executor: Executor,
-                 max_model_len: int, clock: Callable[[], float] = time.monotonic) -> None:
+                 max_model_len: int, clock: Callable[[], float] = time.monotonic,
+                 kv_connector=None) -> None:
+        """``kv_connector``: a live KV connector (``carpool.kv_transfer.
+        connector.StoreConnector``) the scheduler loads prompt blocks
+        through and saves them to; None: none."""
         self.config = config
         self.tokenizer = tokenizer
         self.model_config = model_config
@@ -74,7 +78,11 @@ class LLMEngine:
         # Keyed block hashes: equal across processes given one secret (a fleet's).
         self.scheduler = Scheduler(config.scheduler, config.cache, executor.num_blocks, clock,
                                    config.controller,
-                                   block_hash_key=config.cache.block_hash_secret())
+                                   block_hash_key=config.cache.block_hash_secret(),
+                                   external_kv=kv_connector)
+        self.kv_connector = kv_connector
+        if kv_connector is not None:
+            kv_connector.bind(self.scheduler)
         # The step's rules, shared with the simulator (carpool.scheduler.core).
         self.core = EngineCore(self.scheduler, max_model_len)
         self.counters = EngineCounters()
@@ -103,7 +111,7 @@ class LLMEngine:
         executor's KV tensors are reused as they are: a new scheduler owns
         every block again, so nothing of this engine's requests survives."""
         engine = LLMEngine(config or self.config, self.tokenizer, self.model_config,
-                           self.executor, self.max_model_len, self.clock)
+                           self.executor, self.max_model_len, self.clock, self.kv_connector)
         engine._pieces, engine._pieces_built = self._pieces, self._pieces_built
         return engine
 
@@ -140,7 +148,13 @@ class LLMEngine:
                                  max_num_seqs=config.scheduler.max_num_seqs,
                                  kernels_in_background=kernels_in_background)
         loaded.weights.clear()
-        return cls(config, loaded.tokenizer, loaded.config, executor, max_len)
+        connector = None
+        if config.cache.kv_store is not None:
+            from carpool.kv_transfer.connector import store_connector
+
+            connector = store_connector(config.cache, executor, loaded.config)
+        return cls(config, loaded.tokenizer, loaded.config, executor, max_len,
+                   kv_connector=connector)
 
     # -- requests ----------------------------------------------------------------
 
@@ -260,9 +274,14 @@ class LLMEngine:
         begun = clock()
         if self._schedule is not None:
             self._follow_schedule()
+        connector = self.kv_connector
+        if connector is not None:
+            connector.poll()  # loads fetched meanwhile join this step
         schedule, expired = self.core.begin()
         outputs = [self.output_stage.final(r, "rejected") for r in expired]
         if schedule.is_empty:
+            if connector is not None and self.scheduler.loading and not self._pending:
+                connector.wait(0.005)  # only loads in flight: no busy loop
             if self._pending:  # nothing runs next: hand out the last step's outputs
                 outputs += self._make_outputs(self._pending)
                 self._pending = None

@@ -18,6 +18,7 @@ blocks and how long. Pure Python; time from the scheduler's clock.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -33,11 +34,15 @@ class ExternalKV(Protocol):
         """How many of ``hashes`` (the request's blocks after its local hit)
         it can give, leading ones first (no side effect)."""
 
-    def load(self, request: Request, hashes: Sequence[int]) -> float:
-        """Begin loading these blocks; seconds until they are in the replica."""
+    def load(self, request: Request, hashes: Sequence[int], first: int) -> float:
+        """Begin loading these blocks (the request's blocks ``first``,
+        ``first + 1``, ... in its block table); seconds until they are in
+        the replica, or ``math.inf`` for a live load that reports itself
+        done (``PendingLoads.complete``)."""
 
-    def save(self, request: Request, hashes: Sequence[int]) -> None:
-        """Prompt blocks the replica has just computed (written through)."""
+    def save(self, request: Request, hashes: Sequence[int], first: int) -> None:
+        """Prompt blocks the replica has just computed (written through),
+        the request's blocks ``first``, ``first + 1``, ..."""
 
 
 class PendingLoads:
@@ -58,6 +63,13 @@ class PendingLoads:
 
     def remove(self, request: Request) -> None:
         del self._loads[request]
+
+    def complete(self, request: Request, num_tokens: int) -> None:
+        """A live load is done with ``num_tokens`` tokens (at most the ones
+        it began with: fewer when blocks went missing or were refused; the
+        rest are computed): the next ``pop_done`` returns it."""
+        _, planned = self._loads[request]
+        self._loads[request] = (-math.inf, min(num_tokens, planned))
 
     def pop_done(self, now: float) -> list[tuple[Request, int]]:
         """The loads done by ``now`` (request, tokens loaded), removed, in

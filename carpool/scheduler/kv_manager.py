@@ -138,7 +138,8 @@ class KVCacheManager:
         self.prefix_hits += num_cached
         request.num_computed_tokens = num_cached
         if loadable:
-            seconds = self.external.load(request, request.block_hashes[len(hits):len(hits) + loadable])
+            seconds = self.external.load(
+                request, request.block_hashes[len(hits):len(hits) + loadable], len(hits))
             self._loads[request.request_id] = (loadable * self.block_size, seconds)
             self.external_hits += loadable * self.block_size
         return True
@@ -228,7 +229,7 @@ class KVCacheManager:
         if self.external is not None:  # the prompt's blocks (LMCache's default too)
             prompt_blocks = min(full, request.num_prompt_tokens // self.block_size)
             if prompt_blocks > start:
-                self.external.save(request, request.block_hashes[start:prompt_blocks])
+                self.external.save(request, request.block_hashes[start:prompt_blocks], start)
 
     def free(self, request: Request) -> None:
         """Return all of the request's blocks (cached ones stay revivable)."""

@@ -406,6 +406,13 @@ class Scheduler:
         """Requests whose external load is done join the running ones, the
         loaded tokens computed (and cached here from now on)."""
         for request, num_tokens in self.loading.pop_done(now):
+            # A live load may bring fewer tokens than it began with: the rest are computed.
+            shortfall = request.num_loaded_tokens - num_tokens if request.num_loaded_tokens \
+                else 0
+            if shortfall > 0:
+                request.num_loaded_tokens -= shortfall
+                request.num_cached_tokens -= shortfall
+                self.kv.external_hits -= shortfall
             request.num_computed_tokens += num_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)

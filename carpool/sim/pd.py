@@ -79,10 +79,10 @@ class TransferInbox:
     def loadable(self, request: Request, hashes: Sequence[int]) -> int:
         return len(hashes) if request.request_id in self._ready_at else 0
 
-    def load(self, request: Request, hashes: Sequence[int]) -> float:
+    def load(self, request: Request, hashes: Sequence[int], first: int = 0) -> float:
         return max(0.0, self._ready_at.pop(request.request_id) - self.clock())
 
-    def save(self, request: Request, hashes: Sequence[int]) -> None:
+    def save(self, request: Request, hashes: Sequence[int], first: int = 0) -> None:
         pass  # the decode pool writes nothing back
 
 

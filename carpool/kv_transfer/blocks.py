@@ -1,0 +1,86 @@
+"""The worker side's bytes: KV blocks read out of and written into a
+replica's cache tensors (``TorchExecutor.kv_caches``), as payload data.
+
+A block's data (``payload.BlockLayout``) is, layer after layer, its K block
+then its V block exactly as the cache holds them (K transposed: heads x
+head_dim x block_size; V: heads x block_size x head_dim), so a read and a
+write are one gather / scatter per layer and tensor, and a block written
+back holds bit for bit what was read.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from carpool.kv_transfer.payload import BlockLayout
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+class KVBlockIO:
+    """Gathers and scatters whole blocks of ``kv_caches`` (a list of
+    (K, V) per layer, K shaped (heads, blocks, head_dim, block_size) and V
+    (heads, blocks, block_size, head_dim))."""
+
+    def __init__(self, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        if not kv_caches:
+            raise ValueError("a KV cache has at least one layer")
+        k, v = kv_caches[0]
+        heads, _, dim, size = k.shape
+        if tuple(v.shape) != (heads, k.shape[1], size, dim) or k.dtype not in _DTYPE_NAMES:
+            raise ValueError(f"unexpected KV cache layout: K {tuple(k.shape)}, V "
+                             f"{tuple(v.shape)}, {k.dtype}")
+        self.kv_caches = kv_caches
+        self.layout = BlockLayout(len(kv_caches), heads, dim, size, _DTYPE_NAMES[k.dtype])
+        self.device = k.device
+        self.dtype = k.dtype
+
+    def read(self, block_ids: Sequence[int]) -> list[bytes]:
+        """Each block's data, in order (a copy: the blocks may change after)."""
+        if not block_ids:
+            return []
+        count, layout = len(block_ids), self.layout
+        per_tensor = layout.layer_bytes // layout.element_bytes
+        ids = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+        out = torch.empty((count, layout.num_layers, 2, per_tensor), dtype=self.dtype,
+                          device=self.device)
+        for layer, (k, v) in enumerate(self.kv_caches):
+            out[:, layer, 0] = k.index_select(1, ids).transpose(0, 1).reshape(count, -1)
+            out[:, layer, 1] = v.index_select(1, ids).transpose(0, 1).reshape(count, -1)
+        raw = out.view(count, -1).view(torch.uint8).cpu().numpy()
+        return [raw[i].tobytes() for i in range(count)]
+
+    def write(self, block_ids: Sequence[int], datas: Sequence[bytes | memoryview]) -> None:
+        """Put each data into its block (``len(datas) == len(block_ids)``)."""
+        if len(datas) != len(block_ids):
+            raise ValueError("one data per block")
+        if not block_ids:
+            return
+        count, layout = len(block_ids), self.layout
+        joined = bytearray().join(datas)
+        if len(joined) != count * layout.data_bytes:
+            raise ValueError(f"{count} blocks of this layout are {count * layout.data_bytes} "
+                             f"bytes, got {len(joined)}")
+        src = torch.frombuffer(joined, dtype=torch.uint8).view(self.dtype)
+        src = src.view(count, layout.num_layers, 2, -1).to(self.device)
+        ids = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+        heads, dim, size = layout.num_kv_heads, layout.head_dim, layout.block_size
+        for layer, (k, v) in enumerate(self.kv_caches):
+            k.index_copy_(1, ids, src[:, layer, 0].reshape(count, heads, dim, size)
+                          .transpose(0, 1))
+            v.index_copy_(1, ids, src[:, layer, 1].reshape(count, heads, size, dim)
+                          .transpose(0, 1))
+
+
+def weights_fingerprint(model: torch.nn.Module, description: str) -> bytes:
+    """``payload.model_fingerprint`` of a loaded model: its description
+    and, per parameter (by name), its shape and first 64 values' bytes."""
+    from carpool.kv_transfer.payload import model_fingerprint
+
+    samples = bytearray()
+    for name, tensor in sorted(model.state_dict().items()):
+        head = tensor.detach().flatten()[:64].cpu().contiguous()
+        samples += f"{name}{tuple(tensor.shape)}{head.dtype}".encode()
+        samples += head.view(torch.uint8).numpy().tobytes() if head.numel() else b""
+    return model_fingerprint(description, bytes(samples))

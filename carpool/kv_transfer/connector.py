@@ -1,0 +1,204 @@
+"""A replica's live KV connector on a shared store: both sides of it.
+
+Scheduler side (``ExternalKV``, ``carpool.scheduler.kv_connector``): on a
+local prefix miss, ``loadable`` asks the store how many of the following
+prompt blocks it holds; ``load`` starts fetching them into the blocks the
+scheduler just gave the request, which waits (``LOADING``) while steps go
+on; ``save`` writes a request's newly computed prompt blocks through.
+
+Worker side: the store's I/O runs on one background thread, off the step.
+The engine thread alone touches the cache tensors and the scheduler: a
+save copies its blocks out at once (``KVBlockIO.read``, before a later
+step could reuse them) and queues the put; a load's payloads, once
+fetched, are checked (``decode_block``: key, model fingerprint, layout,
+CRC) and copied in by ``poll``, which the engine calls before each step and
+which reports the load done to the scheduler, with the tokens that
+actually arrived (leading blocks up to the first missing or refused one;
+the rest are computed). A store that fails (down, timing out) costs only
+those recomputations: ``loadable`` answers 0 and saves are dropped.
+Saves beyond ``max_inflight_bytes`` not yet written are dropped too.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from carpool.kv_transfer.blocks import KVBlockIO
+from carpool.kv_transfer.payload import (
+    KVPayloadError,
+    block_key_bytes,
+    decode_block,
+    encode_block,
+)
+from carpool.kv_transfer.stores import KVStore, KVStoreUnavailable
+from carpool.scheduler import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ConnectorStats:
+    """Counters of one replica's connector, for metrics."""
+
+    blocks_loaded: int = 0
+    blocks_refused: int = 0  # fetched but not this model's / damaged
+    blocks_missing: int = 0  # gone between the lookup and the fetch
+    blocks_saved: int = 0
+    saves_dropped: int = 0  # blocks not saved: bytes in flight over the limit, or store down
+    store_errors: int = 0
+    load_seconds: float = 0.0  # fetch wall time, summed
+    save_seconds: float = 0.0
+
+
+class StoreConnector:
+    """See the module docstring. ``bind`` it to the scheduler it serves."""
+
+    def __init__(self, store: KVStore, io: KVBlockIO, fingerprint: bytes,
+                 max_inflight_bytes: int = 256 << 20) -> None:
+        self.store, self.io, self.fingerprint = store, io, fingerprint
+        self.layout = io.layout
+        self.max_inflight_bytes = max_inflight_bytes
+        self.stats = ConnectorStats()
+        self.scheduler = None
+        self._io_thread = ThreadPoolExecutor(1, thread_name_prefix="carpool-kv-store")
+        self._fetched: queue.Queue = queue.Queue()  # (request, block ids, payloads | None)
+        self._lock = threading.Lock()
+        self._inflight_bytes = 0
+
+    def bind(self, scheduler) -> None:
+        """The scheduler whose block tables and loads this connector serves."""
+        self.scheduler = scheduler
+
+    def _keys(self, hashes: Sequence[int]) -> list[bytes]:
+        return [block_key_bytes(self.fingerprint, h) for h in hashes]
+
+    # -- scheduler side ------------------------------------------------------------
+
+    def loadable(self, request: Request, hashes: Sequence[int]) -> int:
+        try:
+            return self.store.count_prefix(self._keys(hashes))
+        except KVStoreUnavailable as error:
+            self._store_failed(error)
+            return 0
+
+    def load(self, request: Request, hashes: Sequence[int], first: int) -> float:
+        """Fetch in the background; done when ``poll`` copies it in."""
+        table = self.scheduler.kv.block_tables[request.request_id]
+        block_ids = list(table[first:first + len(hashes)])
+        self._io_thread.submit(self._fetch, request, list(hashes), block_ids)
+        return math.inf
+
+    def save(self, request: Request, hashes: Sequence[int], first: int) -> None:
+        # The blocks it loaded from the store are there already.
+        size = self.layout.block_size
+        loaded = range((request.num_cached_tokens - request.num_loaded_tokens) // size,
+                       request.num_cached_tokens // size)
+        picked = [(i, h) for i, h in enumerate(hashes, first) if i not in loaded]
+        if not picked:
+            return
+        size = len(picked) * self.layout.data_bytes
+        with self._lock:
+            if self._inflight_bytes + size > self.max_inflight_bytes:
+                self.stats.saves_dropped += len(picked)
+                return
+            self._inflight_bytes += size
+        table = self.scheduler.kv.block_tables[request.request_id]
+        datas = self.io.read([table[i] for i, _ in picked])
+        self._io_thread.submit(self._put, [h for _, h in picked], datas, size)
+
+    # -- the engine thread ---------------------------------------------------------
+
+    def poll(self) -> int:
+        """Copy fetched blocks in and report their loads done; returns how
+        many loads finished. Call it on the engine thread, between steps."""
+        done = 0
+        while True:
+            try:
+                request, block_ids, datas = self._fetched.get_nowait()
+            except queue.Empty:
+                return done
+            done += 1
+            if request.status is not RequestStatus.LOADING:
+                continue  # aborted while fetching: its blocks are gone
+            self.io.write(block_ids[:len(datas)], datas)
+            self.scheduler.loading.complete(request, len(datas) * self.layout.block_size)
+            self.stats.blocks_loaded += len(datas)
+
+    def wait(self, timeout: float) -> None:
+        """Block up to ``timeout`` seconds for a fetch to finish (the engine
+        has nothing else to run)."""
+        try:
+            item = self._fetched.get(timeout=timeout)
+        except queue.Empty:
+            return
+        self._fetched.put(item)  # poll takes it, in order
+
+    def flush(self) -> None:
+        """Wait until every save and fetch queued so far reached the store."""
+        self._io_thread.submit(lambda: None).result()
+
+    def close(self) -> None:
+        self._io_thread.shutdown(wait=True, cancel_futures=True)
+        self.store.close()
+
+    # -- the store's thread ----------------------------------------------------------
+
+    def _fetch(self, request: Request, hashes: list[int], block_ids: list[int]) -> None:
+        started = time.perf_counter()
+        datas: list[memoryview] = []
+        try:
+            payloads = self.store.get_many(self._keys(hashes))
+        except KVStoreUnavailable as error:
+            self._store_failed(error)
+            payloads = []
+        for block_hash, payload in zip(hashes, payloads):
+            if payload is None:
+                self.stats.blocks_missing += 1
+                break
+            try:
+                datas.append(decode_block(payload, block_hash, self.fingerprint, self.layout))
+            except KVPayloadError as error:
+                self.stats.blocks_refused += 1
+                logger.warning("kv store: block %#x refused: %s", block_hash, error)
+                break
+        self.stats.load_seconds += time.perf_counter() - started
+        self._fetched.put((request, block_ids, datas))
+
+    def _put(self, hashes: list[int], datas: list[bytes], size: int) -> None:
+        started = time.perf_counter()
+        try:
+            self.store.put_many([(key, encode_block(h, self.fingerprint, self.layout, data))
+                                 for key, h, data in zip(self._keys(hashes), hashes, datas)])
+            self.stats.blocks_saved += len(hashes)
+        except KVStoreUnavailable as error:
+            self._store_failed(error)
+            self.stats.saves_dropped += len(hashes)
+        finally:
+            with self._lock:
+                self._inflight_bytes -= size
+            self.stats.save_seconds += time.perf_counter() - started
+
+    def _store_failed(self, error: Exception) -> None:
+        self.stats.store_errors += 1
+        if self.stats.store_errors == 1 or self.stats.store_errors % 100 == 0:
+            logger.warning("kv store unavailable (%d times so far; recomputing instead): %s",
+                           self.stats.store_errors, error)
+
+
+def store_connector(cache, executor, model_config) -> StoreConnector:
+    """The connector ``cache`` (a ``CacheConfig`` with ``kv_store`` set)
+    asks for, on ``executor``'s KV tensors."""
+    from carpool.config import parse_size
+    from carpool.kv_transfer import open_store
+    from carpool.kv_transfer.blocks import weights_fingerprint
+
+    store = open_store(cache.kv_store, cache.kv_store_ttl, parse_size(cache.kv_store_capacity))
+    io = KVBlockIO(executor.kv_caches)
+    fingerprint = weights_fingerprint(executor.model, f"{model_config!r} {executor.dtype}")
+    return StoreConnector(store, io, fingerprint, parse_size(cache.kv_store_max_inflight))
