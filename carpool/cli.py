@@ -261,6 +261,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_traces_args(commands.add_parser(
         "traces", help="the public request traces: where each is found, or download them"))
+    from carpool.kv_transfer.command import add_kv_store_args
+
+    add_kv_store_args(commands.add_parser(
+        "kv-store", help="a shared KV store server for replicas' prompt blocks "
+                         "(--kv-store tcp://HOST:PORT)"))
     for name, help_text, module, add_args in _SIM_COMMANDS:
         sub = commands.add_parser(name, help=help_text, description=help_text)
         # A command with sub-commands returns them: the engine flags go on each.
@@ -346,6 +351,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from carpool.workload.command import run_traces
 
             return run_traces(args)
+        if args.command == "kv-store":
+            from carpool.kv_transfer.command import run_kv_store
+
+            return run_kv_store(args)
         if getattr(args, "bench_command", None) in ("serve", "sweep", "compare"):
             return _run_client_bench(args)
         if args.command == "serve" and args.model_path:

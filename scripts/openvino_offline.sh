@@ -5,9 +5,9 @@
 #    Python) with a CPU torch and pinned transformers / optimum-intel / nncf /
 #    openvino-genai versions that resolve together.
 # 2. Once: turns carpool's default GGUF (SmolLM2-135M-Instruct Q4_1, from carpool's
-#    cache; no Hugging Face Hub needed) into an HF checkpoint (dequantized fp32)
-#    and exports it to OpenVINO IR with optimum-cli, as OpenVINO GenAI users do:
-#    int4 (asym, group size 64, ratio 1.0), plus int8 and fp16 variants, into
+#    cache; no Hugging Face Hub needed) into an HF checkpoint (dequantized fp32, by
+#    carpool's converter in the main Python) and exports it to OpenVINO IR with
+#    optimum-cli, as OpenVINO GenAI users do: int4 (asym, group size 64, ratio 1.0), plus int8 and fp16 variants, into
 #    ~/.cache/carpool/openvino/SmolLM2-135M-Instruct-{int4,int8,fp16} (skipped if present).
 # 3. Runs scripts/openvino_offline.py with the venv's python (int4 model by default),
 #    passing the remaining arguments through: one batched continuous-batching
@@ -30,7 +30,7 @@ OV_FORMATS=${OV_FORMATS:-int4 int8 fp16}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 # Versions that pip resolved consistently together (optimum-intel 2.2.0 caps
 # transformers<5.6 and huggingface-hub<1.22).
-PINS=(transformers==5.5.4 tokenizers==0.22.2 huggingface-hub==1.21.0 gguf==0.19.0 accelerate==1.16.0
+PINS=(transformers==5.5.4 tokenizers==0.22.2 huggingface-hub==1.21.0 gguf==0.19.0
       optimum==2.3.0 "optimum-intel[openvino]==2.2.0" nncf==3.4.0
       openvino==2026.4.1 openvino-genai==2026.4.1.0 openvino-tokenizers==2026.4.1.0)
 PY=$VENV/bin/python
@@ -68,23 +68,12 @@ if ((${#missing[@]})); then
   mkdir -p "$OUT_ROOT"
   TMP=$(mktemp -d "$OUT_ROOT/.convert.XXXXXX")
   trap 'rm -rf "$TMP"' EXIT
-  # GGUF -> HF (transformers dequantizes the Q4_1 weights to fp32 on load).
-  "$PY" - "$GGUF" "$TMP/hf" <<'PY'
-import sys
-from pathlib import Path
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-gguf, out = Path(sys.argv[1]), sys.argv[2]
-tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-# The weights are plain fp32 tensors now; drop the GGUF "quantizer" so it can be saved.
-model.hf_quantizer = None
-if hasattr(model.config, "quantization_config"):
-    del model.config.quantization_config
-model.save_pretrained(out)
-tok.save_pretrained(out)
-print("HF checkpoint:", out)
-PY
+  # GGUF -> HF with carpool's own converter: the fp32 weights carpool serves (identical
+  # to transformers' gguf_file= loading) and a correct byte-level BPE tokenizer.json
+  # (transformers 5.5's GGUF loader, the newest optimum-intel 2.2 allows, turns
+  # SmolLM2's tokenizer into a broken Metaspace/CodeLlama one).
+  ${CARPOOL_PYTHON:-python} -c 'import sys, torch; from carpool.model.gguf_convert import convert_gguf
+print("HF checkpoint:", convert_gguf(sys.argv[1], sys.argv[2], torch.float32))' "$GGUF" "$TMP/hf"
   for fmt in "${missing[@]}"; do
     extra=()
     # hidden size 576 is not a multiple of the default group size 128

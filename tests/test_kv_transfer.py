@@ -218,3 +218,25 @@ def test_kv_store_settings_are_checked():
         EngineConfig.from_dict({"kv_store_ttl": 0}).validate()
     with pytest.raises(ValueError, match="tcp://HOST:PORT"):
         open_store("tcp://nohost")
+
+
+def test_two_replicas_share_prompt_blocks_through_carpool_kv_store(tiny_model_dir):
+    import re
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "carpool.cli", "kv-store", "--port", "0",
+                             "--capacity", "64MiB"], stdout=subprocess.PIPE, text=True)
+    try:
+        url = re.search(r"tcp://[0-9.]+:\d+", proc.stdout.readline()).group(0)
+        replicas = [LLM(str(tiny_model_dir), dtype="float32", kv_cache_memory="16MiB",
+                        block_hash_key=HASH_KEY, kv_store=url) for _ in range(2)]
+        prompt = [(i * 31) % 380 + 13 for i in range(70)]
+        first = _generate(replicas[0].engine, prompt)
+        replicas[0].engine.kv_connector.flush()
+        second = _generate(replicas[1].engine, prompt)
+        assert second.token_ids == first.token_ids
+        assert (first.num_cached_tokens, second.num_cached_tokens) == (0, 64)
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=10) == 0
