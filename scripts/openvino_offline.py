@@ -73,7 +73,8 @@ def weight_types(model_dir: str) -> dict[str, int]:
     """Parameters per element type of the IR's weight constants (e.g. u4 / u8 / f32)."""
     counts: dict[str, int] = {}
     for op in ov.Core().read_model(Path(model_dir, "openvino_model.xml")).get_ops():
-        if op.get_type_name() == "Constant" and op.get_output_partial_shape(0).rank.get_length() >= 2:
+        shape = op.get_output_partial_shape(0)
+        if op.get_type_name() == "Constant" and shape.rank.get_length() >= 2:
             t = op.get_output_element_type(0).get_type_name()
             counts[t] = counts.get(t, 0) + int(np.prod(list(op.get_output_shape(0))))
     return counts
@@ -137,7 +138,7 @@ def main() -> int:
             "cache_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens",
             "dynamic_split_fuse", "enable_prefix_caching")},
         "properties_set": {k: str(v) for k, v in props.items() if k != "scheduler_config"},
-        "cpu_defaults": {k: str(core.get_property(a.device, k)) for k in (
+        "cpu_defaults": {k: core.get_property(a.device, k).get_type_name() for k in (
             "KV_CACHE_PRECISION", "INFERENCE_PRECISION_HINT")},
         "cpu": core.get_property(a.device, "FULL_DEVICE_NAME"), "cores": os.cpu_count(),
         "versions": {p: version(p) for p in ("openvino", "openvino-genai",

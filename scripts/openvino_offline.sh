@@ -7,7 +7,8 @@
 # 2. Once: turns carpool's default GGUF (SmolLM2-135M-Instruct Q4_1, from carpool's
 #    cache; no Hugging Face Hub needed) into an HF checkpoint (dequantized fp32, by
 #    carpool's converter in the main Python) and exports it to OpenVINO IR with
-#    optimum-cli, as OpenVINO GenAI users do: int4 (asym, group size 64, ratio 1.0), plus int8 and fp16 variants, into
+#    optimum-cli, as OpenVINO GenAI users do: int4 (asym, group size 64, ratio 1.0),
+#    plus int8 and fp16 variants, into
 #    ~/.cache/carpool/openvino/SmolLM2-135M-Instruct-{int4,int8,fp16} (skipped if present).
 # 3. Runs scripts/openvino_offline.py with the venv's python (int4 model by default),
 #    passing the remaining arguments through: one batched continuous-batching
@@ -41,8 +42,9 @@ if [[ ! -x $PY || "$(cat "$STAMP" 2>/dev/null)" != "$TORCH_SPEC ${PINS[*]}" ]]; 
   [[ -x $PY ]] || python3 -m venv "$VENV"
   "$PY" -m pip install -q -U pip
   # Torch first, and only a CPU build: refuse anything that would pull CUDA wheels.
-  picked=$("$PY" -m pip install --dry-run --no-deps -q --report - "$TORCH_SPEC" |
-           "$PY" -c 'import json,sys; r=json.load(sys.stdin)["install"]; print(r[0]["metadata"]["version"] if r else "installed")')
+  picked=$("$PY" -m pip install --dry-run --no-deps -q --report - "$TORCH_SPEC" | "$PY" -c '
+import json, sys; r = json.load(sys.stdin)["install"]
+print(r[0]["metadata"]["version"] if r else "installed")')
   if [[ $picked != *+cpu* && $picked != installed ]]; then
     echo "pip would install torch $picked (not a +cpu build); point pip at a CPU wheel" \
          "(e.g. PIP_FIND_LINKS or TORCH_SPEC=/path/torch-...+cpu...whl)" >&2
@@ -64,7 +66,8 @@ for fmt in $OV_FORMATS; do
   [[ -f $OUT_ROOT/SmolLM2-135M-Instruct-$fmt/openvino_model.xml ]] || missing+=("$fmt")
 done
 if ((${#missing[@]})); then
-  GGUF=${GGUF:-$(${CARPOOL_PYTHON:-python} -c "from carpool.model.hub import fetch_default_model; from carpool.paths import default_cache_dir; print(fetch_default_model(default_cache_dir()))")}
+  GGUF=${GGUF:-$(${CARPOOL_PYTHON:-python} -c "from carpool.model.hub import fetch_default_model
+from carpool.paths import default_cache_dir; print(fetch_default_model(default_cache_dir()))")}
   mkdir -p "$OUT_ROOT"
   TMP=$(mktemp -d "$OUT_ROOT/.convert.XXXXXX")
   trap 'rm -rf "$TMP"' EXIT
