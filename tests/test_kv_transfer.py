@@ -240,3 +240,30 @@ def test_two_replicas_share_prompt_blocks_through_carpool_kv_store(tiny_model_di
     finally:
         proc.terminate()
         assert proc.wait(timeout=10) == 0
+
+
+def test_store_metrics_reach_the_snapshot_the_fleet_sum_and_prometheus(tiny):
+    from carpool.engine.stats import merge_stats
+    from carpool.server.metrics_engine import engine_families
+
+    prompt = [(i * 43) % 380 + 17 for i in range(70)]
+    store = MemoryStore(64 << 20)
+    first = _engine_with(tiny, store)
+    _generate(first, prompt)
+    first.kv_connector.flush()
+    second = _engine_with(tiny, store)
+    _generate(second, prompt)
+    stats = second.stats()
+    assert stats.kv_store["blocks_loaded"] == 4 and stats.kv_store["store_hits"] >= 4
+    assert sum(stats.kv_store["load_buckets"]) == 1
+    families = {f.name: f for f in engine_families(stats, {}, "m", 10.0, None)}
+    assert families["kv_store_blocks_loaded"].samples[0].value == 4
+    count = [s.value for s in families["kv_store_load_seconds"].samples
+             if s.name.endswith("_count")]
+    assert count == [1]
+    fleet = merge_stats([stats, first.stats()])
+    assert fleet.kv_store["blocks_loaded"] == 4
+    assert fleet.kv_store["blocks_saved"] == 4 + stats.kv_store["blocks_saved"]
+    assert sum(fleet.kv_store["save_buckets"]) >= 1
+    assert "kv_store_hits" not in {f.name for f in engine_families(
+        tiny.engine.stats(), {}, "m", 10.0, None)}  # no store, no series

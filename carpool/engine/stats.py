@@ -69,6 +69,9 @@ class EngineStats:
     # step, per token, per sequence; None until fitted) and the factor its
     # learned TTFT error adds to predictions (1 = none).
     predictions: dict | None = None
+    # The shared KV store's counters and transfer-time histograms
+    # (``StoreConnector.metrics``); empty without a store.
+    kv_store: dict = field(default_factory=dict)
 
     @property
     def kv_usage(self) -> float:
@@ -144,7 +147,13 @@ def engine_stats(scheduler: Scheduler, counters: EngineCounters, now: float,
         batches=scheduler.gate.stats.batches if scheduler.gate else 0,
         adaptive=scheduler.controller is not None,
         slo=slo.as_dict() if slo is not None else None,
-        predictions=_predictions(scheduler), **_decisions(scheduler))
+        predictions=_predictions(scheduler), kv_store=_kv_store(scheduler),
+        **_decisions(scheduler))
+
+
+def _kv_store(scheduler: Scheduler) -> dict:
+    metrics = getattr(scheduler.kv.external, "metrics", None)
+    return metrics() if metrics is not None else {}
 
 
 def _summed(dicts) -> dict:
@@ -177,4 +186,18 @@ def merge_stats(snapshots: list[EngineStats]) -> EngineStats:
         first, time=max(s.time for s in snapshots), counters=counters,
         rejections=_summed(s.rejections for s in snapshots),
         sessions=_summed(s.sessions for s in snapshots),
-        decision_counts=_summed(s.decision_counts for s in snapshots), **summed)
+        decision_counts=_summed(s.decision_counts for s in snapshots),
+        kv_store=_summed_store(s.kv_store for s in snapshots), **summed)
+
+
+def _summed_store(stores) -> dict:
+    """KV store metrics of several replicas: counters and histogram counts added."""
+    total: dict = {}
+    for values in stores:
+        for key, value in values.items():
+            if isinstance(value, list):
+                old = total.get(key) or [0] * len(value)
+                total[key] = [a + b for a, b in zip(old, value)]
+            else:
+                total[key] = total.get(key, 0) + value
+    return total

@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 
 from carpool.kv_transfer.blocks import KVBlockIO
 from carpool.kv_transfer.payload import (
@@ -42,6 +42,18 @@ from carpool.scheduler import Request, RequestStatus
 logger = logging.getLogger(__name__)
 
 
+# Upper bounds (seconds) of the transfer-time histograms' buckets; the last is +Inf.
+TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+
+
+def _observe(counts: list[int], seconds: float) -> None:
+    for i, bound in enumerate(TRANSFER_BUCKETS):
+        if seconds <= bound:
+            counts[i] += 1
+            return
+    counts[-1] += 1
+
+
 @dataclass
 class ConnectorStats:
     """Counters of one replica's connector, for metrics."""
@@ -54,6 +66,9 @@ class ConnectorStats:
     store_errors: int = 0
     load_seconds: float = 0.0  # fetch wall time, summed
     save_seconds: float = 0.0
+    # Fetches / puts by wall time: counts per TRANSFER_BUCKETS bound, then +Inf.
+    load_buckets: list[int] = field(default_factory=lambda: [0] * (len(TRANSFER_BUCKETS) + 1))
+    save_buckets: list[int] = field(default_factory=lambda: [0] * (len(TRANSFER_BUCKETS) + 1))
 
 
 class StoreConnector:
@@ -139,6 +154,13 @@ class StoreConnector:
             return
         self._fetched.put(item)  # poll takes it, in order
 
+    def metrics(self) -> dict:
+        """The connector's and its store client's counters, for /metrics
+        (``EngineStats.kv_store``): plain numbers, and bucket count lists."""
+        store = self.store.stats
+        return {**asdict(self.stats), "store_queries": store.queries, "store_hits": store.hits,
+                "bytes_written": store.bytes_in, "bytes_read": store.bytes_out}
+
     def flush(self) -> None:
         """Wait until every save and fetch queued so far reached the store."""
         self._io_thread.submit(lambda: None).result()
@@ -167,7 +189,9 @@ class StoreConnector:
                 self.stats.blocks_refused += 1
                 logger.warning("kv store: block %#x refused: %s", block_hash, error)
                 break
-        self.stats.load_seconds += time.perf_counter() - started
+        seconds = time.perf_counter() - started
+        self.stats.load_seconds += seconds
+        _observe(self.stats.load_buckets, seconds)
         self._fetched.put((request, block_ids, datas))
 
     def _put(self, hashes: list[int], datas: list[bytes], size: int) -> None:
@@ -182,7 +206,9 @@ class StoreConnector:
         finally:
             with self._lock:
                 self._inflight_bytes -= size
-            self.stats.save_seconds += time.perf_counter() - started
+            seconds = time.perf_counter() - started
+            self.stats.save_seconds += seconds
+            _observe(self.stats.save_buckets, seconds)
 
     def _store_failed(self, error: Exception) -> None:
         self.stats.store_errors += 1

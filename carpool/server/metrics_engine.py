@@ -84,6 +84,48 @@ def engine_families(stats: EngineStats, rates: dict[str, float], model_name: str
         yield info
     yield from _policy_families(stats, model)
     yield from _session_families(stats, model)
+    if stats.kv_store:
+        yield from _kv_store_families(stats.kv_store, model)
+
+
+# The shared KV store's counters (``StoreConnector.metrics``): name, key, help.
+_KV_STORE_COUNTERS = (
+    ("kv_store_queries", "store_queries", "KV blocks looked up in the shared store."),
+    ("kv_store_hits", "store_hits", "Of them, blocks the store held."),
+    ("kv_store_blocks_loaded", "blocks_loaded", "KV blocks loaded from the store into this "
+                                                "cache instead of computed."),
+    ("kv_store_blocks_saved", "blocks_saved", "KV blocks written to the store."),
+    ("kv_store_blocks_refused", "blocks_refused", "Fetched blocks refused (another model or "
+                                                  "layout, damaged): computed instead."),
+    ("kv_store_blocks_missing", "blocks_missing", "Blocks gone between lookup and fetch."),
+    ("kv_store_saves_dropped", "saves_dropped", "Blocks not saved (in-flight bytes over the "
+                                                "limit, or the store down)."),
+    ("kv_store_errors", "store_errors", "Calls that found the store unavailable."),
+    ("kv_store_bytes_read", "bytes_read", "Payload bytes fetched from the store."),
+    ("kv_store_bytes_written", "bytes_written", "Payload bytes written to the store."),
+)
+
+
+def _kv_store_families(values: dict, model: list[str]) -> Iterator[Metric]:
+    from prometheus_client.core import HistogramMetricFamily
+
+    from carpool.kv_transfer.connector import TRANSFER_BUCKETS
+
+    for name, key, doc in _KV_STORE_COUNTERS:
+        yield _counter(name, doc, model, values.get(key, 0))
+    for name, key, total, doc in (
+            ("kv_store_load_seconds", "load_buckets", "load_seconds",
+             "Wall time of one fetch from the store (one request's blocks)."),
+            ("kv_store_save_seconds", "save_buckets", "save_seconds",
+             "Wall time of one write to the store (one commit's blocks).")):
+        counts = values.get(key) or [0] * (len(TRANSFER_BUCKETS) + 1)
+        cumulative, buckets = 0, []
+        for bound, count in zip((*map(str, TRANSFER_BUCKETS), "+Inf"), counts):
+            cumulative += count
+            buckets.append((bound, cumulative))
+        family = HistogramMetricFamily(name, doc, labels=["model_name"])
+        family.add_metric(model, buckets, sum_value=values.get(total, 0.0))
+        yield family
 
 
 def _request_success(stats: EngineStats, model: list[str]) -> CounterMetricFamily:

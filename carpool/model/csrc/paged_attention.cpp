@@ -33,6 +33,21 @@ inline void to_float(const T* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
+// Widen N elements to float in registers (N known at compile time): the
+// block loops below read the cache's rows directly, without a float copy.
+template <int N>
+inline void widen(const at::BFloat16* src, float* dst) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+  uint32_t* out = reinterpret_cast<uint32_t*>(dst);
+#pragma omp simd
+  for (int i = 0; i < N; ++i) out[i] = static_cast<uint32_t>(bits[i]) << 16;
+}
+
+template <int N, typename T>
+inline void widen(const T* src, float* dst) {
+  for (int i = 0; i < N; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
 inline float dot(const float* a, const float* b, int64_t n) {
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
@@ -43,37 +58,65 @@ inline float dot(const float* a, const float* b, int64_t n) {
 // Scores of one K block ([D][BS] floats) for `groups` query heads, written
 // to lane[g * BS + t]. With G and BS known at compile time the G accumulators
 // live in vector registers; the generic loop keeps them in memory.
-template <int G, int BS>
-void block_scores_fixed(const float* block, const float* queries, int64_t head_dim,
+// `block` is the cache's own K block ([D][BS] elements of T), each row
+// widened in registers as it is used: one pass over the block's bytes.
+template <int G, int BS, typename T>
+void block_scores_fixed(const T* block, const float* queries, int64_t head_dim,
                         float* lane) {
-  float acc[G][BS] = {};
-  for (int64_t d = 0; d < head_dim; ++d) {
-    const float* kd = block + d * BS;
+  // Two accumulators per head (even and odd rows of d): 2G independent
+  // multiply-add chains instead of G, so the FMA units are not left waiting
+  // on each other's latency (head_dim is even for every model we load).
+  float acc[2][G][BS] = {};
+  for (int64_t d = 0; d + 1 < head_dim; d += 2) {
+    float k0[BS], k1[BS];
+    widen<BS>(block + d * BS, k0);
+    widen<BS>(block + (d + 1) * BS, k1);
 #pragma GCC unroll 8
     for (int g = 0; g < G; ++g) {
-      const float qd = queries[g * head_dim + d];
+      const float q0 = queries[g * head_dim + d], q1 = queries[g * head_dim + d + 1];
 #pragma omp simd
-      for (int t = 0; t < BS; ++t) acc[g][t] += qd * kd[t];
+      for (int t = 0; t < BS; ++t) {
+        acc[0][g][t] += q0 * k0[t];
+        acc[1][g][t] += q1 * k1[t];
+      }
     }
   }
-  std::copy(&acc[0][0], &acc[0][0] + G * BS, lane);
+  if (head_dim % 2) {
+    float kd[BS];
+    widen<BS>(block + (head_dim - 1) * BS, kd);
+    for (int g = 0; g < G; ++g) {
+      const float qd = queries[g * head_dim + head_dim - 1];
+#pragma omp simd
+      for (int t = 0; t < BS; ++t) acc[0][g][t] += qd * kd[t];
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+#pragma omp simd
+    for (int t = 0; t < BS; ++t) lane[g * BS + t] = acc[0][g][t] + acc[1][g][t];
+  }
 }
 
-inline void block_scores(const float* block, const float* queries, int64_t groups,
-                         int64_t head_dim, int64_t block_size, float* lane) {
+// The scores of one K block (T: the cache's element type) for `groups`
+// query heads into lane[g * BS + t]; `scratch` holds a float copy of the
+// block for the generic shapes.
+template <typename T>
+inline void block_scores(const T* kblock, const float* queries, int64_t groups,
+                         int64_t head_dim, int64_t block_size, float* lane, float* scratch) {
   if (block_size == 16) {
     switch (groups) {
-      case 1: return block_scores_fixed<1, 16>(block, queries, head_dim, lane);
-      case 2: return block_scores_fixed<2, 16>(block, queries, head_dim, lane);
-      case 3: return block_scores_fixed<3, 16>(block, queries, head_dim, lane);
-      case 4: return block_scores_fixed<4, 16>(block, queries, head_dim, lane);
-      case 5: return block_scores_fixed<5, 16>(block, queries, head_dim, lane);
-      case 6: return block_scores_fixed<6, 16>(block, queries, head_dim, lane);
-      case 7: return block_scores_fixed<7, 16>(block, queries, head_dim, lane);
-      case 8: return block_scores_fixed<8, 16>(block, queries, head_dim, lane);
+      case 1: return block_scores_fixed<1, 16>(kblock, queries, head_dim, lane);
+      case 2: return block_scores_fixed<2, 16>(kblock, queries, head_dim, lane);
+      case 3: return block_scores_fixed<3, 16>(kblock, queries, head_dim, lane);
+      case 4: return block_scores_fixed<4, 16>(kblock, queries, head_dim, lane);
+      case 5: return block_scores_fixed<5, 16>(kblock, queries, head_dim, lane);
+      case 6: return block_scores_fixed<6, 16>(kblock, queries, head_dim, lane);
+      case 7: return block_scores_fixed<7, 16>(kblock, queries, head_dim, lane);
+      case 8: return block_scores_fixed<8, 16>(kblock, queries, head_dim, lane);
       default: break;
     }
   }
+  to_float(kblock, scratch, head_dim * block_size);
+  const float* block = scratch;
   std::fill(lane, lane + groups * block_size, 0.f);
   for (int64_t d = 0; d < head_dim; ++d) {
     const float* kd = block + d * block_size;
@@ -88,13 +131,14 @@ inline void block_scores(const float* block, const float* queries, int64_t group
 
 // acc[g] += sum over t < count of p[g * stride + t] * rows[t] (rows [count][D]).
 // Compile-time G and D keep the accumulators in vector registers.
-template <int G, int D>
-void weighted_rows_fixed(const float* rows, const float* p, int64_t stride, int64_t count,
+template <int G, int D, typename T>
+void weighted_rows_fixed(const T* rows, const float* p, int64_t stride, int64_t count,
                          float* acc) {
   float sum[G][D];
   std::copy(acc, acc + G * D, &sum[0][0]);
   for (int64_t t = 0; t < count; ++t) {
-    const float* r = rows + t * D;
+    float r[D];
+    widen<D>(rows + t * D, r);
 #pragma GCC unroll 8
     for (int g = 0; g < G; ++g) {
       const float w = p[g * stride + t];
@@ -105,8 +149,12 @@ void weighted_rows_fixed(const float* rows, const float* p, int64_t stride, int6
   std::copy(&sum[0][0], &sum[0][0] + G * D, acc);
 }
 
-inline void weighted_rows(const float* rows, const float* p, int64_t stride, int64_t count,
-                          int64_t groups, int64_t head_dim, float* acc) {
+// V rows ([count][D] elements of T, the cache's own) weighted into acc;
+// `scratch` holds a float copy for the generic shapes.
+template <typename T>
+inline void weighted_rows(const T* vrows, const float* p, int64_t stride, int64_t count,
+                          int64_t groups, int64_t head_dim, float* acc, float* scratch) {
+  const T* rows = vrows;
   if (head_dim == 64) {
     switch (groups) {
       case 1: return weighted_rows_fixed<1, 64>(rows, p, stride, count, acc);
@@ -125,11 +173,12 @@ inline void weighted_rows(const float* rows, const float* p, int64_t stride, int
       default: break;
     }
   }
+  to_float(vrows, scratch, count * head_dim);
   for (int64_t g = 0; g < groups; ++g) {
     float* a = acc + g * head_dim;
     for (int64_t t = 0; t < count; ++t) {
       const float w = p[g * stride + t];
-      const float* r = rows + t * head_dim;
+      const float* r = scratch + t * head_dim;
 #pragma omp simd
       for (int64_t d = 0; d < head_dim; ++d) a[d] += w * r[d];
     }
@@ -154,8 +203,8 @@ void decode_one(const T* q, const T* k_head, const T* v_head, const int64_t* tab
   const int64_t num_blocks = (context_len + block_size - 1) / block_size;
   for (int64_t j = 0; j < num_blocks; ++j) {
     const int64_t count = std::min(block_size, context_len - j * block_size);
-    to_float(k_head + table[j] * block_elems, block, block_elems);  // [D][BS]
-    block_scores(block, queries, groups, head_dim, block_size, lane);
+    block_scores(k_head + table[j] * block_elems, queries, groups, head_dim, block_size, lane,
+                 block);  // K block [D][BS]
     for (int64_t g = 0; g < groups; ++g) {
       float* s = scores + g * context_len + j * block_size;
       for (int64_t t = 0; t < count; ++t) s[t] = lane[g * block_size + t] * scale;
@@ -176,8 +225,8 @@ void decode_one(const T* q, const T* k_head, const T* v_head, const int64_t* tab
   }
   for (int64_t j = 0; j < num_blocks; ++j) {
     const int64_t count = std::min(block_size, context_len - j * block_size);
-    to_float(v_head + table[j] * block_elems, block, count * head_dim);  // [BS][D]
-    weighted_rows(block, scores + j * block_size, context_len, count, groups, head_dim, acc);
+    weighted_rows(v_head + table[j] * block_elems, scores + j * block_size, context_len, count,
+                  groups, head_dim, acc, block);  // V rows [BS][D]
   }
   for (int64_t i = 0; i < groups * head_dim; ++i) out[i] = static_cast<T>(acc[i]);
 }
