@@ -95,8 +95,9 @@ ENGINE_FLAGS: list[Flag] = [
     _f("--num-blocks", "num_blocks", int, "N", "KV pool size in blocks (overrides "
        "--kv-cache-memory and --gpu-memory-utilization)"),
     _f("--kv-store", "kv_store", str, "URL",
-       "a shared KV store for prompt blocks: memory | tcp://HOST:PORT | "
-       "redis://HOST:PORT[/DB] (default: none)"),
+       "a shared KV store for prompt blocks: local (with --replicas: one the API process "
+       "serves its replicas) | memory | tcp://HOST:PORT | redis://HOST:PORT[/DB] "
+       "(default: none)"),
     _f("--kv-store-ttl", "kv_store_ttl", float, "SECONDS",
        "seconds a stored block stays after its last use"),
     _f("--kv-store-capacity", "kv_store_capacity", str, "SIZE",

@@ -69,8 +69,9 @@ class CacheConfig:
     block_hash_key: str | None = field(default=None, repr=False)
     # A shared KV store (carpool/kv_transfer): full prompt blocks are written
     # through, and on a local prefix miss the blocks it holds are loaded
-    # instead of computed. memory (this process) | tcp://HOST:PORT |
-    # redis://HOST:PORT[/DB]; None: off. Replicas share blocks only with
+    # instead of computed. local (a fleet's front serves one to its
+    # replicas; one replica: memory) | memory (this process) |
+    # tcp://HOST:PORT | redis://HOST:PORT[/DB]; None: off. Replicas share blocks only with
     # one block_hash_key (a fleet's).
     kv_store: str | None = None
     kv_store_ttl: float = 1800.0  # seconds a block stays after its last use
@@ -120,9 +121,9 @@ class CacheConfig:
         if not self.kv_store_ttl > 0:
             raise ValueError(f"kv_store_ttl must be > 0 seconds, got {self.kv_store_ttl}")
         if self.kv_store is not None and not (
-                self.kv_store == "memory" or self.kv_store.startswith(
+                self.kv_store in ("memory", "local") or self.kv_store.startswith(
                     ("tcp://", "redis://", "rediss://", "unix://"))):
-            raise ValueError(f"kv_store must be memory, tcp://HOST:PORT or "
+            raise ValueError(f"kv_store must be local, memory, tcp://HOST:PORT or "
                              f"redis://HOST:PORT[/DB], got {self.kv_store!r}")
         self.block_hash_secret()  # raises on a malformed key (the value is dropped)
 

@@ -221,3 +221,27 @@ def test_a_client_that_leaves_frees_its_replicas_kv(tiny_model_dir):
         aborted = [line for line in metrics.splitlines()
                    if line.startswith('carpool:request_success_total{') and "abort" in line]
         assert aborted and float(aborted[0].split()[-1]) == 2
+
+
+def test_a_fleet_with_a_local_kv_store_serves_a_prefix_computed_on_the_other_replica(
+        tiny_model_dir):
+    """``--kv-store local``: the front serves a shared store; round-robin sends
+    a repeated long prompt to the other replica, which loads its blocks."""
+    with ServerProcess([str(tiny_model_dir), "--attention-backend", "torch", "--adaptive",
+                        "false", "--replicas", "2", "--routing", "round-robin",
+                        "--kv-store", "local", "--served-model-name", "tiny"]) as server, \
+            server.client() as http:
+        prompt = list(range(7, 7 + 64)) + [1]
+        body = {"prompt": prompt, "max_tokens": 4, "temperature": 0}
+        first = http.post("/v1/completions", json=body).json()
+        time.sleep(0.5)  # the write-through runs off the step
+        again = http.post("/v1/completions", json=body).json()
+        replicas = [d["replica"] for d in _routing(http)["decisions"][-2:]]
+        assert replicas[0] != replicas[1]
+        assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 64
+        assert again["choices"][0]["text"] == first["choices"][0]["text"]
+        metrics = http.get("/metrics").text
+        loaded = next(float(line.split()[-1]) for line in metrics.splitlines()
+                      if line.startswith("carpool:kv_store_blocks_loaded_total{"))
+        assert loaded == 4

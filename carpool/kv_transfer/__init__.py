@@ -7,9 +7,9 @@ from carpool.kv_transfer.stores import DEFAULT_TTL_S, KVStore, MemoryStore, Redi
 
 
 def open_store(url: str, ttl_s: float = DEFAULT_TTL_S, capacity_bytes: int = 1 << 30) -> KVStore:
-    """``memory`` (in this process), ``tcp://HOST:PORT`` (a ``TcpStoreServer``,
+    """``memory`` or ``local`` (in this process), ``tcp://HOST:PORT`` (a ``TcpStoreServer``,
     e.g. ``carpool kv-store``) or ``redis://HOST:PORT[/DB]``."""
-    if url == "memory":
+    if url in ("memory", "local"):  # local: a fleet's front serves it (one replica: here)
         return MemoryStore(capacity_bytes, ttl_s)
     if url.startswith(("redis://", "rediss://", "unix://")):
         return RedisStore(url, ttl_s)

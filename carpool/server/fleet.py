@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from carpool.cluster.autoscaler import AutoscaleConfig, PoolScaler, PoolSignals, make_scaler
 from carpool.cluster.router import Router
 from carpool.cluster.view import Health, ReplicaView, RouteRequest, RoutingError
-from carpool.config import EngineConfig
+from carpool.config import EngineConfig, parse_size
 from carpool.engine.client import EngineClient
 from carpool.engine.llm_engine import check_prompt
 from carpool.engine.stats import EngineStats, merge_stats
@@ -43,6 +43,23 @@ from carpool.scheduler.kv_events import BlockKeyChain, KvEventBatch
 log = logging.getLogger("carpool.server")
 
 VIEW_INTERVAL_S = 0.25  # how often replicas' polled stats refresh the router's views
+
+
+def _local_kv_store(config: EngineConfig):
+    """``kv_store: local``: a TCP store served by this front process on
+    127.0.0.1 for its replicas (``config`` is pointed at it); else None."""
+    if config.cache.kv_store != "local":
+        return None
+    from carpool.kv_transfer.stores import MemoryStore
+    from carpool.kv_transfer.tcp_store import TcpStoreServer
+
+    cache = config.cache
+    server = TcpStoreServer(MemoryStore(parse_size(cache.kv_store_capacity),
+                                        cache.kv_store_ttl)).start()
+    cache.kv_store = "tcp://%s:%d" % server.address
+    log.info("shared KV store for the replicas: %s (%s)", cache.kv_store,
+             cache.kv_store_capacity)
+    return server
 
 
 class FleetEngine:
@@ -77,6 +94,7 @@ class FleetEngine:
         self._scaling: set[asyncio.Task] = set()
         self._starting = 0
         self._ticks = asyncio.ensure_future(self._autoscale()) if scaler is not None else None
+        self.kv_store_server = None  # the shared KV store this front hosts (kv_store: local)
 
     @classmethod
     async def start(cls, config: EngineConfig, replicas: int, routing: str = "predicted-ttft",
@@ -94,6 +112,7 @@ class FleetEngine:
         config = copy.deepcopy(config)
         if config.cache.block_hash_key is None:  # one secret per fleet, made here
             config.cache.block_hash_key = secrets.token_hex(32)
+        store_server = _local_kv_store(config)
         if config.model.threads is None:
             # The machine's cores split between the replicas (as many as the
             # autoscaler may start): more torch threads than cores make every
@@ -108,8 +127,12 @@ class FleetEngine:
         if failure is not None:
             await asyncio.gather(*(c.wait_closed() for c in started
                                    if isinstance(c, EngineClient)))
+            if store_server is not None:
+                store_server.stop()
             raise failure
-        return cls(launch, config, router, started, scaler)
+        fleet = cls(launch, config, router, started, scaler)
+        fleet.kv_store_server = store_server
+        return fleet
 
     # -- membership ----------------------------------------------------------------------
 
@@ -368,3 +391,6 @@ class FleetEngine:
             task.cancel()
         await asyncio.gather(*(c.wait_closed(timeout) for c in list(self.clients.values())),
                              *background, return_exceptions=True)
+        if self.kv_store_server is not None:
+            self.kv_store_server.stop()
+            self.kv_store_server = None
