@@ -44,7 +44,16 @@ _decode_reply = msgspec.msgpack.Decoder(StoreReply).decode
 
 
 def _send(sock: socket.socket, body: bytes) -> None:
-    sock.sendall(_LENGTH.pack(len(body)) + body)
+    """One frame: the length and the body gathered by one call (no copy of
+    the body, which may be hundreds of MB)."""
+    view = memoryview(body)
+    sent = sock.sendmsg([_LENGTH.pack(len(body)), view])
+    if sent < _LENGTH.size + len(body):  # a partial send: the rest in order
+        done = sent - _LENGTH.size
+        if done < 0:
+            sock.sendall(_LENGTH.pack(len(body))[sent:])
+            done = 0
+        sock.sendall(view[done:])
 
 
 def _receive(sock: socket.socket) -> bytes | None:
@@ -59,16 +68,17 @@ def _receive(sock: socket.socket) -> bytes | None:
 
 
 def _read_exact(sock: socket.socket, size: int, allow_eof: bool = False) -> bytes | None:
-    chunks, left = [], size
-    while left:
-        chunk = sock.recv(min(left, 1 << 20))
-        if not chunk:
-            if allow_eof and left == size:
+    """``size`` bytes into one buffer, received in place."""
+    buffer = bytearray(size)
+    view, got = memoryview(buffer), 0
+    while got < size:
+        count = sock.recv_into(view[got:], min(size - got, 1 << 22))
+        if not count:
+            if allow_eof and got == 0:
                 return None
             raise ConnectionError("the peer closed mid-frame")
-        chunks.append(chunk)
-        left -= len(chunk)
-    return b"".join(chunks)
+        got += count
+    return buffer
 
 
 class _Handler(socketserver.BaseRequestHandler):
