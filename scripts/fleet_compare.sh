@@ -35,8 +35,15 @@
 # TTFT/TPOT of the default model here, so goodput separates a fleet that
 # keeps up from one whose queue grows.
 #
+# CASES picks the configurations (default: one-replica two-round-robin
+# two-router); two-round-robin-store and two-router-store are the same
+# two-replica fleets with a shared KV store (`--kv-store local`: the API
+# process serves it), served for real only (the simulator's KV tier is
+# not priced from this machine's transfers yet).
+#
 #   scripts/fleet_compare.sh                          # ~25 min on 2 cores, alone
 #   COUNT=12 GRID=smoke OUT=/tmp/fc scripts/fleet_compare.sh   # a smoke run
+#   CASES="two-round-robin two-round-robin-store" CAL_COUNT=0 scripts/fleet_compare.sh
 #
 # Needs the machine alone and the whole trace (../shared/traces or
 # $CARPOOL_TRACES). Servers listen on 127.0.0.1 only and are always stopped.
@@ -135,10 +142,11 @@ simulate() {  # $1: dir, $2: cost model, $3: result name, $4: replicas, $5: rout
     --slo "$SLO" --label "$6" --json "$1/$3.json" >"$1/$3.txt" 2>"$1/$3.err"
 }
 
-run_case() {  # $1: name, $2: replicas, $3: routing, $4: threads, $5: cost model
-  local name=$1 replicas=$2 routing=$3 threads=$4 cost=$5 dir="$OUT/$1" began=$SECONDS
-  local fleet=()
+run_case() {  # $1: name, $2: replicas, $3: routing, $4: threads, $5: cost model, $6: store?
+  local name=$1 replicas=$2 routing=$3 threads=$4 cost=$5 store=${6:-} dir="$OUT/$1"
+  local began=$SECONDS fleet=()
   if [ "$replicas" -gt 1 ]; then fleet=(--replicas "$replicas" --routing "$routing"); fi
+  if [ -n "$store" ]; then fleet+=(--kv-store local); fi
   mkdir -p "$dir"
   serve "$dir" "$threads" "${fleet[@]}"
   warm_up "$dir"
@@ -158,6 +166,7 @@ run_case() {  # $1: name, $2: replicas, $3: routing, $4: threads, $5: cost model
     --slo "$SLO" --label "real: $name" --no-progress --json "$dir/real.json" \
     >"$dir/real.txt" 2>"$dir/real.err"
   stop_server
+  if [ -n "$store" ]; then echo "   $name: real in $((SECONDS - began)) s"; return 0; fi
   simulate "$dir" "$cost" sim "$replicas" "$routing" "simulated: $name"
   if [ "$CAL_COUNT" -gt 0 ]; then
     simulate "$dir" "$dir/cost-model-live.json" sim-live "$replicas" "$routing" \
@@ -167,19 +176,29 @@ run_case() {  # $1: name, $2: replicas, $3: routing, $4: threads, $5: cost model
 }
 
 BEGAN=$SECONDS
-measure "$THREADS"
-run_case one-replica 1 round-robin "$THREADS" "$OUT/cost-model-t$THREADS.json"
-measure "$HALF"
-run_case two-round-robin 2 round-robin "$HALF" "$OUT/cost-model-t$HALF.json"
-run_case two-router 2 predicted-ttft "$HALF" "$OUT/cost-model-t$HALF.json"
+read -r -a CASES <<<"${CASES:-one-replica two-round-robin two-router}"
+measured=""
+for name in "${CASES[@]}"; do
+  case "$name" in
+    one-replica) threads=$THREADS; replicas=1; routing=round-robin; store="" ;;
+    two-round-robin*) threads=$HALF; replicas=2; routing=round-robin ;;
+    two-router*) threads=$HALF; replicas=2; routing=predicted-ttft ;;
+    *) echo "unknown case $name" >&2; exit 2 ;;
+  esac
+  case "$name" in *-store) store=1 ;; *) store="" ;; esac
+  if [ -z "$store" ] && [[ " $measured " != *" $threads "* ]]; then
+    measure "$threads"; measured="$measured $threads"
+  fi
+  run_case "$name" "$replicas" "$routing" "$threads" "$OUT/cost-model-t$threads.json" "$store"
+done
 
-CASES=(one-replica two-round-robin two-router)
 echo
 echo "## real vs simulated, per configuration"
 for name in "${CASES[@]}"; do
   echo
   echo "### $name"
-  carpool bench compare --markdown "$OUT/$name/real.json" "$OUT/$name"/sim*.json 2>/dev/null
+  carpool bench compare --markdown "$OUT/$name/real.json" "$OUT/$name"/sim*.json 2>/dev/null \
+    || echo "(real only)"
 done
 echo
 echo "## the real runs side by side (A: one replica)"
