@@ -44,6 +44,32 @@ class StoreStats:
     expired: int = 0  # blocks dropped past their TTL
     extra: dict = field(default_factory=dict)
 
+    def got(self, found: Sequence[bytes | None]) -> None:
+        """Count a ``get_many`` answer."""
+        self.queries += len(found)
+        self.hits += sum(p is not None for p in found)
+        self.bytes_out += sum(len(p) for p in found if p is not None)
+
+    def looked_up(self, asked: int, found: int) -> None:
+        """Count a ``count_prefix`` answer."""
+        self.queries += asked
+        self.hits += found
+
+    def put(self, items: Sequence[tuple[bytes, bytes]]) -> None:
+        """Count a ``put_many`` of these items."""
+        self.puts += len(items)
+        self.bytes_in += sum(len(p) for _, p in items)
+
+
+def leading(flags) -> int:
+    """How many of ``flags`` are true before the first false one."""
+    count = 0
+    for flag in flags:
+        if not flag:
+            break
+        count += 1
+    return count
+
 
 class KVStore(Protocol):
     stats: StoreStats
@@ -107,21 +133,14 @@ class MemoryStore:
                 self._blocks[key] = (entry[0], now)
                 self._blocks.move_to_end(key)
                 found.append(entry[0])
-                self.stats.bytes_out += len(entry[0])
-            self.stats.queries += len(keys)
-            self.stats.hits += sum(p is not None for p in found)
+            self.stats.got(found)
         return found
 
     def count_prefix(self, keys: Sequence[bytes]) -> int:
         with self._lock:
             self._expire(self.clock())
-            count = 0
-            for key in keys:
-                if key not in self._blocks:
-                    break
-                count += 1
-            self.stats.queries += len(keys)
-            self.stats.hits += count
+            count = leading(key in self._blocks for key in keys)
+            self.stats.looked_up(len(keys), count)
         return count
 
     def close(self) -> None:
@@ -179,30 +198,22 @@ class RedisStore:
             return
         self._call(lambda pipe: [pipe.set(self.prefix + key, payload, px=self.ttl_ms)
                                  for key, payload in items])
-        self.stats.puts += len(items)
-        self.stats.bytes_in += sum(len(payload) for _, payload in items)
+        self.stats.put(items)
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         if not keys:
             return []
         found = self._call(lambda pipe: [pipe.getex(self.prefix + key, px=self.ttl_ms)
                                          for key in keys])
-        self.stats.queries += len(keys)
-        self.stats.hits += sum(p is not None for p in found)
-        self.stats.bytes_out += sum(len(p) for p in found if p is not None)
+        self.stats.got(found)
         return found
 
     def count_prefix(self, keys: Sequence[bytes]) -> int:
         if not keys:
             return 0
         present = self._call(lambda pipe: [pipe.exists(self.prefix + key) for key in keys])
-        count = 0
-        for exists in present:
-            if not exists:
-                break
-            count += 1
-        self.stats.queries += len(keys)
-        self.stats.hits += count
+        count = leading(present)
+        self.stats.looked_up(len(keys), count)
         return count
 
     def close(self) -> None:

@@ -196,24 +196,20 @@ class TcpStore:
     def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> None:
         if items:
             self._call(StoreCall("put", [k for k, _ in items], [bytes(p) for _, p in items]))
-            self.stats.puts += len(items)
-            self.stats.bytes_in += sum(len(p) for _, p in items)
+            self.stats.put(items)
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         if not keys:
             return []
         found = self._call(StoreCall("get", list(keys))).payloads
-        self.stats.queries += len(keys)
-        self.stats.hits += sum(p is not None for p in found)
-        self.stats.bytes_out += sum(len(p) for p in found if p is not None)
+        self.stats.got(found)
         return found
 
     def count_prefix(self, keys: Sequence[bytes]) -> int:
         if not keys:
             return 0
         count = self._call(StoreCall("count", list(keys))).count
-        self.stats.queries += len(keys)
-        self.stats.hits += count
+        self.stats.looked_up(len(keys), count)
         return count
 
     def close(self) -> None:
