@@ -267,3 +267,26 @@ def test_store_metrics_reach_the_snapshot_the_fleet_sum_and_prometheus(tiny):
     assert sum(fleet.kv_store["save_buckets"]) >= 1
     assert "kv_store_hits" not in {f.name for f in engine_families(
         tiny.engine.stats(), {}, "m", 10.0, None)}  # no store, no series
+
+
+def test_a_hung_store_costs_one_timeout_then_is_left_alone_for_a_while(tiny):
+    """A store that accepts connections but never answers: the first lookup
+    waits out the client's timeout, the next ones (within retry_after_s)
+    do not ask at all."""
+    import time
+
+    hung = socket.create_server(("127.0.0.1", 0))  # listens, never replies
+    try:
+        store = TcpStore(*hung.getsockname(), timeout_s=0.3)
+        engine = _engine_with(tiny, store)
+        prompt = [(i * 47) % 380 + 19 for i in range(70)]
+        started = time.monotonic()
+        first = _generate(engine, prompt)
+        second = _generate(engine, [t + 1 for t in prompt])
+        assert time.monotonic() - started < 5
+        assert first.num_cached_tokens == 0 and second.num_cached_tokens == 0
+        assert engine.kv_connector.stats.store_errors >= 1
+        assert store.stats.errors == 1  # one lookup; later lookups and saves skip it
+        assert engine.kv_connector.stats.saves_dropped == 8
+    finally:
+        hung.close()

@@ -75,8 +75,14 @@ class StoreConnector:
     """See the module docstring. ``bind`` it to the scheduler it serves."""
 
     def __init__(self, store: KVStore, io: KVBlockIO, fingerprint: bytes,
-                 max_inflight_bytes: int = 256 << 20) -> None:
+                 max_inflight_bytes: int = 256 << 20, retry_after_s: float = 5.0,
+                 clock=time.monotonic) -> None:
+        """``retry_after_s``: after the store failed, lookups answer 0
+        without asking it for this long (a store that hangs costs one
+        timeout, not one per admission: lookups run on the engine thread)."""
         self.store, self.io, self.fingerprint = store, io, fingerprint
+        self.retry_after_s, self.clock = retry_after_s, clock
+        self._down_until = -math.inf
         self.layout = io.layout
         self.max_inflight_bytes = max_inflight_bytes
         self.stats = ConnectorStats()
@@ -96,6 +102,8 @@ class StoreConnector:
     # -- scheduler side ------------------------------------------------------------
 
     def loadable(self, request: Request, hashes: Sequence[int]) -> int:
+        if self.clock() < self._down_until:
+            return 0  # failed lately: compute, and ask again later
         try:
             return self.store.count_prefix(self._keys(hashes))
         except KVStoreUnavailable as error:
@@ -116,6 +124,9 @@ class StoreConnector:
                        request.num_cached_tokens // size)
         picked = [(i, h) for i, h in enumerate(hashes, first) if i not in loaded]
         if not picked:
+            return
+        if self.clock() < self._down_until:  # failed lately: do not queue writes to it
+            self.stats.saves_dropped += len(picked)
             return
         size = len(picked) * self.layout.data_bytes
         with self._lock:
@@ -211,6 +222,7 @@ class StoreConnector:
             _observe(self.stats.save_buckets, seconds)
 
     def _store_failed(self, error: Exception) -> None:
+        self._down_until = self.clock() + self.retry_after_s
         self.stats.store_errors += 1
         if self.stats.store_errors == 1 or self.stats.store_errors % 100 == 0:
             logger.warning("kv store unavailable (%d times so far; recomputing instead): %s",
