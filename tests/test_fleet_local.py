@@ -234,14 +234,26 @@ def test_a_fleet_with_a_local_kv_store_serves_a_prefix_computed_on_the_other_rep
         prompt = list(range(7, 7 + 64)) + [1]
         body = {"prompt": prompt, "max_tokens": 4, "temperature": 0}
         first = http.post("/v1/completions", json=body).json()
-        time.sleep(0.5)  # the write-through runs off the step
+        # The write-through runs off the step: wait until the store has the
+        # prompt's four blocks (polled stats reach the front every 0.25 s).
+        deadline = time.monotonic() + 30
+        while _metric(http, "carpool:kv_store_blocks_saved_total{") < 4:
+            assert time.monotonic() < deadline, "the prompt's blocks never reached the store"
+            time.sleep(0.1)
         again = http.post("/v1/completions", json=body).json()
         replicas = [d["replica"] for d in _routing(http)["decisions"][-2:]]
         assert replicas[0] != replicas[1]
         assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 64
         assert again["choices"][0]["text"] == first["choices"][0]["text"]
-        metrics = http.get("/metrics").text
-        loaded = next(float(line.split()[-1]) for line in metrics.splitlines()
-                      if line.startswith("carpool:kv_store_blocks_loaded_total{"))
-        assert loaded == 4
+        deadline = time.monotonic() + 30
+        while _metric(http, "carpool:kv_store_blocks_loaded_total{") < 4:
+            assert time.monotonic() < deadline, "the load never showed in /metrics"
+            time.sleep(0.1)
+        assert _metric(http, "carpool:kv_store_blocks_loaded_total{") == 4
+
+
+def _metric(http, prefix: str) -> float:
+    """The fleet total of a counter on /metrics (0 before it exists)."""
+    return next((float(line.split()[-1]) for line in http.get("/metrics").text.splitlines()
+                 if line.startswith(prefix)), 0.0)

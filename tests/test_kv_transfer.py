@@ -290,3 +290,30 @@ def test_a_hung_store_costs_one_timeout_then_is_left_alone_for_a_while(tiny):
         assert engine.kv_connector.stats.saves_dropped == 8
     finally:
         hung.close()
+
+
+class _BrokenStore(MemoryStore):
+    """Answers lookups, then fails every fetch and write with an error that
+    is not a connection error (a backend's bug, a server's error reply)."""
+
+    def get_many(self, keys):
+        raise RuntimeError("boom")
+
+    def put_many(self, items):
+        raise RuntimeError("boom")
+
+
+def test_a_fetch_that_fails_oddly_still_ends_the_load_and_the_request(tiny):
+    prompt = [(i * 59) % 380 + 23 for i in range(70)]
+    expected = _generate(tiny.engine, prompt)
+    store = _BrokenStore(64 << 20)
+    seeded = _engine_with(tiny, MemoryStore(64 << 20))
+    _generate(seeded, prompt)
+    seeded.kv_connector.flush()
+    store._blocks = seeded.kv_connector.store._blocks  # lookups find the blocks
+    engine = _engine_with(tiny, store)
+    out = _generate(engine, prompt)
+    assert out.token_ids == expected.token_ids and out.num_cached_tokens == 0
+    assert engine.kv_connector.stats.store_errors >= 1
+    assert not engine.has_unfinished
+    assert engine.scheduler.kv.pool.num_free_blocks == engine.executor.num_blocks

@@ -36,7 +36,7 @@ from carpool.kv_transfer.payload import (
     decode_block,
     encode_block,
 )
-from carpool.kv_transfer.stores import KVStore, KVStoreUnavailable
+from carpool.kv_transfer.stores import KVStore
 from carpool.scheduler import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -106,7 +106,7 @@ class StoreConnector:
             return 0  # failed lately: compute, and ask again later
         try:
             return self.store.count_prefix(self._keys(hashes))
-        except KVStoreUnavailable as error:
+        except Exception as error:  # noqa: BLE001 - any store failure is a miss
             self._store_failed(error)
             return 0
 
@@ -150,8 +150,9 @@ class StoreConnector:
             except queue.Empty:
                 return done
             done += 1
-            if request.status is not RequestStatus.LOADING:
-                continue  # aborted while fetching: its blocks are gone
+            if (request.status is not RequestStatus.LOADING
+                    or self.scheduler.requests.get(request.request_id) is not request):
+                continue  # aborted while fetching (or another scheduler's): no blocks
             self.io.write(block_ids[:len(datas)], datas)
             self.scheduler.loading.complete(request, len(datas) * self.layout.block_size)
             self.stats.blocks_loaded += len(datas)
@@ -183,13 +184,27 @@ class StoreConnector:
     # -- the store's thread ----------------------------------------------------------
 
     def _fetch(self, request: Request, hashes: list[int], block_ids: list[int]) -> None:
+        """Fetch and check; always reports (the request waits on it)."""
         started = time.perf_counter()
         datas: list[memoryview] = []
         try:
+            datas = self._fetched_blocks(hashes)
+        except Exception:  # noqa: BLE001 - never leave the request waiting
+            logger.exception("kv store: a fetch failed; its blocks are computed instead")
+        finally:
+            seconds = time.perf_counter() - started
+            self.stats.load_seconds += seconds
+            _observe(self.stats.load_buckets, seconds)
+            self._fetched.put((request, block_ids, datas))
+
+    def _fetched_blocks(self, hashes: list[int]) -> list[memoryview]:
+        """The leading blocks of ``hashes`` the store gives and the checks pass."""
+        datas: list[memoryview] = []
+        try:
             payloads = self.store.get_many(self._keys(hashes))
-        except KVStoreUnavailable as error:
+        except Exception as error:  # noqa: BLE001 - any store failure is a miss
             self._store_failed(error)
-            payloads = []
+            return datas
         for block_hash, payload in zip(hashes, payloads):
             if payload is None:
                 self.stats.blocks_missing += 1
@@ -200,10 +215,7 @@ class StoreConnector:
                 self.stats.blocks_refused += 1
                 logger.warning("kv store: block %#x refused: %s", block_hash, error)
                 break
-        seconds = time.perf_counter() - started
-        self.stats.load_seconds += seconds
-        _observe(self.stats.load_buckets, seconds)
-        self._fetched.put((request, block_ids, datas))
+        return datas
 
     def _put(self, hashes: list[int], datas: list[bytes], size: int) -> None:
         started = time.perf_counter()
@@ -211,7 +223,7 @@ class StoreConnector:
             self.store.put_many([(key, encode_block(h, self.fingerprint, self.layout, data))
                                  for key, h, data in zip(self._keys(hashes), hashes, datas)])
             self.stats.blocks_saved += len(hashes)
-        except KVStoreUnavailable as error:
+        except Exception as error:  # noqa: BLE001 - any store failure is a miss
             self._store_failed(error)
             self.stats.saves_dropped += len(hashes)
         finally:
