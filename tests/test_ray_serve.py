@@ -127,9 +127,17 @@ def test_openai_streams_through_two_replicas_each_request_ending_once(ray_app):
         assert http.get("/v1/models").json()["data"][0]["id"] == "tiny"
         assert http.post("/v1/completions", json={"prompt": "x", "max_tokens": -1}
                          ).status_code == 400
-        metrics = http.get("/metrics").text
-        replicas = {line.split('replica="')[1].split('"')[0] for line in metrics.splitlines()
-                    if line.startswith("carpool:replica_engine_steps_total{")}
+        # Per-replica series come from the ingress's stats polls, each
+        # answered by the replica Ray's router picks: wait for both to answer.
+        deadline = time.monotonic() + 30
+        while True:
+            metrics = http.get("/metrics").text
+            replicas = {line.split('replica="')[1].split('"')[0]
+                        for line in metrics.splitlines()
+                        if line.startswith("carpool:replica_engine_steps_total{")}
+            if replicas == set(after) or time.monotonic() > deadline:
+                break
+            time.sleep(0.25)
         assert replicas == set(after)
 
 
