@@ -80,6 +80,9 @@ ENGINE_FLAGS: list[Flag] = [
     _f("--packed-decode", "packed_decode", str, "MODE",
        "CPU bf16: decode steps of a few rows on a packed copy of the weights (our AVX512-BF16 "
        "kernel): auto (where it fits in a quarter of the free memory) | on | off"),
+    _f("--blocked-weights", "blocked_weights", str, "MODE",
+       "CPU bf16: linear weights laid out once in oneDNN's blocked format (same results, "
+       "faster matrix products): auto (where oneDNN has bf16 kernels) | on | off"),
     _f("--overlap", "overlap", str, "MODE",
        "make a step's outputs (detokenizing, stop strings) while the executor runs the next "
        "step: auto (on for CUDA, off on CPU) | on | off"),

@@ -151,6 +151,7 @@ class TorchExecutor(Executor):
                                         model_config.head_dim)
         self.model.ops = self.cpu_ops
         self._pack_for_decode(settings.packed_decode)
+        self._block_weights(settings.blocked_weights)
         if self.attention.name == "triton":  # fused norm, rotary and SwiGLU kernels too
             from carpool.model.triton_ops import TritonOps
 
@@ -221,6 +222,19 @@ class TorchExecutor(Executor):
         if added:
             print(f"carpool: packed bf16 weights for decode steps of up to a few rows "
                   f"(+{added / 2**20:.0f} MiB)", file=sys.stderr)
+
+    def _block_weights(self, mode: str) -> None:
+        """oneDNN-blocked weights for the dense paths (carpool/model/blocked_linear.py)."""
+        from carpool.model.blocked_linear import block_weights, blocked_unavailable
+
+        if mode == "off":
+            return
+        why = blocked_unavailable(self.device, self.dtype)
+        if why is not None:
+            if mode == "on":
+                print(f"carpool: blocked weights not used: {why}", file=sys.stderr)
+            return
+        block_weights(self.model)
 
     def _num_blocks(self, config: ModelConfig, cache: CacheConfig) -> int:
         """The pool's blocks: ``num_blocks``, else ``gpu_memory_utilization``

@@ -75,12 +75,31 @@ class KVBlockIO:
 
 def weights_fingerprint(model: torch.nn.Module, description: str) -> bytes:
     """``payload.model_fingerprint`` of a loaded model: its description
-    and, per parameter (by name), its shape and first 64 values' bytes."""
+    and, per weight (by its name in the plain model), its shape and first 64
+    values' bytes. Layout-only changes (packed, blocked or quantized decode
+    copies) keep the fingerprint: they compute the same KV."""
     from carpool.kv_transfer.payload import model_fingerprint
 
     samples = bytearray()
-    for name, tensor in sorted(model.state_dict().items()):
+    for name, tensor in sorted(_plain_weights(model).items()):
         head = tensor.detach().flatten()[:64].cpu().contiguous()
         samples += f"{name}{tuple(tensor.shape)}{head.dtype}".encode()
         samples += head.view(torch.uint8).numpy().tobytes() if head.numel() else b""
     return model_fingerprint(description, bytes(samples))
+
+
+def _plain_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's weights by their plain names: a layer's ``dense`` path
+    (carpool/model/blocked_linear.py) counts as the layer, and a blocked
+    weight (opaque to everything but a matrix product) is read back dense.
+    ``head`` (the LM head's decode copy, when there is one) is left out: its
+    weight is the embedding table's or ``lm_head``'s, counted there."""
+    found: dict[str, torch.Tensor] = {}
+    for name, tensor in model.state_dict().items():
+        if not name.startswith("head."):
+            found.setdefault(name.replace(".dense.", "."), tensor)
+    for name, module in model.named_modules():
+        blocked = getattr(module, "blocked", None)
+        if isinstance(blocked, torch.Tensor) and name != "head" and not name.startswith("head."):
+            found.setdefault(name.removesuffix(".dense") + ".weight", blocked.to_dense())
+    return found

@@ -18,8 +18,9 @@ only where the copy takes at most a quarter of the memory available.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from carpool.model.blocked_linear import PlainLinear
 
 # Rows up to which the packed kernel beats ATen's (the module docstring).
 PACKED_MAX_ROWS = 8
@@ -54,6 +55,7 @@ class PackedDecodeLinear(nn.Module):
                  step_kind=None, max_rows: int = PACKED_MAX_ROWS) -> None:  # noqa: ANN001
         super().__init__()
         self.weight, self.bias, self.kernels, self.max_rows = weight, bias, kernels, max_rows
+        self.dense = PlainLinear(weight, bias)  # larger steps (blocked_linear.py may swap it)
         # The model's StepKind (llama.py): the kernel on decode-only steps
         # only; None: on any step of up to max_rows rows.
         self.step_kind = step_kind
@@ -69,7 +71,7 @@ class PackedDecodeLinear(nn.Module):
                 and (self.step_kind is None or self.step_kind.decode_only)
                 and getattr(self.kernels, "active", True)):
             return self.kernels.packed_linear(x, self.packed, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return self.dense(x)
 
 
 def pack_for_decode(model: nn.Module, kernels) -> int:  # noqa: ANN001

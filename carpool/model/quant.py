@@ -25,8 +25,9 @@ Accuracy (tests/test_quantization.py, the default model): see the README.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from carpool.model.blocked_linear import PlainLinear
 
 QUANTIZATIONS = ("int8", "int4")
 # Rows up to which the low-bit kernels beat bf16 (576x1536, 2-core Xeon, in
@@ -74,6 +75,7 @@ class LowBitDecodeLinear(nn.Module):
         decode-only steps only (see llama.py); None: on any small step."""
         super().__init__()
         self.weight, self.bias, self.scheme, self.max_rows = weight, bias, scheme, max_rows
+        self.dense = PlainLinear(weight, bias)  # larger steps (blocked_linear.py may swap it)
         self.step_kind = step_kind
         self.kernels = kernels if scheme == "int4" else None
         if scheme == "int8":
@@ -105,10 +107,10 @@ class LowBitDecodeLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > self.max_rows or not (self.step_kind is None
                                                or self.step_kind.decode_only):
-            return F.linear(x, self.weight, self.bias)
+            return self.dense(x)
         if self.kernels is not None:
             if x.dtype != torch.bfloat16 or not getattr(self.kernels, "active", True):
-                return F.linear(x, self.weight, self.bias)  # e.g. still compiling: bf16
+                return self.dense(x)  # e.g. still compiling: bf16
             return self.kernels.int4_linear(x, self.qweight, self.scales, self.mins, self.bias)
         rows = x.to(torch.bfloat16).contiguous()
         if self.scheme == "int8":
