@@ -11,8 +11,6 @@ The KubeRay manifest must name this builder and arguments it accepts.
 """
 from __future__ import annotations
 
-import os
-import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,46 +18,30 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import ray
 import yaml
 from ray import serve
 from ray.serve._private.common import DeploymentID, ReplicaID
 from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
 from carpool.engine.stats import EngineStats
-from carpool.ray_serve.app import application, settings_from_args
+from carpool.ray_serve.app import settings_from_args
 from carpool.ray_serve.autoscaling import CarpoolAutoscalingPolicy
 from carpool.ray_serve.wire import stats_decoder
 from carpool.server.config import ServerConfig
+from tests.ray_helpers import serving
 
 ROOT = Path(__file__).resolve().parents[1]
 APP = "carpool"
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ray_app(tiny_model_dir):
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
-             log_to_driver=False)
-    try:
-        port = _free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        settings = settings_from_args({
+    with serving(APP, {
             "model": str(tiny_model_dir), "attention-backend": "torch", "adaptive": False,
             "served-model-name": "tiny", "replicas": 2, "routing": "predicted-ttft",
             "autoscale": "reactive", "min-replicas": 2, "max-replicas": 2, "scale-tick": 1,
-            "replica_cpus": 0.5, "ingress_cpus": 0.25})
-        serve.run(application(settings), name=APP, route_prefix="/")
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+            "replica_cpus": 0.5, "ingress_cpus": 0.25}) as url:
+        yield url
 
 
 def _replicas() -> dict[str, EngineStats]:
