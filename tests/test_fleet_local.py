@@ -60,6 +60,10 @@ def test_a_two_replica_fleet_streams_keeps_sessions_and_routes_by_cached_prefix(
         total = next(float(line.split()[-1]) for line in metrics.splitlines()
                      if line.startswith("carpool:engine_steps_total{"))
         assert set(steps) == {"r0", "r1"} and sum(steps.values()) == total > 0
+        # The shared step log tags each step with its replica (idle gaps per replica).
+        logged = http.get("/carpool/steps").json()["steps"]
+        tagged = {row["replica"] for row in logged}  # KeyError if a row is untagged
+        assert {r for r, n in steps.items() if n > 0} <= tagged <= {"r0", "r1"}
 
 
 def test_a_killed_replica_fails_its_request_only_and_is_restarted(tiny_model_dir):

@@ -269,3 +269,24 @@ def test_a_server_stamps_a_request_when_it_received_it(tiny_async_engine) -> Non
 
     expected, arrival = asyncio.run(run())
     assert arrival == pytest.approx(expected, abs=0.1)
+
+
+def test_a_fleet_log_measures_idle_per_replica() -> None:
+    """A fleet's log interleaves its replicas' steps (rows tagged
+    ``replica``): a step's idle gap runs from the end of its own replica's
+    last step, not from whichever replica logged the row before it."""
+    from carpool.measure.live import samples_of
+
+    def row(replica: str, started: float, seconds: float) -> dict:
+        return {"prefill_tokens": 0, "decode_seqs": 1, "context_tokens": 10, "seqs": 1,
+                "attention_pairs": 10, "seconds": seconds, "started": started,
+                "replica": replica}
+
+    # r0 runs 0-1 and 5-6 (idle 4 s between); r1 runs 1.5-2.5 and 2.5-3.5.
+    document = {"steps": [row("r0", 0.0, 1.0), row("r1", 1.5, 1.0), row("r1", 2.5, 1.0),
+                          row("r0", 5.0, 1.0)]}
+    assert [s.idle_s for s in samples_of(document)] == [0.0, 0.0, 0.0, 4.0]
+    # Untagged (one engine): each gap is from the row before.
+    for step in document["steps"]:
+        del step["replica"]
+    assert [s.idle_s for s in samples_of(document)] == [0.0, 0.5, 0.0, 1.5]

@@ -22,7 +22,7 @@ import tempfile
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import msgspec
 import zmq
@@ -119,6 +119,9 @@ class EngineClient:
         # a fleet router's live counts (refused requests end at once).
         self.on_request: Callable[[str, bool, bool], None] | None = None
         self.on_steps: Callable[[list], None] | None = None  # each round's LoggedSteps
+        # A fleet's name for this replica: tags the steps mirrored into a
+        # step log the fleet's replicas share (idle gaps are per replica).
+        self.replica_id: str | None = None
         # Offered, when this worker dies, each request it had not started
         # (no output yet): (request id, its Add, its queue, accepted) -> True
         # when taken elsewhere (a fleet re-routes it), else it fails here.
@@ -332,7 +335,8 @@ class EngineClient:
         if progress.stats is not None:
             self.stats = progress.stats
         for step in progress.steps:
-            self.step_log.append(step)
+            self.step_log.append(step if self.replica_id is None
+                                 else replace(step, replica=self.replica_id))
         if progress.steps and self.on_steps is not None:
             self.on_steps(progress.steps)
         if progress.kv_events is not None and self.on_kv_events is not None:

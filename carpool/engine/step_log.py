@@ -27,18 +27,23 @@ STEP_LOG_CAPACITY = 8192  # steps kept (~1 MB as JSON; minutes of a busy server)
 @dataclass(frozen=True)
 class LoggedStep:
     """One step: its shape, its wall seconds, its start on the engine's
-    clock (monotonic seconds; only differences mean anything), and whether
+    clock (monotonic seconds; only differences mean anything), whether
     its token count was new to the process (``ShapeMemory``: it then paid
-    for building matrix kernels)."""
+    for building matrix kernels), and the replica that ran it (a fleet's
+    front tags the steps it mirrors; None for a single engine)."""
 
     shape: StepShape
     seconds: float
     started: float
     new_shape: bool = False
+    replica: str | None = None
 
     def as_dict(self) -> dict:
-        return {**asdict(self.shape), "seconds": self.seconds, "started": self.started,
-                "new_shape": self.new_shape}
+        row = {**asdict(self.shape), "seconds": self.seconds, "started": self.started,
+               "new_shape": self.new_shape}
+        if self.replica is not None:
+            row["replica"] = self.replica
+        return row
 
 
 class StepPhases(NamedTuple):
@@ -82,7 +87,7 @@ class StepLog:
 
     def append(self, step: LoggedStep) -> None:
         """Log a step another process's log recorded (a worker's, mirrored
-        by the front: ``EngineClient``)."""
+        by the front: ``EngineClient``, which tags it with its replica)."""
         with self._lock:
             self._steps.append(step)
             self.total += 1

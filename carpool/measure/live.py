@@ -53,11 +53,13 @@ def fetch_steps(url: str, api_key: str | None, limit: int | None = None,
 
 def samples_of(document: dict) -> list[StepSample]:
     """The timed steps of a step log document; each one's idle gap is the
-    time from the end of the step logged before it to its own start (0 for
-    the first, or where the log has no start times); ``new_shape`` as the
-    server logged it (false where it did not)."""
+    time from the end of the step its replica logged before it to its own
+    start (0 for a replica's first, or where the log has no start times:
+    a fleet's log interleaves its replicas' steps, each row tagged with
+    ``replica``); ``new_shape`` as the server logged it (false where it
+    did not)."""
     out = []
-    last_end = None
+    last_end: dict[str | None, float | None] = {}  # replica -> end of its last step
     for index, row in enumerate(document.get("steps", [])):
         try:
             shape = StepShape(**{name: int(row[name]) for name in _SHAPE_FIELDS})
@@ -65,10 +67,12 @@ def samples_of(document: dict) -> list[StepSample]:
             started = row.get("started")
             started = None if started is None else float(started)
             new_shape = bool(row.get("new_shape", False))
+            replica = row.get("replica")
         except (KeyError, TypeError, ValueError):
             raise ValueError(f"step {index} of the log is malformed: {row!r}") from None
-        idle = 0.0 if started is None or last_end is None else max(0.0, started - last_end)
-        last_end = None if started is None else started + seconds
+        before = last_end.get(replica)
+        idle = 0.0 if started is None or before is None else max(0.0, started - before)
+        last_end[replica] = None if started is None else started + seconds
         if seconds > 0:
             out.append(StepSample(shape, seconds, idle, new_shape))
     return out

@@ -147,6 +147,7 @@ class FleetEngine:
             block_size=self.config.cache.block_size, free_blocks=client.info.kv_num_blocks,
             cost_model=cost_model))
         self.clients[replica_id] = client
+        client.replica_id = replica_id
         client.on_steps = lambda steps: [cost_model.record(s.shape.tokens, s.shape.seqs,
                                                            s.seconds) for s in steps]
         client.on_kv_events = lambda batch, rid=replica_id: self._kv_events(rid, batch)
