@@ -30,6 +30,13 @@
 # a step on a small machine: the API process, the benchmark client and (two
 # replicas) the other replica on the same cores.
 #
+# The front: the live prediction also gets `carpool simulate --front-seconds`,
+# the API process's CPU seconds per request over the calibration window
+# (from /proc; its workers not counted). A burst of requests reaches a live
+# engine one after another, so an idle engine starts a step on the first and
+# the rest wait for it; without it the simulator served every burst in one
+# step and predicted TTFT p50 ~20% low for two replicas (README).
+#
 # SLO (goodput): ttft=2s,tpot=200ms by default: the targets of the
 # README's tuning examples on this 2-core CPU, a few times the unloaded
 # TTFT/TPOT of the default model here, so goodput separates a fleet that
@@ -130,6 +137,18 @@ serve() {  # $1: dir, $2: threads, rest: serve flags -> $SERVER_PID, $URL
   exit 1
 }
 
+front_cpu() {  # CPU seconds the API process (the front, not its workers) has used so far
+  python - "$SERVER_PID" <<'PY'
+import os, sys
+fields = open(f"/proc/{sys.argv[1]}/stat").read().rsplit(")", 1)[1].split()
+print((int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"))
+PY
+}
+
+per_request() {  # $1, $2: front CPU seconds before and after $3 requests -> seconds each
+  python -c "import sys; print(f'{(float(sys.argv[2]) - float(sys.argv[1])) / int(sys.argv[3]):.5f}')" "$@"
+}
+
 warm_up() {  # $1: dir. First-use costs (kernels, the router's step fit), not recorded.
   [ "$WARMUP" -gt 0 ] || return 0
   timeout "$RUN_TIMEOUT" carpool bench serve --base-url "$URL/v1" --num-requests "$WARMUP" \
@@ -138,8 +157,10 @@ warm_up() {  # $1: dir. First-use costs (kernels, the router's step fit), not re
 }
 
 simulate() {  # $1: dir, $2: cost model, $3: result name, $4: replicas, $5: routing, $6: label
+  # $7: the front's seconds per request (default 0: the grid's offline prediction has no front)
   carpool simulate --cost-model "$2" "${WORKLOAD[@]}" --replicas "$4" --routing "$5" \
-    --slo "$SLO" --label "$6" --json "$1/$3.json" >"$1/$3.txt" 2>"$1/$3.err"
+    --front-seconds "${7:-0}" --slo "$SLO" --label "$6" --json "$1/$3.json" \
+    >"$1/$3.txt" 2>"$1/$3.err"
 }
 
 run_case() {  # $1: name, $2: replicas, $3: routing, $4: threads, $5: cost model, $6: store?
@@ -151,10 +172,16 @@ run_case() {  # $1: name, $2: replicas, $3: routing, $4: threads, $5: cost model
   serve "$dir" "$threads" "${fleet[@]}"
   warm_up "$dir"
   if [ "$CAL_COUNT" -gt 0 ]; then  # the live cost model: this server's steps on another window
+    local cpu_before
+    cpu_before=$(front_cpu)
     timeout "$RUN_TIMEOUT" carpool bench serve --base-url "$URL/v1" --workload "$TRACE" \
       --arrival trace --trace-start "$CAL_START" --num-requests "$CAL_COUNT" \
       --token-scale "$TOKEN_SCALE" --time-scale "$TIME_SCALE" --no-progress \
       >"$dir/calibration.txt" 2>&1
+    # The front's CPU per request on that window: what it does for each
+    # request one after another (HTTP, tokenizing, routing, streaming it
+    # back), the simulator's --front-seconds for the live prediction.
+    per_request "$cpu_before" "$(front_cpu)" "$CAL_COUNT" >"$dir/front-seconds-live.txt"
     carpool measure --from "$URL" --out "$dir/cost-model-live.json" >"$dir/measure-live.txt" 2>&1
     # A fresh server for the measured window: the calibration's prefixes
     # must not warm its cache (the simulator starts empty too).
@@ -162,9 +189,12 @@ run_case() {  # $1: name, $2: replicas, $3: routing, $4: threads, $5: cost model
     serve "$dir" "$threads" "${fleet[@]}"
     warm_up "$dir"
   fi
+  local measured_cpu
+  measured_cpu=$(front_cpu)
   timeout "$RUN_TIMEOUT" carpool bench serve --base-url "$URL/v1" "${WORKLOAD[@]}" \
     --slo "$SLO" --label "real: $name" --no-progress --json "$dir/real.json" \
     >"$dir/real.txt" 2>"$dir/real.err"
+  per_request "$measured_cpu" "$(front_cpu)" "$COUNT" >"$dir/front-seconds-insample.txt"
   # Diagnostic, not a prediction: the cost model fitted on the measured run's
   # own steps. Its error is what the simulator misses besides step costs
   # (the front, transport and scheduling between steps); the live model's
@@ -177,11 +207,12 @@ run_case() {  # $1: name, $2: replicas, $3: routing, $4: threads, $5: cost model
   simulate "$dir" "$cost" sim "$replicas" "$routing" "simulated: $name"
   if [ "$CAL_COUNT" -gt 0 ]; then
     simulate "$dir" "$dir/cost-model-live.json" sim-live "$replicas" "$routing" \
-      "simulated (live cost model): $name"
+      "simulated (live cost model and front): $name" "$(cat "$dir/front-seconds-live.txt")"
   fi
   if [ -f "$dir/cost-model-insample.json" ]; then
     simulate "$dir" "$dir/cost-model-insample.json" sim-insample "$replicas" "$routing" \
-      "simulated (cost model of this very run; a diagnostic): $name"
+      "simulated (cost model and front of this very run; a diagnostic): $name" \
+      "$(cat "$dir/front-seconds-insample.txt")"
   fi
   echo "   $name: real and simulated in $((SECONDS - began)) s"
 }

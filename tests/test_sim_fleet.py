@@ -276,3 +276,26 @@ def test_simulated_records_carry_each_prompts_cached_tokens(replicas, policy):
     assert summary["cache_reported"] == len(plan)
     assert summary["prefix_hit_rate"] == pytest.approx(
         sum(cached) / sum(item.input_len for item in plan))
+
+
+@pytest.mark.parametrize("routing", ["round-robin", "least-outstanding"])
+def test_a_burst_reaches_the_replicas_one_request_after_another_past_the_front(routing):
+    """Three requests arriving at one instant on one idle replica: with no
+    front time they share one prefill step; with the front's serial work
+    the first reaches the engine alone and starts a step, and the other two
+    wait for it (as on a live server). Either way each TTFT counts from the
+    arrival, the front's time included."""
+    from carpool.sim.simulate import front_times
+
+    cost = analytic_from_names("l4", "llama-3-8b")
+    plan = [TraceRequest(1.0, 256, 4) for _ in range(3)]
+    together = simulate(plan, EngineConfig(), cost, 400, SimSettings(routing=routing))
+    staggered = simulate(plan, EngineConfig(), cost, 400,
+                         SimSettings(routing=routing, front_seconds=0.002))
+    first = [r.chunk_times[0] for r in together.records]
+    assert len(set(first)) == 1 and together.steps < staggered.steps
+    assert all(r.sent == 1.0 for r in staggered.records)  # the client's send, not the engine's
+    ttft = sorted(r.ttft for r in staggered.records)
+    assert 0.002 < ttft[0] < min(first) - 1.0 < ttft[1] == ttft[2]
+    assert front_times(plan, [0, 1, 2], 0.002) == pytest.approx([1.002, 1.004, 1.006])
+    assert front_times(plan, [0, 1, 2], 0.0) is None

@@ -33,6 +33,10 @@ def add_simulation_args(parser: argparse.ArgumentParser, *, fleet: bool = True) 
     group.add_argument("--fleet-ttft-target", type=float, default=None, metavar="SECONDS",
                        help="fleet admission: turn a request away at the front (429) when no "
                             "replica's predicted TTFT is within this (predicted-ttft routing)")
+    group.add_argument("--front-seconds", type=float, default=0.0, metavar="SECONDS",
+                       help="the front's serial work per request (HTTP, tokenizing, routing, "
+                            "the hop to a worker): a burst reaches the replicas one request "
+                            "after another (default 0: at once)")
     group.add_argument("--no-fast-forward", dest="fast_forward", action="store_false",
                        help="step through every decode step (same result, slower)")
     group.add_argument("--workers", type=int, default=None,
@@ -190,7 +194,8 @@ def settings_from_args(config: EngineConfig, cost: CostModel,
                        autoscale_schedule=getattr(args, "scale_schedule", ()),
                        kv_tier=kv_tier_from_args(args), pd=pd_from_args(args),
                        failures=failures_from_args(args),
-                       fleet_ttft_target=getattr(args, "fleet_ttft_target", None)).validate()
+                       fleet_ttft_target=getattr(args, "fleet_ttft_target", None),
+                       front_seconds=getattr(args, "front_seconds", 0.0)).validate()
 
 
 def failures_from_args(args: argparse.Namespace) -> FailureSettings | None:

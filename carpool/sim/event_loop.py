@@ -34,9 +34,14 @@ class FleetLoop:
 
     def __init__(self, indices: list[int], arrivals: list[tuple[int, TraceRequest]],
                  config: EngineConfig, cost: CostModel, num_blocks: int,
-                 settings: SimSettings, interval: float) -> None:
+                 settings: SimSettings, interval: float,
+                 received: list[float] | None = None) -> None:
+        """``received``: when each request (by plan index) reaches the fleet
+        past the front (``simulate.front_times``); None: at its arrival.
+        Records keep the arrival: the front's time counts in TTFT."""
         self.config, self.cost, self.num_blocks, self.settings = config, cost, num_blocks, settings
         self.arrivals = arrivals
+        self.received = received
         self.clock = VirtualClock()
         self.tier = settings.kv_tier.build(kv_bytes_per_token(cost), config.cache.block_size,
                                            settings.replicas) if settings.kv_tier else None
@@ -80,8 +85,8 @@ class FleetLoop:
         arrivals, heap = self.arrivals, self.heap
         next_arrival = 0
         while next_arrival < len(arrivals) or heap:
-            arrival_time = (arrivals[next_arrival][1].arrival if next_arrival < len(arrivals)
-                            else math.inf)
+            arrival_time = (self._received(*arrivals[next_arrival])
+                            if next_arrival < len(arrivals) else math.inf)
             wake_time = heap[0][0] if heap else math.inf
             timer = min(self.timers, key=lambda t: t.next_time, default=None)
             if timer is not None and timer.next_time <= min(arrival_time, wake_time):
@@ -95,8 +100,13 @@ class FleetLoop:
                 self.sampler.until(arrival_time)
                 self.clock.set(arrival_time)
                 self.route(index, request, record, arrival_time)
+                if self.received is not None and record.sent is not None:
+                    record.sent = request.arrival  # the client sent it then: TTFT counts the front
         self.sampler.until(self.clock.now)
         return self._result()
+
+    def _received(self, index: int, request: TraceRequest) -> float:
+        return request.arrival if self.received is None else self.received[index]
 
     def post(self, replica: SimReplica) -> None:
         """(Re)schedule ``replica``'s next wake-up; an older entry goes stale."""

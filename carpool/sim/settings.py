@@ -38,6 +38,13 @@ class SimSettings:
     # Fleet admission: the router turns a request away (429) when no replica's
     # predicted TTFT is within this many seconds (predicted-ttft routing).
     fleet_ttft_target: float | None = None
+    # The front's serial work per request (HTTP, tokenizing, routing, the hop
+    # to a worker): requests reach the replicas one after another, each this
+    # long after the one before left the front. Why it matters: requests of
+    # a burst never reach a live engine at one instant, so an idle engine
+    # starts a step on the first and the rest wait a whole step for it
+    # (simulate.py's ``front_times``). 0: they arrive together.
+    front_seconds: float = 0.0
 
     def validate(self) -> SimSettings:
         if self.replicas < 1:
@@ -67,6 +74,8 @@ class SimSettings:
                 self.fleet_ttft_target <= 0 or self.routing != "predicted-ttft"):
             raise ValueError("--fleet-ttft-target needs a target > 0 and --routing "
                              "predicted-ttft (the policy that predicts TTFTs)")
+        if not self.front_seconds >= 0:
+            raise ValueError(f"--front-seconds must be >= 0, got {self.front_seconds}")
         if self.routing not in ROUTING:
             raise ValueError(f"--routing must be one of {', '.join(ROUTING)}, got "
                              f"{self.routing!r}")

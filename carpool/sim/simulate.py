@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import math
 import time
 from collections.abc import Iterator, Sequence
 
@@ -46,6 +47,7 @@ def simulate(plan: Sequence[TraceRequest], config: EngineConfig, cost: CostModel
     started = time.perf_counter()
     order = sorted(range(len(plan)), key=lambda i: (plan[i].arrival, i))
     interval = max(max((r.arrival for r in plan), default=0.0) / _SAMPLES, 0.5)
+    received = front_times(plan, order, settings.front_seconds)
     if (settings.routing == "round-robin" and settings.autoscale is None
             and not settings.kv_tier and not settings.pd and not settings.failures):
         router = FleetRouter(settings.routing, settings.replicas, settings.replica_schedule)
@@ -53,13 +55,13 @@ def simulate(plan: Sequence[TraceRequest], config: EngineConfig, cost: CostModel
         for i in order:
             shares[router.next_turn(router.active(plan[i].arrival))].append(i)
         jobs = [(index, [(i, plan[i]) for i in share], config, cost, num_blocks, settings,
-                 interval) for index, share in enumerate(shares)]
+                 interval, received) for index, share in enumerate(shares)]
         with cyclic_gc_paused():  # forked workers inherit the pause
             parts = _map(_simulate_one, jobs, settings.workers)
     else:
         with cyclic_gc_paused():
             parts = [FleetLoop(list(range(settings.replicas)), [(i, plan[i]) for i in order],
-                               config, cost, num_blocks, settings, interval).run()]
+                               config, cost, num_blocks, settings, interval, received).run()]
     records: list[RequestRecord | None] = [None] * len(plan)
     for part in parts:
         for record in part.records:
@@ -94,8 +96,25 @@ def cyclic_gc_paused() -> Iterator[None]:
 
 
 def _simulate_one(job) -> SimRun:
-    index, arrivals, config, cost, num_blocks, settings, interval = job
-    return FleetLoop([index], arrivals, config, cost, num_blocks, settings, interval).run()
+    index, arrivals, config, cost, num_blocks, settings, interval, received = job
+    return FleetLoop([index], arrivals, config, cost, num_blocks, settings, interval,
+                     received).run()
+
+
+def front_times(plan: Sequence[TraceRequest], order: Sequence[int],
+                seconds: float) -> list[float] | None:
+    """When each request of ``plan`` reaches the fleet past the front (by
+    plan index), the front serving arrivals one at a time (``order``: by
+    arrival), ``seconds`` each (``SimSettings.front_seconds``); None for 0:
+    each request reaches the fleet as it arrives."""
+    if seconds <= 0:
+        return None
+    received = [0.0] * len(plan)
+    free = -math.inf
+    for i in order:  # first come, first served: times never decrease in order
+        free = max(plan[i].arrival, free) + seconds
+        received[i] = free
+    return received
 
 
 def _map(function, jobs: list, workers: int) -> list:
