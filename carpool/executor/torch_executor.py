@@ -20,6 +20,7 @@ from carpool.config import CacheConfig, ModelSettings, capture_sizes, parse_size
 from carpool.executor.base import BatchItem, Executor, Padding
 from carpool.executor.cuda_graphs import CudaGraph, DecodeGraphs
 from carpool.executor.shapes import padded_rows
+from carpool.model import huge_pages
 from carpool.model.attention import SeqSpan
 from carpool.model.backends import select_backend
 from carpool.model.config import ModelConfig
@@ -162,11 +163,17 @@ class TorchExecutor(Executor):
         total = self.num_blocks + SCRATCH_BLOCKS
         k_shape = (heads, total, dim, self.block_size)
         v_shape = (heads, total, self.block_size, dim)
-        self.kv_caches = [(torch.zeros(k_shape, dtype=self.dtype, device=self.device),
-                           torch.zeros(v_shape, dtype=self.dtype, device=self.device))
+        self.kv_caches = [(self._cache_tensor(k_shape), self._cache_tensor(v_shape))
                           for _ in range(model_config.num_layers)]
         self.sampler = Sampler(model_config.vocab_size)
         self.graphs = self._capture_graphs(settings, max_model_len, max_num_seqs, graph_type)
+
+    def _cache_tensor(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """One layer's K or V cache, zeroed; on huge pages on CPU, where
+        scattered block reads would otherwise miss the TLB."""
+        if self.device.type == "cpu":
+            return huge_pages.zeros(shape, self.dtype)
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     def _capture_graphs(self, settings: ModelSettings, max_model_len: int, max_num_seqs: int,
                         graph_type: type | None) -> DecodeGraphs | None:
