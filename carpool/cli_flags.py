@@ -225,6 +225,10 @@ SERVER_FLAGS: list[Flag] = [
        "deployments on a local or attached Ray cluster; pip install -e '.[ray]')"),
     _f("--replicas", "replicas", int, "N",
        "engine worker processes behind carpool's router (each its own KV pool and threads)"),
+    _f("--prefill", "prefill", int, "N",
+       "P/D serving: N prefill replicas (with --decode), each prompt's KV sent to a decode "
+       "replica through the KV store"),
+    _f("--decode", "decode", int, "N", "P/D serving: N decode replicas (with --prefill)"),
     _f("--routing", "routing", str, "POLICY",
        "the router's policy with --replicas > 1: predicted-ttft | cache-aware | "
        "session-affinity | least-outstanding | round-robin | ..."),

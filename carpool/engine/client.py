@@ -42,6 +42,7 @@ from carpool.engine.wire import (
     Delta,
     EngineInfo,
     Failed,
+    Handoff,
     Launch,
     LaunchFailed,
     Progress,
@@ -195,9 +196,12 @@ class EngineClient:
                           request_id: str | None = None, priority: int = 0,
                           session_id: str | None = None, deadline: float | None = None,
                           max_wait: float | None = None, cache_salt: str | None = None,
-                          received_at: float | None = None) -> RequestStream:
+                          received_at: float | None = None, handoff: Handoff | None = None,
+                          delivered_text: str = "") -> RequestStream:
         """As ``AsyncEngine.add_request``: raises ``ValueError`` for bad input
-        and ``RejectedError`` when admission turns the request away."""
+        and ``RejectedError`` when admission turns the request away.
+        ``handoff``: a P/D part (``wire.Handoff``); a decode part's outputs
+        count its prefill part's tokens, ``delivered_text`` and logprobs."""
         if self.error is not None:
             raise EngineDeadError(f"engine loop failed: {self.error!r}")
         if self._stopping:
@@ -214,9 +218,14 @@ class EngineClient:
         now = time.monotonic()
         arrival = min(now, received_at) if received_at is not None else now
         add = Add(request_id, ids, params, priority, session_id, deadline, max_wait,
-                  cache_salt, arrival)
+                  cache_salt, arrival, handoff)
         live = _Live(asyncio.Queue(), ids, list(ids), add,
                      logprobs=[] if params.logprobs is not None else None)
+        if handoff is not None and handoff.output_token_ids:
+            live.ids += handoff.output_token_ids
+            live.text_parts.append(delivered_text)
+            if live.logprobs is not None:
+                live.logprobs += handoff.logprobs or ()
         self._live[request_id] = live
         await self._socket.send(self._encoder.encode(add))
         try:

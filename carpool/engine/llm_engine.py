@@ -24,7 +24,7 @@ from carpool.engine.output_stage import OutputStage, RequestState
 from carpool.engine.outputs import RequestOutput
 from carpool.engine.stats import LONG_PROMPT_TOKENS, EngineCounters, EngineStats, engine_stats
 from carpool.engine.step_log import StepLog, StepPhases
-from carpool.engine.wire import EngineInfo
+from carpool.engine.wire import EngineInfo, Handoff
 from carpool.executor.base import BatchItem, Executor, resolve_overlap, step_padding
 from carpool.executor.shapes import StepShape
 from carpool.model.kernel_switch import SwitchingCpuAttention
@@ -166,7 +166,7 @@ class LLMEngine:
                     request_id: str | None = None, priority: int = 0,
                     arrival_time: float | None = None, session_id: str | None = None,
                     deadline: float | None = None, max_wait: float | None = None,
-                    cache_salt: str | None = None) -> str:
+                    cache_salt: str | None = None, handoff: Handoff | None = None) -> str:
         """Queue a request; raise ``ValueError`` with a clear message on bad input.
 
         Raises ``carpool.scheduler.RejectedError`` (reason, retry_after) when
@@ -176,7 +176,9 @@ class LLMEngine:
         cached for the session TTL. ``max_wait`` caps, for this request, the
         seconds request-level (static / dynamic) batching may hold it.
         Requests reuse each other's cached prefix only with an equal
-        ``cache_salt`` (the server salts by tenant).
+        ``cache_salt`` (the server salts by tenant). ``handoff``: its part
+        of a request split between a prefill and a decode replica
+        (``wire.Handoff``; needs a KV connector).
         """
         params = params or SamplingParams()  # checked when made, and immutable
         token_ids = (self.tokenizer.encode(prompt) if isinstance(prompt, str)
@@ -194,12 +196,38 @@ class LLMEngine:
                           payload=state, session_id=session_id, deadline=deadline,
                           max_wait=max_wait, cache_salt=cache_salt,
                           stop_token_ids=self.output_stage.stop_ids(params))
+        if handoff is not None:
+            self._take_handoff(request, handoff)
         self.scheduler.add_request(request)
         if state.logprobs is not None:
             self.output_stage.num_logprob_requests += 1
         self.counters.requests_added += 1
         self.counters.long_requests_added += len(token_ids) > LONG_PROMPT_TOKENS
         return request_id
+
+    def _take_handoff(self, request: Request, handoff: Handoff) -> None:
+        """Set up a P/D part: a prefill's prompt blocks are exported; a
+        decode part starts after the prefill's output tokens, as a request
+        preempted there would (nothing computed yet, its prompt blocks to
+        load), with their text and logprobs already delivered."""
+        if self.kv_connector is None:
+            raise ValueError("a P/D handoff needs a KV store (--kv-store)")
+        state: RequestState = request.payload
+        state.handoff = handoff.role
+        if handoff.role == "prefill":
+            request.kv_export = True
+            return
+        outputs = list(handoff.output_token_ids)
+        if len(outputs) >= request.max_tokens:
+            raise ValueError("a decode handoff must have tokens left to generate")
+        request.token_ids.extend(outputs)
+        request.kv_handoff = True
+        state.sent_tokens = state.num_detokenized = len(outputs)
+        for token_id in outputs:  # the prefill replica delivered this text
+            state.text_parts.append(state.detokenizer.add_token(token_id)[0])
+        if state.logprobs is not None:
+            state.logprobs.extend(handoff.logprobs or ())
+            state.sent_logprobs = len(state.logprobs)
 
     def check_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
         """``check_prompt`` against this engine's context and vocabulary."""

@@ -43,6 +43,7 @@ class RequestState:
     sent_tokens: int = 0  # output tokens handed out in outputs so far
     num_detokenized: int = 0  # output tokens the detokenizer has seen
     sent_logprobs: int = 0
+    handoff: str | None = None  # its P/D part (``wire.Handoff.role``), if split
     # The request's executor item and sampling row, made at its first step
     # and updated in place at each later one (see LLMEngine._batch_items).
     item: BatchItem | None = None
@@ -119,7 +120,9 @@ class OutputStage:
         detokenizer = state.detokenizer
         if detokenizer.stopped:
             state.stop_reason = detokenizer.stop_reason
-        else:  # text that might have begun a stop string is released now
+        elif not (reason == "length" and state.handoff == "prefill"):
+            # Text that might have begun a stop string is released now; a
+            # prefill part's stays held: its decode part goes on from it.
             delta += detokenizer.flush()
         if state.logprobs is not None:
             self.num_logprob_requests -= 1

@@ -169,7 +169,8 @@ class WorkerLoop:
             self.engine.add_request(add.prompt_token_ids, add.params, request_id=add.request_id,
                                     priority=add.priority, session_id=add.session_id,
                                     deadline=add.deadline, max_wait=add.max_wait,
-                                    cache_salt=add.cache_salt, arrival_time=add.arrival_time)
+                                    cache_salt=add.cache_salt, arrival_time=add.arrival_time,
+                                    handoff=add.handoff)
         except (ValueError, RejectedError) as exc:
             progress.refused.append(refusal_of(add.request_id, exc))
         else:

@@ -43,6 +43,10 @@ logger = logging.getLogger(__name__)
 
 
 # Upper bounds (seconds) of the transfer-time histograms' buckets; the last is +Inf.
+# How often a P/D decode part asks the store again for prompt blocks its
+# prefill part has not finished sending.
+HANDOFF_POLL_S = 0.002
+
 TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 
 
@@ -76,10 +80,14 @@ class StoreConnector:
 
     def __init__(self, store: KVStore, io: KVBlockIO, fingerprint: bytes,
                  max_inflight_bytes: int = 256 << 20, retry_after_s: float = 5.0,
-                 clock=time.monotonic) -> None:
+                 clock=time.monotonic, handoff_wait_s: float = 5.0) -> None:
         """``retry_after_s``: after the store failed, lookups answer 0
         without asking it for this long (a store that hangs costs one
-        timeout, not one per admission: lookups run on the engine thread)."""
+        timeout, not one per admission: lookups run on the engine thread).
+        ``handoff_wait_s``: how long a P/D decode part waits for its prefill
+        part's blocks before computing the missing ones itself (the prefill
+        replica died mid-transfer)."""
+        self.handoff_wait_s = handoff_wait_s
         self.store, self.io, self.fingerprint = store, io, fingerprint
         self.retry_after_s, self.clock = retry_after_s, clock
         self._down_until = -math.inf
@@ -104,6 +112,8 @@ class StoreConnector:
     def loadable(self, request: Request, hashes: Sequence[int]) -> int:
         if self.clock() < self._down_until:
             return 0  # failed lately: compute, and ask again later
+        if request.kv_handoff:
+            return len(hashes)  # a P/D prefill is sending them (the fetch waits)
         try:
             return self.store.count_prefix(self._keys(hashes))
         except Exception as error:  # noqa: BLE001 - any store failure is a miss
@@ -114,7 +124,8 @@ class StoreConnector:
         """Fetch in the background; done when ``poll`` copies it in."""
         table = self.scheduler.kv.block_tables[request.request_id]
         block_ids = list(table[first:first + len(hashes)])
-        self._io_thread.submit(self._fetch, request, list(hashes), block_ids)
+        wait_s = self.handoff_wait_s if request.kv_handoff else 0.0
+        self._io_thread.submit(self._fetch, request, list(hashes), block_ids, wait_s)
         return math.inf
 
     def save(self, request: Request, hashes: Sequence[int], first: int) -> None:
@@ -129,8 +140,9 @@ class StoreConnector:
             self.stats.saves_dropped += len(picked)
             return
         size = len(picked) * self.layout.data_bytes
-        with self._lock:
-            if self._inflight_bytes + size > self.max_inflight_bytes:
+        with self._lock:  # a P/D export is never dropped: its decode part waits for it
+            if (self._inflight_bytes + size > self.max_inflight_bytes
+                    and not request.kv_export):
                 self.stats.saves_dropped += len(picked)
                 return
             self._inflight_bytes += size
@@ -183,12 +195,21 @@ class StoreConnector:
 
     # -- the store's thread ----------------------------------------------------------
 
-    def _fetch(self, request: Request, hashes: list[int], block_ids: list[int]) -> None:
-        """Fetch and check; always reports (the request waits on it)."""
+    def _fetch(self, request: Request, hashes: list[int], block_ids: list[int],
+               wait_s: float) -> None:
+        """Fetch and check; always reports (the request waits on it).
+        ``wait_s``: blocks not in the store yet are asked for again until
+        then (a P/D prefill's blocks may still be on their way)."""
         started = time.perf_counter()
         datas: list[memoryview] = []
         try:
-            datas = self._fetched_blocks(hashes)
+            while True:
+                got, missing = self._fetched_blocks(hashes[len(datas):])
+                datas += got
+                if not missing or time.perf_counter() - started >= wait_s:
+                    self.stats.blocks_missing += missing
+                    break
+                time.sleep(HANDOFF_POLL_S)
         except Exception:  # noqa: BLE001 - never leave the request waiting
             logger.exception("kv store: a fetch failed; its blocks are computed instead")
         finally:
@@ -197,25 +218,26 @@ class StoreConnector:
             _observe(self.stats.load_buckets, seconds)
             self._fetched.put((request, block_ids, datas))
 
-    def _fetched_blocks(self, hashes: list[int]) -> list[memoryview]:
-        """The leading blocks of ``hashes`` the store gives and the checks pass."""
+    def _fetched_blocks(self, hashes: list[int]) -> tuple[list[memoryview], bool]:
+        """The leading blocks of ``hashes`` the store gives and the checks
+        pass, and whether they end at a block the store does not hold
+        (rather than at the end, a refused block or a store failure)."""
         datas: list[memoryview] = []
         try:
             payloads = self.store.get_many(self._keys(hashes))
         except Exception as error:  # noqa: BLE001 - any store failure is a miss
             self._store_failed(error)
-            return datas
+            return datas, False
         for block_hash, payload in zip(hashes, payloads):
             if payload is None:
-                self.stats.blocks_missing += 1
-                break
+                return datas, True
             try:
                 datas.append(decode_block(payload, block_hash, self.fingerprint, self.layout))
             except KVPayloadError as error:
                 self.stats.blocks_refused += 1
                 logger.warning("kv store: block %#x refused: %s", block_hash, error)
                 break
-        return datas
+        return datas, False
 
     def _put(self, hashes: list[int], datas: list[bytes], size: int) -> None:
         started = time.perf_counter()

@@ -137,6 +137,11 @@ class KVCacheManager:
         self.prefix_queries += request.num_tokens
         self.prefix_hits += num_cached
         request.num_computed_tokens = num_cached
+        if request.kv_export and hits and self.external is not None:
+            # A P/D prefill exports its whole prompt: the blocks it found
+            # cached here too (computed ones are saved as they fill up).
+            self._extend_hashes(request, len(hits))
+            self.external.save(request, request.block_hashes[:len(hits)], 0)
         if loadable:
             seconds = self.external.load(
                 request, request.block_hashes[len(hits):len(hits) + loadable], len(hits))

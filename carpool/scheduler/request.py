@@ -51,6 +51,9 @@ class Request:
     # handoffs; see LaneQueue), since it did its queueing in the prefill pool
     # and behind this replica's prefills it would queue twice.
     kv_handoff: bool = False
+    # The prefill part of such a split: its prompt blocks go to the decode
+    # replica through the KV connector, whatever else that connector drops.
+    kv_export: bool = False
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prefix-cache hit on first admission, loaded ones included

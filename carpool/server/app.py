@@ -215,7 +215,13 @@ def health_problem(ctx: ServerContext) -> str | None:
 
 def _routing(engine) -> dict:
     """A fleet's routing: its replicas as the router sees them, decision
-    counts by cause and the latest decisions (each with its cause)."""
+    counts by cause and the latest decisions (each with its cause); P/D
+    serving: each pool's, and how many requests were handed over."""
+    pools = getattr(engine, "pools", None)
+    if pools is not None:
+        return {"pd": {"handoffs": engine.handoffs, "colocated": engine.colocated,
+                       **{name: _routing(pool)["routing"]
+                          for name, pool in zip(("prefill", "decode"), pools)}}}
     router = getattr(engine, "router", None)
     if router is None:
         return {}

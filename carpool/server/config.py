@@ -64,6 +64,11 @@ class ServerConfig:
     # one engine. Each takes its own KV pool and torch threads: on one
     # machine, at most about one per two cores pays.
     replicas: int = 1
+    # P/D serving (carpool.server.pd_fleet): prefill and decode replica pools,
+    # the KV of each prompt moving from one to the other through the KV
+    # store (kv_store: local by default). 0 and 0: colocated (--replicas).
+    prefill: int = 0
+    decode: int = 0
     # The fleet router's policy (carpool.cluster.policies.POLICIES).
     routing: str = "predicted-ttft"
     # Live replica counts (carpool.cluster.autoscaler): reactive | predictive,
@@ -116,6 +121,13 @@ class ServerConfig:
         if (self.replicas > 1 or self.autoscale) and not self.engine_process:
             raise ValueError("replicas > 1 and autoscale need engine processes (drop "
                              "--no-engine-process)")
+        if (self.prefill > 0) != (self.decode > 0) or min(self.prefill, self.decode) < 0:
+            raise ValueError(f"P/D serving needs both --prefill N and --decode N >= 1, got "
+                             f"{self.prefill} and {self.decode}")
+        if self.prefill and (self.replicas > 1 or self.autoscale or not self.engine_process
+                             or self.backend != "local"):
+            raise ValueError("--prefill/--decode run their own pools of local engine "
+                             "processes: drop --replicas, --autoscale and --no-engine-process")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got "
                              f"{self.backend!r}")

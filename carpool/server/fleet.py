@@ -34,7 +34,7 @@ from carpool.engine.llm_engine import check_prompt
 from carpool.engine.stats import EngineStats, merge_stats
 from carpool.engine.step_log import StepLog
 from carpool.engine.streams import EngineDeadError, RequestStream
-from carpool.engine.wire import Add
+from carpool.engine.wire import Add, Handoff
 from carpool.sampling_params import SamplingParams
 from carpool.scheduler import RejectedError
 from carpool.scheduler.cost_model import StepCostModel
@@ -45,7 +45,7 @@ log = logging.getLogger("carpool.server")
 VIEW_INTERVAL_S = 0.25  # how often replicas' polled stats refresh the router's views
 
 
-def _local_kv_store(config: EngineConfig):
+def local_kv_store(config: EngineConfig):
     """``kv_store: local``: a TCP store served by this front process on
     127.0.0.1 for its replicas (``config`` is pointed at it); else None."""
     if config.cache.kv_store != "local":
@@ -66,7 +66,9 @@ class FleetEngine:
     """Several engine workers with one engine's interface (module docstring)."""
 
     def __init__(self, launch: dict, config: EngineConfig, router: Router,
-                 clients: Sequence[EngineClient], scaler: PoolScaler | None = None) -> None:
+                 clients: Sequence[EngineClient], scaler: PoolScaler | None = None,
+                 pool: str = "r") -> None:
+        """``pool``: the replicas' names' prefix (``r0``, ``r1``, ...)."""
         self._launch = launch  # EngineClient.start's arguments, for restarts
         self.config = config
         self.router = router
@@ -82,8 +84,9 @@ class FleetEngine:
         self._next_id = 0
         self._stopping = False
         self._restarting: set[asyncio.Task] = set()
+        self.pool = pool
         for index, client in enumerate(clients):
-            self._join(f"r{index}", client)
+            self._join(f"{pool}{index}", client)
         self._last_stats = self.stats
         self._views = asyncio.ensure_future(self._refresh_views())
         # Live replica counts (--autoscale): the autoscaler's ticks, arrivals
@@ -99,7 +102,7 @@ class FleetEngine:
     @classmethod
     async def start(cls, config: EngineConfig, replicas: int, routing: str = "predicted-ttft",
                     autoscale: AutoscaleConfig | None = None, autoscale_policy: str = "reactive",
-                    **launch) -> "FleetEngine":
+                    pool: str = "r", **launch) -> "FleetEngine":
         """Start ``replicas`` workers (concurrently) on one block-hash secret;
         ``autoscale``: then move the count within its bounds by the
         ``autoscale_policy``'s wants (``carpool.cluster.autoscaler``)."""
@@ -112,7 +115,7 @@ class FleetEngine:
         config = copy.deepcopy(config)
         if config.cache.block_hash_key is None:  # one secret per fleet, made here
             config.cache.block_hash_key = secrets.token_hex(32)
-        store_server = _local_kv_store(config)
+        store_server = local_kv_store(config)
         if config.model.threads is None:
             # The machine's cores split between the replicas (as many as the
             # autoscaler may start): more torch threads than cores make every
@@ -120,7 +123,7 @@ class FleetEngine:
             most = autoscale.max_replicas if autoscale is not None else replicas
             config.model.threads = max(1, (os.cpu_count() or 1) // most)
         router = Router(routing)
-        launch = {**launch, "kv_events": True, "step_log": StepLog()}
+        launch = {**launch, "kv_events": True, "step_log": launch.get("step_log") or StepLog()}
         started = await asyncio.gather(*(EngineClient.start(config, **launch)
                                          for _ in range(replicas)), return_exceptions=True)
         failure = next((c for c in started if isinstance(c, BaseException)), None)
@@ -130,7 +133,7 @@ class FleetEngine:
             if store_server is not None:
                 store_server.stop()
             raise failure
-        fleet = cls(launch, config, router, started, scaler)
+        fleet = cls(launch, config, router, started, scaler, pool)
         fleet.kv_store_server = store_server
         return fleet
 
@@ -273,7 +276,7 @@ class FleetEngine:
         if self._stopping:
             await client.wait_closed()
             return
-        replica_id = f"r{self._joined}"
+        replica_id = f"{self.pool}{self._joined}"
         self._joined += 1
         self._join(replica_id, client)
         log.info("autoscaler: replica %s joined (%d ready)", replica_id, len(self.clients))
@@ -342,7 +345,8 @@ class FleetEngine:
                           request_id: str | None = None, priority: int = 0,
                           session_id: str | None = None, deadline: float | None = None,
                           max_wait: float | None = None, cache_salt: str | None = None,
-                          received_at: float | None = None) -> RequestStream:
+                          received_at: float | None = None, handoff: Handoff | None = None,
+                          delivered_text: str = "") -> RequestStream:
         """Route, then ``EngineClient.add_request`` on the chosen replica."""
         if self._stopping:
             raise EngineDeadError("the engine is shut down")
@@ -357,7 +361,8 @@ class FleetEngine:
             if client is None:
                 raise EngineDeadError(f"replica {replica_id} is restarting")
             return await client.add_request(ids, params, request_id, priority, session_id,
-                                            deadline, max_wait, cache_salt, received_at)
+                                            deadline, max_wait, cache_salt, received_at,
+                                            handoff, delivered_text)
         except BaseException:
             self.router.finished(request_id, time.monotonic(), learn=False)
             raise

@@ -233,7 +233,12 @@ async def _serve_with_worker(engine_config: EngineConfig, server_config: ServerC
               "pinned": sorted(schedule.pinned) if schedule is not None else (),
               "log_format": server_config.log_format, "log_datefmt": LOG_DATE_FORMAT}
     try:
-        if server_config.replicas > 1 or server_config.autoscale:
+        if server_config.prefill:
+            from carpool.server.pd_fleet import PDFleet
+
+            client = await PDFleet.start(engine_config, server_config.prefill,
+                                         server_config.decode, server_config.routing, **launch)
+        elif server_config.replicas > 1 or server_config.autoscale:
             autoscale = server_config.autoscale_config() if server_config.autoscale else None
             client = await FleetEngine.start(engine_config, server_config.replicas,
                                              server_config.routing, autoscale,

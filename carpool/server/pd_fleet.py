@@ -1,0 +1,270 @@
+"""PDFleet: a prefill pool and a decode pool behind one front (P/D serving).
+
+``carpool serve --prefill P --decode D`` runs one API process in front of
+two ``FleetEngine`` pools of engine workers (replicas ``p0``.. and
+``d0``..), each with carpool's router, sharing one block-hash secret and
+one KV store (by default a TCP store this process serves on 127.0.0.1).
+
+A request's life (``wire.Handoff``):
+
+1. the prefill pool's router picks a replica, which computes the prompt
+   and samples the first token (``max_tokens`` 1); its prompt blocks are
+   written to the store as they fill up, off the engine thread;
+2. the first token goes to the client as soon as it is back here;
+3. the request goes on in the decode pool: the chosen replica admits it
+   ahead of its own prefills, loads the prompt's full blocks from the
+   store (waiting for blocks still on their way, up to the connector's
+   ``handoff_wait_s``; what never comes it computes), computes the last
+   partial block and the first token, and generates the rest.
+
+Sampling draws from (seed, token index), so the front fixes a seed for a
+request that has none: both parts then draw what one replica would, and
+greedy outputs are those of colocated serving. Detokenizing state crosses
+over too: the prefill part holds back text that may begin a stop string,
+and the decode part re-reads the first token before going on.
+
+Failures: a prefill replica that dies before the first token costs the
+client nothing (the request runs colocated on a decode replica instead);
+after it, a decode replica that dies fails the request with the error (the
+stream ends with an error event). Either way the dead replica's pool
+restarts it, and no blocks stay held: the prefill part's blocks return to
+its pool when it finishes (their bytes were copied out for the store), the
+decode part's when it ends.
+"""
+from __future__ import annotations
+
+import asyncio
+import copy
+import dataclasses
+import logging
+import os
+import random
+import secrets
+from collections.abc import Sequence
+
+from carpool.config import EngineConfig
+from carpool.engine.outputs import RequestOutput
+from carpool.engine.stats import EngineStats, merge_stats
+from carpool.engine.step_log import StepLog
+from carpool.engine.streams import EngineDeadError, RequestStream
+from carpool.engine.wire import Handoff
+from carpool.sampling_params import SamplingParams
+from carpool.server.fleet import FleetEngine, local_kv_store
+
+log = logging.getLogger("carpool.server")
+
+
+class PDFleet:
+    """Prefill and decode pools with one engine's interface (module docstring)."""
+
+    def __init__(self, prefill: FleetEngine, decode: FleetEngine, store_server=None) -> None:
+        self.prefill, self.decode = prefill, decode
+        self.config = decode.config
+        self.info = decode.info
+        self.tokenizer = decode.tokenizer
+        self.step_log = decode.step_log  # both pools log into it
+        self.on_failure = None  # a replica's death is its pool's business
+        self.kv_store_server = store_server
+        self.handoffs = 0  # requests that went from a prefill to a decode replica
+        self.colocated = 0  # of those, re-run on a decode replica: the prefill one died
+        self._parts: dict[str, asyncio.Task] = {}  # request id -> what moves it along
+        self._seeds = random.Random()
+        self._next_id = 0
+        self._stopping = False
+
+    @classmethod
+    async def start(cls, config: EngineConfig, prefill: int, decode: int,
+                    routing: str = "predicted-ttft", **launch) -> "PDFleet":
+        """Start both pools (concurrently) on one secret and one KV store
+        (``kv_store`` unset or ``local``: served by this process)."""
+        if prefill < 1 or decode < 1:
+            raise ValueError(f"P/D serving needs prefill and decode replicas, got {prefill}:"
+                             f"{decode}")
+        config = copy.deepcopy(config)
+        if config.cache.block_hash_key is None:
+            config.cache.block_hash_key = secrets.token_hex(32)
+        if config.cache.kv_store is None:
+            config.cache.kv_store = "local"
+        if not config.cache.enable_prefix_caching:
+            raise ValueError("P/D serving moves KV by block keys: it needs prefix caching")
+        store_server = local_kv_store(config)
+        if config.model.threads is None:  # the cores split between every replica
+            config.model.threads = max(1, (os.cpu_count() or 1) // (prefill + decode))
+        launch["step_log"] = StepLog()
+        pools = await asyncio.gather(
+            FleetEngine.start(config, prefill, routing, pool="p", **launch),
+            FleetEngine.start(config, decode, routing, pool="d", **launch),
+            return_exceptions=True)
+        failure = next((p for p in pools if isinstance(p, BaseException)), None)
+        if failure is not None:
+            await asyncio.gather(*(p.wait_closed() for p in pools
+                                   if isinstance(p, FleetEngine)))
+            if store_server is not None:
+                store_server.stop()
+            raise failure
+        return cls(*pools, store_server)
+
+    # -- requests ----------------------------------------------------------------------
+
+    async def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                          request_id: str | None = None, priority: int = 0,
+                          session_id: str | None = None, deadline: float | None = None,
+                          max_wait: float | None = None, cache_salt: str | None = None,
+                          received_at: float | None = None) -> RequestStream:
+        """The prefill part is queued (its refusal raised here, as any
+        engine's); the rest follows on a task of its own."""
+        if self._stopping:
+            raise EngineDeadError("the engine is shut down")
+        params = params or SamplingParams()
+        if request_id is None:
+            self._next_id += 1
+            request_id = f"req-{self._next_id}"
+        if request_id in self._parts:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if params.seed is None:  # one seed for both parts (module docstring)
+            params = dataclasses.replace(params, seed=self._seeds.getrandbits(63))
+        common = {"priority": priority, "session_id": session_id, "cache_salt": cache_salt}
+        if params.max_tokens <= 1:  # nothing to hand over
+            return await self.prefill.add_request(ids, params, request_id, deadline=deadline,
+                                                  max_wait=max_wait, received_at=received_at,
+                                                  **common)
+        try:
+            first = await self.prefill.add_request(
+                ids, dataclasses.replace(params, max_tokens=1), request_id, deadline=deadline,
+                max_wait=max_wait, received_at=received_at, handoff=Handoff("prefill"), **common)
+        except EngineDeadError as exc:  # no prefill replica took it: run it colocated
+            self._ran_colocated(request_id, exc)
+            return await self.decode.add_request(ids, params, request_id, deadline=deadline,
+                                                 max_wait=max_wait, received_at=received_at,
+                                                 **common)
+        queue: asyncio.Queue = asyncio.Queue()
+        task = asyncio.ensure_future(self._go_on(request_id, ids, params, first, queue, common))
+        self._parts[request_id] = task
+        task.add_done_callback(lambda _: self._parts.pop(request_id, None))
+        return RequestStream(self, request_id, queue)
+
+    async def _go_on(self, request_id: str, ids: list[int], params: SamplingParams,
+                     prefill: RequestStream, queue: asyncio.Queue, common: dict) -> None:
+        """Pass the first token on, then the decode part's outputs (or the
+        colocated re-run's, if the prefill replica died)."""
+        try:
+            try:
+                first = await self._first_output(prefill)
+            except EngineDeadError as exc:  # nothing reached the client yet
+                self._ran_colocated(request_id, exc)
+                rest = await self.decode.add_request(ids, params, request_id, **common)
+                await _forward(rest, queue)
+                return
+            if first.finished:  # a stop, a rejection or an abort: that is all
+                queue.put_nowait(first)
+                return
+            queue.put_nowait(first)
+            self.handoffs += 1
+            handoff = Handoff("decode", list(first.token_ids), first.logprobs)
+            rest = await self.decode.add_request(ids, params, request_id, handoff=handoff,
+                                                 delivered_text=first.text, **common)
+            await _forward(rest, queue, first)
+        except asyncio.CancelledError:
+            raise  # aborted: the stream being read (and so its request) was closed
+        except BaseException as exc:  # noqa: BLE001 - the client's error, not ours
+            queue.put_nowait(exc)
+
+    def _ran_colocated(self, request_id: str, error: BaseException) -> None:
+        log.warning("request %s: its prefill replica died (%s); running it on a decode "
+                    "replica", request_id, error)
+        self.colocated += 1
+
+    @staticmethod
+    async def _first_output(prefill: RequestStream) -> RequestOutput:
+        """The prefill part's final output, made the first of the whole
+        request unless it ended it (a stop token or string, a rejection)."""
+        output = None
+        async for output in prefill:
+            pass
+        assert output is not None and output.finished
+        if output.finish_reason == "length" and output.num_output_tokens:
+            output.finished, output.finish_reason, output.finish_time = False, None, None
+        return output
+
+    def abort(self, request_id: str) -> None:
+        task = self._parts.get(request_id)
+        if task is not None:
+            task.cancel()  # closes whichever part's stream it is reading
+        else:
+            self.prefill.abort(request_id)  # a request with nothing to hand over
+
+    def abort_without_lock(self, request_id: str) -> None:
+        """Any thread (a stream's finalizer): on the event loop."""
+        task = self._parts.get(request_id)
+        if task is not None:
+            task.get_loop().call_soon_threadsafe(task.cancel)
+        else:
+            self.prefill.abort_without_lock(request_id)
+
+    def first_token_seen(self, first_token_time: float) -> None:
+        self.prefill.first_token_seen(first_token_time)
+
+    def check_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
+        self.decode.check_prompt(token_ids, params)
+
+    # -- the engine interface's state ------------------------------------------------------
+
+    @property
+    def pools(self) -> tuple[FleetEngine, FleetEngine]:
+        return self.prefill, self.decode
+
+    @property
+    def stats(self) -> EngineStats:
+        """Every replica's snapshot merged (``merge_stats``)."""
+        return merge_stats([self.prefill.stats, self.decode.stats])
+
+    def replica_stats(self) -> dict[str, EngineStats]:
+        return {**self.prefill.replica_stats(), **self.decode.replica_stats()}
+
+    @property
+    def is_alive(self) -> bool:
+        return not self._stopping and self.prefill.is_alive and self.decode.is_alive
+
+    @property
+    def degraded(self) -> str | None:
+        reasons = [f"{name}: {why}" for name, why in (("prefill", self.prefill.degraded),
+                                                        ("decode", self.decode.degraded)) if why]
+        return "; ".join(reasons) or None
+
+    @property
+    def last_progress(self) -> float:
+        return max(self.prefill.last_progress, self.decode.last_progress)
+
+    @property
+    def num_in_flight(self) -> int:
+        return self.prefill.num_in_flight + self.decode.num_in_flight + len(self._parts)
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        self.prefill.shutdown()
+        self.decode.shutdown()
+
+    async def wait_closed(self, timeout: float = 10.0) -> None:
+        self.shutdown()
+        for task in list(self._parts.values()):
+            task.cancel()
+        await asyncio.gather(self.prefill.wait_closed(timeout), self.decode.wait_closed(timeout),
+                             *self._parts.values(), return_exceptions=True)
+        if self.kv_store_server is not None:
+            self.kv_store_server.stop()
+            self.kv_store_server = None
+
+
+async def _forward(stream: RequestStream, queue: asyncio.Queue,
+                   first: RequestOutput | None = None) -> None:
+    """Every output of ``stream`` onto ``queue``; after a handoff, with the
+    whole request's arrival, first-token time and prefix hit (the
+    prefill's)."""
+    async for output in stream:
+        if first is not None:
+            output.arrival_time = first.arrival_time
+            output.first_scheduled_time = first.first_scheduled_time
+            output.first_token_time = first.first_token_time
+            output.num_cached_tokens = first.num_cached_tokens
+        queue.put_nowait(output)

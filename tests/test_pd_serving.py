@@ -1,0 +1,165 @@
+"""``carpool serve --prefill 1 --decode 1``: P/D serving through real
+processes, driven over HTTP and by the official ``openai`` client.
+
+The same greedy answers as colocated serving, on the tiny model and on the
+default model; the first token streamed before the decode part runs; the
+prompt's blocks loaded by the decode replica from the front's KV store; a
+prefill replica that dies before its first token costs the client nothing
+(the request runs on a decode replica), a decode replica that dies fails
+its request with an error event; either way no KV block stays held.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import openai
+from server_utils import ServerProcess
+
+# Distinct from their first token on: no prompt finds another's blocks cached.
+PROMPTS = [[(i * m + m) % 380 + 5 for i in range(n)] for m, n in ((41, 70), (43, 64), (47, 9),
+                                                                  (53, 150))]
+
+
+def _serve(model: str, *extra: str) -> ServerProcess:
+    return ServerProcess([model, "--attention-backend", "torch", "--adaptive", "false",
+                          "--dtype", "float32", "--served-model-name", "m", *extra])
+
+
+def _answers(server: ServerProcess, prompts, max_tokens: int = 16) -> list[str]:
+    api = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+    return [api.completions.create(model="m", prompt=p, max_tokens=max_tokens, temperature=0,
+                                   extra_body={"ignore_eos": True}).choices[0].text
+            for p in prompts]
+
+
+def _pd(http) -> dict:
+    return http.get("/carpool/policy").json()["pd"]
+
+
+def _metrics(http, prefix: str) -> dict[str, float]:
+    """Series starting with ``prefix``: {labels: value}."""
+    return {line.split("{", 1)[1].split("}")[0]: float(line.split()[-1])
+            for line in http.get("/metrics").text.splitlines() if line.startswith(prefix + "{")}
+
+
+def _wait_for(http, counter: str, value: float) -> None:
+    """Until the fleet total of ``counter`` is ``value`` (stats are polled)."""
+    deadline = time.monotonic() + 10
+    while (total := sum(_metrics(http, counter).values())) != value:
+        assert time.monotonic() < deadline and total < value, (counter, total, value)
+        time.sleep(0.2)
+
+
+def _tokenized(http, prompts: list[str]) -> list[list[int]]:
+    return [http.post("/tokenize", json={"model": "m", "prompt": p}).json()["tokens"]
+            for p in prompts]
+
+
+def _nothing_held(http) -> None:
+    """Every replica's KV pool back to no block in use (stats poll: wait a little)."""
+    deadline = time.monotonic() + 10
+    while True:
+        usage = _metrics(http, "carpool:replica_kv_cache_usage_perc")
+        if usage and not any(usage.values()):
+            return
+        assert time.monotonic() < deadline, usage
+        time.sleep(0.2)
+
+
+def test_pd_serving_says_what_colocated_serving_says_and_streams_the_first_token_at_once(
+        tiny_model_dir):
+    with _serve(str(tiny_model_dir)) as colocated:
+        expected = _answers(colocated, PROMPTS)
+    with _serve(str(tiny_model_dir), "--prefill", "1", "--decode", "1") as server, \
+            server.client() as http:
+        assert len(server.engine_workers()) == 2
+        assert _answers(server, PROMPTS) == expected
+        pd = _pd(http)
+        assert pd["handoffs"] == len(PROMPTS) and pd["colocated"] == 0
+        assert {v["replica"] for v in pd["prefill"]["replicas"]} == {"p0"}
+        assert {v["replica"] for v in pd["decode"]["replicas"]} == {"d0"}
+        # The decode replica loaded the prompts' full blocks from the store.
+        _wait_for(http, "carpool:kv_store_blocks_loaded_total", sum(len(p) // 16 for p in PROMPTS))
+        # Streaming: the first token comes as its own event, the rest follow.
+        body = {"prompt": PROMPTS[0][:40], "max_tokens": 8, "temperature": 0,
+                "ignore_eos": True, "stream": True, "logprobs": 1}
+        with http.stream("POST", "/v1/completions", json=body) as response:
+            events = [json.loads(line[6:]) for line in response.iter_lines()
+                      if line.startswith("data: {")]
+        tokens = [t for e in events for t in e["choices"][0]["logprobs"]["tokens"]]
+        assert len(tokens) == 8 and events[-1]["choices"][0]["finish_reason"] == "length"
+        # A request of one token has nothing to hand over.
+        one = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1}).json()
+        assert one["usage"]["completion_tokens"] == 1
+        assert _pd(http)["handoffs"] == len(PROMPTS) + 1
+        _nothing_held(http)
+
+
+def test_pd_serving_matches_colocated_greedy_on_the_default_model(real_model_path):
+    prompts = ["The capital of France is", "Write a haiku about the sea.\n",
+               "def fibonacci(n):\n    " * 6, "Explain KV caches. " * 20]
+    with _serve(str(real_model_path)) as colocated:
+        expected = _answers(colocated, prompts, max_tokens=24)
+    with _serve(str(real_model_path), "--prefill", "1", "--decode", "1") as server, \
+            server.client() as http:
+        assert _answers(server, prompts, max_tokens=24) == expected
+        _wait_for(http, "carpool:kv_store_blocks_loaded_total",
+                  sum(len(server_tokens) // 16 for server_tokens in _tokenized(http, prompts)))
+        _nothing_held(http)
+
+
+def _pids(http) -> dict[str, int]:
+    pd = _pd(http)
+    return {v["replica"]: v["pid"] for pool in ("prefill", "decode")
+            for v in pd[pool]["replicas"]}
+
+
+def test_a_prefill_replica_dead_before_its_first_token_costs_the_client_nothing(
+        tiny_model_dir):
+    body = {"prompt": PROMPTS[3], "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    with _serve(str(tiny_model_dir), "--prefill", "1", "--decode", "1") as server, \
+            server.client() as http:
+        expected = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+        prefill_pid = _pids(http)["p0"]
+        os.kill(prefill_pid, signal.SIGSTOP)  # it takes the request and never answers
+        threading.Timer(0.5, os.kill, [prefill_pid, signal.SIGKILL]).start()
+        with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+            events = [json.loads(line[6:]) for line in response.iter_lines()
+                      if line.startswith("data: {")]
+        assert "".join(e["choices"][0]["text"] for e in events) == expected
+        assert _pd(http)["colocated"] == 1
+        deadline = time.monotonic() + 60  # the prefill pool restarts its replica
+        while _pids(http).get("p0") in (None, prefill_pid):
+            assert time.monotonic() < deadline, "the prefill replica was not restarted"
+            time.sleep(0.2)
+        assert http.post("/v1/completions", json=body).json()["choices"][0]["text"] == expected
+        _nothing_held(http)
+
+
+def test_a_decode_replica_dead_mid_request_fails_it_with_an_error_event(tiny_model_dir):
+    body = {"prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with _serve(str(tiny_model_dir), "--prefill", "1", "--decode", "1") as server, \
+            server.client() as http:
+        decode_pid = _pids(http)["d0"]
+        os.kill(decode_pid, signal.SIGSTOP)  # the handoff reaches it and goes nowhere
+        with http.stream("POST", "/v1/completions", json=body) as response:
+            lines = response.iter_lines()
+            first = json.loads(next(line for line in lines if line.startswith("data: {"))[6:])
+            assert first["choices"][0]["text"]  # the first token came from the prefill
+            os.kill(decode_pid, signal.SIGKILL)
+            rest = [line for line in lines if line.startswith("data: ")]
+        errors = [json.loads(line[6:]) for line in rest if '"error"' in line]
+        assert errors and "engine" in errors[0]["error"]["message"]
+        assert rest[-1] == "data: [DONE]"
+        deadline = time.monotonic() + 60
+        while _pids(http).get("d0") in (None, decode_pid):
+            assert time.monotonic() < deadline, "the decode replica was not restarted"
+            time.sleep(0.2)
+        again = http.post("/v1/completions", json={**body, "stream": False}).json()
+        assert again["usage"]["completion_tokens"] == 12
+        _nothing_held(http)
