@@ -27,15 +27,17 @@ def tiny(tiny_model_dir):
                block_hash_key=HASH_KEY)
 
 
-def _replica(llm: LLM, store, handoff_wait_s: float = 5.0) -> LLMEngine:
-    """An engine on ``llm``'s model and (zeroed) KV tensors, sharing ``store``."""
+def _replica(llm: LLM, store, handoff_wait_s: float = 5.0, layered: bool = True) -> LLMEngine:
+    """An engine on ``llm``'s model and (zeroed) KV tensors, sharing ``store``;
+    ``layered``: a P/D prefill streams its blocks layer by layer."""
     base, executor = llm.engine, llm.engine.executor
     for k, v in executor.kv_caches:
         k.zero_()
         v.zero_()
     fingerprint = weights_fingerprint(executor.model, f"{base.model_config!r} {executor.dtype}")
     connector = StoreConnector(store, KVBlockIO(executor.kv_caches), fingerprint,
-                               handoff_wait_s=handoff_wait_s)
+                               handoff_wait_s=handoff_wait_s,
+                               model=executor.model if layered else None)
     return LLMEngine(base.config, base.tokenizer, base.model_config, executor,
                      base.max_model_len, kv_connector=connector)
 
@@ -53,18 +55,27 @@ PARAMS = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logpro
           SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True)]
 
 
+@pytest.mark.parametrize("layered", [True, False], ids=["by-layer", "whole"])
 @pytest.mark.parametrize("params", PARAMS, ids=["greedy", "seeded"])
 @pytest.mark.parametrize("length", [70, 64, 9])  # full blocks and a tail, full only, no full
-def test_prefill_then_decode_says_what_one_engine_says(tiny, params, length):
+def test_prefill_then_decode_says_what_one_engine_says(tiny, params, length, layered):
     prompt = [(i * 41) % 380 + 5 for i in range(length)]
     store = MemoryStore(64 << 20)
     colocated = _run(_replica(tiny, store), prompt, params)[-1]
     store = MemoryStore(64 << 20)  # nothing of the colocated run
-    prefill = _replica(tiny, store)
+    prefill = _replica(tiny, store, layered=layered)
     first = _run(prefill, prompt, SamplingParams(**{**vars(params), "max_tokens": 1}),
                  Handoff("prefill"))[-1]
     prefill.kv_connector.flush()
     assert first.token_ids == colocated.token_ids[:1]
+    layers = prefill.executor.model.config.num_layers
+    stats = prefill.kv_connector.stats
+    assert stats.layer_parts_sent == length // 16 * layers == len(store)
+    # Streamed: one step's parts, each put timed, some of it while layers computed.
+    assert stats.export_steps == (1 if layered and length >= 16 else 0)
+    if stats.export_steps:
+        assert stats.export_seconds > 0
+        assert 0 <= stats.export_hidden_seconds <= stats.export_seconds
     assert prefill.scheduler.kv.pool.num_free_blocks == prefill.executor.num_blocks
     decode = _replica(tiny, store)
     handoff = Handoff("decode", list(first.token_ids), first.logprobs)
@@ -94,7 +105,8 @@ def test_a_prefill_that_saves_blocks_it_found_cached_exports_them_too(tiny):
     while prefill.has_unfinished:
         prefill.step()
     prefill.kv_connector.flush()
-    assert len(store) == 3  # the three cached blocks, exported anyway
+    layers = prefill.executor.model.config.num_layers
+    assert len(store) == 3 * layers  # the three cached blocks' parts, exported anyway
 
 
 def test_blocks_late_on_their_way_are_waited_for(tiny):

@@ -83,7 +83,13 @@ def test_pd_serving_says_what_colocated_serving_says_and_streams_the_first_token
         assert {v["replica"] for v in pd["prefill"]["replicas"]} == {"p0"}
         assert {v["replica"] for v in pd["decode"]["replicas"]} == {"d0"}
         # The decode replica loaded the prompts' full blocks from the store.
-        _wait_for(http, "carpool:kv_store_blocks_loaded_total", sum(len(p) // 16 for p in PROMPTS))
+        blocks = sum(len(p) // 16 for p in PROMPTS)
+        _wait_for(http, "carpool:kv_store_blocks_loaded_total", blocks)
+        # The prefill streamed them layer by layer (the tiny model has 2 layers).
+        _wait_for(http, "carpool:kv_handoff_layer_parts_sent_total", 2 * blocks)
+        exported = _metrics(http, "carpool:kv_handoff_export_seconds_total")
+        hidden = _metrics(http, "carpool:kv_handoff_export_hidden_seconds_total")
+        assert 0 <= sum(hidden.values()) <= sum(exported.values()) > 0
         # Streaming: the first token comes as its own event, the rest follow.
         body = {"prompt": PROMPTS[0][:40], "max_tokens": 8, "temperature": 0,
                 "ignore_eos": True, "stream": True, "logprobs": 1}

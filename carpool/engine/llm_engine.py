@@ -318,7 +318,12 @@ class LLMEngine:
         items = self._batch_items(schedule.spans)
         padding = step_padding(schedule.pad_rows, self.config.scheduler.padding_mode)
         built = clock()
-        results = self._execute(items, padding, outputs)
+        streaming = connector is not None and connector.begin_forward(schedule.spans)
+        try:
+            results = self._execute(items, padding, outputs)
+        finally:
+            if streaming:  # P/D prefills' blocks went out layer by layer meanwhile
+                connector.end_forward()
         executed = clock()
         elapsed = executed - started
         requests = [span.request for span in schedule.spans if span.sample]

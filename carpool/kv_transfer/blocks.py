@@ -51,6 +51,20 @@ class KVBlockIO:
         raw = out.view(count, -1).view(torch.uint8).cpu().numpy()
         return [raw[i].tobytes() for i in range(count)]
 
+    def read_layer(self, block_ids: Sequence[int], layer: int) -> list[bytes]:
+        """Each block's data of one layer (its K block then its V block):
+        the part of ``read``'s data for that layer, so the parts of every
+        layer joined in order are the block's data."""
+        if not block_ids:
+            return []
+        count = len(block_ids)
+        ids = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+        k, v = self.kv_caches[layer]
+        out = torch.cat([k.index_select(1, ids).transpose(0, 1).reshape(count, -1),
+                         v.index_select(1, ids).transpose(0, 1).reshape(count, -1)], dim=1)
+        raw = out.view(torch.uint8).cpu().numpy()
+        return [raw[i].tobytes() for i in range(count)]
+
     def write(self, block_ids: Sequence[int], datas: Sequence[bytes | memoryview]) -> None:
         """Put each data into its block (``len(datas) == len(block_ids)``)."""
         if len(datas) != len(block_ids):

@@ -30,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 from carpool.kv_transfer.blocks import KVBlockIO
+from carpool.kv_transfer.layer_export import LayerExporter
 from carpool.kv_transfer.payload import (
     KVPayloadError,
     block_key_bytes,
@@ -70,6 +71,13 @@ class ConnectorStats:
     store_errors: int = 0
     load_seconds: float = 0.0  # fetch wall time, summed
     save_seconds: float = 0.0
+    # P/D prefill side (layer_export): per-layer parts put, and the put time
+    # of streamed steps, split into what overlapped the forward and the tail after it.
+    layer_parts_sent: int = 0
+    export_steps: int = 0
+    export_seconds: float = 0.0
+    export_hidden_seconds: float = 0.0
+    export_exposed_seconds: float = 0.0
     # Fetches / puts by wall time: counts per TRANSFER_BUCKETS bound, then +Inf.
     load_buckets: list[int] = field(default_factory=lambda: [0] * (len(TRANSFER_BUCKETS) + 1))
     save_buckets: list[int] = field(default_factory=lambda: [0] * (len(TRANSFER_BUCKETS) + 1))
@@ -80,14 +88,17 @@ class StoreConnector:
 
     def __init__(self, store: KVStore, io: KVBlockIO, fingerprint: bytes,
                  max_inflight_bytes: int = 256 << 20, retry_after_s: float = 5.0,
-                 clock=time.monotonic, handoff_wait_s: float = 5.0) -> None:
+                 clock=time.monotonic, handoff_wait_s: float = 5.0, model=None) -> None:
         """``retry_after_s``: after the store failed, lookups answer 0
         without asking it for this long (a store that hangs costs one
         timeout, not one per admission: lookups run on the engine thread).
         ``handoff_wait_s``: how long a P/D decode part waits for its prefill
         part's blocks before computing the missing ones itself (the prefill
-        replica died mid-transfer)."""
+        replica died mid-transfer). ``model``: the ``LlamaModel`` whose
+        ``after_layer`` hook streams a P/D prefill's blocks layer by layer
+        (None: they go out whole after each step)."""
         self.handoff_wait_s = handoff_wait_s
+        self.model = model
         self.store, self.io, self.fingerprint = store, io, fingerprint
         self.retry_after_s, self.clock = retry_after_s, clock
         self._down_until = -math.inf
@@ -99,6 +110,7 @@ class StoreConnector:
         self._fetched: queue.Queue = queue.Queue()  # (request, block ids, payloads | None)
         self._lock = threading.Lock()
         self._inflight_bytes = 0
+        self.exporter = LayerExporter(self)
 
     def bind(self, scheduler) -> None:
         """The scheduler whose block tables and loads this connector serves."""
@@ -117,7 +129,7 @@ class StoreConnector:
         try:
             return self.store.count_prefix(self._keys(hashes))
         except Exception as error:  # noqa: BLE001 - any store failure is a miss
-            self._store_failed(error)
+            self.store_failed(error)
             return 0
 
     def load(self, request: Request, hashes: Sequence[int], first: int) -> float:
@@ -134,6 +146,9 @@ class StoreConnector:
         loaded = range((request.num_cached_tokens - request.num_loaded_tokens) // size,
                        request.num_cached_tokens // size)
         picked = [(i, h) for i, h in enumerate(hashes, first) if i not in loaded]
+        if request.kv_export:
+            self._export(request, picked)
+            return
         if not picked:
             return
         if self.clock() < self._down_until:  # failed lately: do not queue writes to it
@@ -150,7 +165,36 @@ class StoreConnector:
         datas = self.io.read([table[i] for i, _ in picked])
         self._io_thread.submit(self._put, [h for _, h in picked], datas, size)
 
+    def _export(self, request: Request, picked: list[tuple[int, int]]) -> None:
+        """A P/D prefill's blocks: those its steps streamed are sent already;
+        the rest (found cached here, or loaded) go now, every layer at once."""
+        streamed = self.exporter.streamed.get(request.request_id, set())
+        rest = [(i, h) for i, h in picked if i not in streamed]
+        streamed.difference_update(i for i, _ in picked)
+        if not streamed:
+            self.exporter.streamed.pop(request.request_id, None)
+        if rest:
+            table = self.scheduler.kv.block_tables[request.request_id]
+            self.exporter.export_now([table[i] for i, _ in rest], [h for _, h in rest])
+
     # -- the engine thread ---------------------------------------------------------
+
+    def begin_forward(self, spans) -> bool:  # noqa: ANN001 - ScheduledSpan list
+        """Before a step's forward: hook the model to stream the prompt
+        blocks its P/D prefills fill up, layer by layer; True if hooked."""
+        if self.model is None or not self.exporter.begin(spans):
+            return False
+        self.model.after_layer = self.exporter.layer_done
+        return True
+
+    def end_forward(self) -> None:
+        """After a hooked forward."""
+        self.model.after_layer = None
+        self.exporter.end()
+
+    def submit(self, work, *args) -> None:  # noqa: ANN001
+        """Run ``work(*args)`` on the store's I/O thread, in order."""
+        self._io_thread.submit(work, *args)
 
     def poll(self) -> int:
         """Copy fetched blocks in and report their loads done; returns how
@@ -202,9 +246,13 @@ class StoreConnector:
         then (a P/D prefill's blocks may still be on their way)."""
         started = time.perf_counter()
         datas: list[memoryview] = []
+        fetch = self._fetched_blocks
         try:
+            if request.kv_handoff:  # a P/D prefill's layer parts
+                self.exporter.wait_for(hashes, wait_s, HANDOFF_POLL_S)
+                fetch = self.exporter.fetch
             while True:
-                got, missing = self._fetched_blocks(hashes[len(datas):])
+                got, missing = fetch(hashes[len(datas):])
                 datas += got
                 if not missing or time.perf_counter() - started >= wait_s:
                     self.stats.blocks_missing += missing
@@ -226,7 +274,7 @@ class StoreConnector:
         try:
             payloads = self.store.get_many(self._keys(hashes))
         except Exception as error:  # noqa: BLE001 - any store failure is a miss
-            self._store_failed(error)
+            self.store_failed(error)
             return datas, False
         for block_hash, payload in zip(hashes, payloads):
             if payload is None:
@@ -246,7 +294,7 @@ class StoreConnector:
                                  for key, h, data in zip(self._keys(hashes), hashes, datas)])
             self.stats.blocks_saved += len(hashes)
         except Exception as error:  # noqa: BLE001 - any store failure is a miss
-            self._store_failed(error)
+            self.store_failed(error)
             self.stats.saves_dropped += len(hashes)
         finally:
             with self._lock:
@@ -255,7 +303,7 @@ class StoreConnector:
             self.stats.save_seconds += seconds
             _observe(self.stats.save_buckets, seconds)
 
-    def _store_failed(self, error: Exception) -> None:
+    def store_failed(self, error: Exception) -> None:
         self._down_until = self.clock() + self.retry_after_s
         self.stats.store_errors += 1
         if self.stats.store_errors == 1 or self.stats.store_errors % 100 == 0:
@@ -273,4 +321,5 @@ def store_connector(cache, executor, model_config) -> StoreConnector:
     store = open_store(cache.kv_store, cache.kv_store_ttl, parse_size(cache.kv_store_capacity))
     io = KVBlockIO(executor.kv_caches)
     fingerprint = weights_fingerprint(executor.model, f"{model_config!r} {executor.dtype}")
-    return StoreConnector(store, io, fingerprint, parse_size(cache.kv_store_max_inflight))
+    return StoreConnector(store, io, fingerprint, parse_size(cache.kv_store_max_inflight),
+                          model=getattr(executor, "model", None))

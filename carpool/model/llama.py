@@ -8,6 +8,7 @@ q/k/v and gate/up projections are fused into one matmul each at load time.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -173,6 +174,9 @@ class LlamaModel(nn.Module):
         # The LM head as a module when it is not plain F.linear (INT8 decode: carpool.model.quant).
         self.head: nn.Module | None = None
         self.step_kind = StepKind()
+        # Called with each layer's index once its KV of the step is in the
+        # cache (a P/D prefill streams it out: carpool/kv_transfer/layer_export.py).
+        self.after_layer: Callable[[int], None] | None = None
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -185,8 +189,11 @@ class LlamaModel(nn.Module):
         self.step_kind.decode_only = not meta.prefills
         hidden = self.embed_tokens(input_ids)
         rope = self.rotary.tables(meta.positions, hidden.dtype)
-        for layer, kv in zip(self.layers, kv_caches):
+        after_layer = self.after_layer
+        for index, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
             hidden = layer(hidden, rope, meta, kv, attention, self.ops)
+            if after_layer is not None:  # layer ``index``'s KV of this step is written
+                after_layer(index)
         return hidden[:meta.positions.shape[0]]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -266,6 +266,12 @@ class KVCacheManager:
             self._extend_hashes(owner, len(run.blocks))
             self.pool.materialize(run, owner.block_keys, owner.block_hashes)
 
+    def block_hashes_of(self, request: Request, num_blocks: int) -> list[int]:
+        """The chained hashes of the request's first ``num_blocks`` full
+        blocks (computed now if not yet)."""
+        self._extend_hashes(request, num_blocks)
+        return request.block_hashes[:num_blocks]
+
     def _extend_hashes(self, request: Request, num_blocks: int) -> None:
         hashes = request.block_hashes
         if len(hashes) >= num_blocks:

@@ -103,6 +103,14 @@ _KV_STORE_COUNTERS = (
     ("kv_store_errors", "store_errors", "Calls that found the store unavailable."),
     ("kv_store_bytes_read", "bytes_read", "Payload bytes fetched from the store."),
     ("kv_store_bytes_written", "bytes_written", "Payload bytes written to the store."),
+    ("kv_handoff_layer_parts_sent", "layer_parts_sent", "P/D prefill: per-layer parts of "
+                                                        "prompt blocks put for a decode replica."),
+    ("kv_handoff_export_seconds", "export_seconds", "P/D prefill: put time of the parts "
+                                                    "streamed during forwards."),
+    ("kv_handoff_export_hidden_seconds", "export_hidden_seconds",
+     "Of it, time overlapped with the forward computing the next layers."),
+    ("kv_handoff_export_exposed_seconds", "export_exposed_seconds",
+     "Transfer tail after each streaming forward ended (summed over steps)."),
 )
 
 

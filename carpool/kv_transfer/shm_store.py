@@ -1,0 +1,588 @@
+"""A KV store in POSIX shared memory, for the processes of a fleet on one
+machine: the front's ``ShmStoreServer`` and the ``ShmStore`` client each
+replica uses (``KVStore``).
+
+The server owns an arena (``multiprocessing.shared_memory``, a fresh
+random name) cut into equal slots, and the index (``SlotIndex``: key ->
+slot, length, last use; LRU eviction, TTL from the last use, like
+``MemoryStore``). Clients map the arena and move payload bytes with one
+memcpy each way; only control messages (keys, offsets, lengths) cross the
+control socket on 127.0.0.1, framed as in ``tcp_store`` (4-byte length,
+msgpack structs with explicit schemas, no pickle; frames and key counts
+bounded).
+
+Slots: one payload per slot. The slot size is ``slot_bytes`` when given,
+else the first payload's length (a model's payloads all have one size:
+header and every layer's K and V of one block). A payload larger than a
+slot, or empty, is refused (counted in ``stats.extra["refused"]``, not
+stored); a smaller one takes a whole slot. Capacity is
+``capacity_bytes // slot_bytes`` slots.
+
+Writes: ``reserve`` hands out free slots (evicting least recently used
+blocks for room), the client copies its payloads in, then ``commit`` makes
+them visible; a reserved slot is never visible nor evictable.
+
+Reads are pinned, not left to the payload check: ``get`` pins each found
+slot until the client's ``release`` (a one-way message after its copy, so
+no extra round trip is waited for), and a pinned slot evicted or replaced
+meanwhile is reused only once unpinned. So a reader never sees another
+block's bytes, which matters for any user of the store and saves a
+recompute; the payloads' CRC stays the second line of defence. A
+connection's pins and reservations end with it (a replica that dies
+mid-copy leaks nothing).
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import socketserver
+import sys
+import threading
+import time
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from multiprocessing import resource_tracker
+from multiprocessing.shared_memory import SharedMemory
+
+import msgspec
+
+from carpool.kv_transfer.stores import DEFAULT_TTL_S, KVStoreUnavailable, StoreStats, leading
+from carpool.kv_transfer.tcp_store import _LENGTH, _read_exact, _send
+
+MAX_FRAME_BYTES = 1 << 20  # control messages only: keys, offsets, lengths
+MAX_KEYS_PER_CALL = 1024  # the client splits longer calls
+MAX_KEY_BYTES = 256
+
+
+class ShmCall(msgspec.Struct, frozen=True):
+    op: str  # hello | reserve | commit | get | release | count
+    keys: list[bytes] = []
+    lengths: list[int] = []  # reserve: each payload's length
+    offsets: list[int] = []  # release: the offsets a get pinned
+
+
+class ShmReply(msgspec.Struct, frozen=True):
+    offsets: list[int] = []  # reserve, get: byte offset in the arena per key; -1: none
+    lengths: list[int] = []  # get: each payload's length
+    count: int = 0  # commit: blocks made visible; count: leading keys held
+    arena: str = ""  # hello
+    arena_bytes: int = 0  # hello
+    error: str = ""
+
+
+_encode = msgspec.msgpack.Encoder().encode
+_decode_call = msgspec.msgpack.Decoder(ShmCall).decode
+_decode_reply = msgspec.msgpack.Decoder(ShmReply).decode
+
+
+def _receive(sock: socket.socket) -> bytes | None:
+    """One frame's body (at most ``MAX_FRAME_BYTES``); None at a clean EOF."""
+    head = _read_exact(sock, _LENGTH.size, allow_eof=True)
+    if head is None:
+        return None
+    (length,) = _LENGTH.unpack(head)
+    if length > MAX_FRAME_BYTES:
+        raise ValueError(f"a frame of {length} bytes is over the limit of {MAX_FRAME_BYTES}")
+    return _read_exact(sock, length)
+
+
+def _check_keys(keys: Sequence[bytes]) -> None:
+    if len(keys) > MAX_KEYS_PER_CALL:
+        raise ValueError(f"at most {MAX_KEYS_PER_CALL} keys per call, got {len(keys)}")
+    if any(len(key) > MAX_KEY_BYTES for key in keys):
+        raise ValueError(f"a key is at most {MAX_KEY_BYTES} bytes")
+
+
+def parse_shm_url(url: str) -> tuple[str, int, str]:
+    """``shm://HOST:PORT/ARENA`` -> (host, port, arena name)."""
+    address, _, arena = url.removeprefix("shm://").partition("/")
+    host, _, port = address.rpartition(":")
+    if not url.startswith("shm://") or not host or not port.isdigit() or not arena:
+        raise ValueError(f"a shared-memory KV store is shm://HOST:PORT/ARENA, got {url!r}")
+    return host.strip("[]"), int(port), arena
+
+
+# -- the index (server side) -------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Entry:
+    slot: int
+    length: int
+    used: float
+
+
+@dataclass
+class Session:
+    """One connection's slots in flight: reserved (key -> slot, length)
+    and pinned (slot -> count); all given back when it ends."""
+
+    reserved: dict[bytes, tuple[int, int]] = field(default_factory=dict)
+    pinned: dict[int, int] = field(default_factory=dict)
+
+
+class SlotIndex:
+    """Which slot holds which block. Thread safe. Every slot is in exactly
+    one state: free, reserved by one session, held by one entry, or
+    retired (dropped from the index while pinned: freed at its last
+    release). Only free slots are handed out, so neither a writer nor an
+    eviction ever touches bytes a reader has pinned."""
+
+    def __init__(self, arena_bytes: int, ttl_s: float, slot_bytes: int | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.arena_bytes, self.ttl_s, self.clock = arena_bytes, ttl_s, clock
+        self.slot_bytes: int | None = None
+        self.num_slots = 0
+        self.stats = StoreStats(extra={"refused": 0})
+        self._free: list[int] = []
+        self._entries: OrderedDict[bytes, _Entry] = OrderedDict()  # least recently used first
+        self._pins: dict[int, int] = {}  # slot -> readers, over all sessions
+        self._retired: set[int] = set()
+        self._lock = threading.Lock()
+        if slot_bytes is not None:
+            self._size_slots(slot_bytes)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _size_slots(self, slot_bytes: int) -> None:
+        self.slot_bytes, self.num_slots = slot_bytes, self.arena_bytes // slot_bytes
+        self._free = list(range(self.num_slots - 1, -1, -1))  # pop() hands out 0 first
+
+    def reserve(self, session: Session, keys: Sequence[bytes],
+                lengths: Sequence[int]) -> list[int]:
+        """A free slot's offset per key (-1: refused: too large, empty, the
+        key already being written by this session, or every slot busy)."""
+        with self._lock:
+            self._expire(self.clock())
+            offsets = []
+            for key, length in zip(keys, lengths):
+                slot = None if key in session.reserved else self._take_slot(length)
+                if slot is None:
+                    self.stats.extra["refused"] += 1
+                    offsets.append(-1)
+                    continue
+                session.reserved[key] = (slot, length)
+                offsets.append(slot * self.slot_bytes)
+            return offsets
+
+    def _take_slot(self, length: int) -> int | None:
+        if self.slot_bytes is None and 1 <= length <= self.arena_bytes:
+            self._size_slots(length)  # the first payload sets the slot size
+        if self.slot_bytes is None or not 1 <= length <= self.slot_bytes:
+            return None
+        while not self._free and self._entries:  # evict for room, oldest use first
+            _, entry = self._entries.popitem(last=False)
+            self._drop_slot(entry.slot)
+            self.stats.evicted += 1
+        return self._free.pop() if self._free else None
+
+    def commit(self, session: Session, keys: Sequence[bytes]) -> int:
+        """Make this session's reserved ``keys`` visible (a key held
+        before now points at its new slot); returns how many."""
+        with self._lock:
+            now, done = self.clock(), 0
+            for key in keys:
+                reserved = session.reserved.pop(key, None)
+                if reserved is None:
+                    continue  # not reserved here (or twice in this call)
+                old = self._entries.pop(key, None)
+                if old is not None:
+                    self._drop_slot(old.slot)
+                self._entries[key] = _Entry(reserved[0], reserved[1], now)
+                self.stats.puts += 1
+                self.stats.bytes_in += reserved[1]
+                done += 1
+            return done
+
+    def lookup(self, session: Session, keys: Sequence[bytes]) -> tuple[list[int], list[int]]:
+        """Each key's (offset, length), (-1, 0) when missing; a hit is a use
+        and pins its slot for ``session`` until ``release``."""
+        with self._lock:
+            now = self.clock()
+            self._expire(now)
+            offsets, lengths = [], []
+            for key in keys:
+                entry = self._entries.get(key)
+                if entry is None:
+                    offsets.append(-1)
+                    lengths.append(0)
+                    continue
+                entry.used = now
+                self._entries.move_to_end(key)
+                self._pins[entry.slot] = self._pins.get(entry.slot, 0) + 1
+                session.pinned[entry.slot] = session.pinned.get(entry.slot, 0) + 1
+                offsets.append(entry.slot * self.slot_bytes)
+                lengths.append(entry.length)
+            self.stats.looked_up(len(keys), sum(o >= 0 for o in offsets))
+            self.stats.bytes_out += sum(lengths)
+            return offsets, lengths
+
+    def release(self, session: Session, offsets: Sequence[int]) -> None:
+        """Unpin what ``lookup`` pinned for ``session`` (others: ignored)."""
+        with self._lock:
+            for offset in offsets:
+                slot = offset // self.slot_bytes if self.slot_bytes and offset >= 0 else -1
+                if session.pinned.get(slot, 0) > 0:
+                    self._unpin(session, slot)
+
+    def count(self, keys: Sequence[bytes]) -> int:
+        """How many leading ``keys`` are held (no use counted)."""
+        with self._lock:
+            self._expire(self.clock())
+            return leading(key in self._entries for key in keys)
+
+    def end(self, session: Session) -> None:
+        """A connection ended: its pins and uncommitted slots go back."""
+        with self._lock:
+            for slot, count in list(session.pinned.items()):
+                for _ in range(count):
+                    self._unpin(session, slot)
+            for slot, _ in session.reserved.values():
+                self._free.append(slot)
+            session.reserved.clear()
+
+    def _unpin(self, session: Session, slot: int) -> None:
+        session.pinned[slot] -= 1
+        if not session.pinned[slot]:
+            del session.pinned[slot]
+        self._pins[slot] -= 1
+        if not self._pins[slot]:
+            del self._pins[slot]
+            if slot in self._retired:
+                self._retired.remove(slot)
+                self._free.append(slot)
+
+    def _drop_slot(self, slot: int) -> None:
+        """A slot's entry is gone: free now, or at its last reader's release."""
+        if slot in self._pins:
+            self._retired.add(slot)
+        else:
+            self._free.append(slot)
+
+    def _expire(self, now: float) -> None:
+        """Drop blocks unused for ``ttl_s`` (the front is the oldest use)."""
+        while self._entries:
+            key, entry = next(iter(self._entries.items()))
+            if entry.used >= now - self.ttl_s:
+                break
+            del self._entries[key]
+            self._drop_slot(entry.slot)
+            self.stats.expired += 1
+
+
+# -- the server ----------------------------------------------------------------------
+
+
+class _Handler(socketserver.BaseRequestHandler):
+    def setup(self) -> None:
+        self.session = Session()
+        with self.server.lock:  # type: ignore[attr-defined]
+            self.server.connections.add(self.request)  # type: ignore[attr-defined]
+
+    def finish(self) -> None:
+        self.server.index.end(self.session)  # type: ignore[attr-defined]
+        with self.server.lock:  # type: ignore[attr-defined]
+            self.server.connections.discard(self.request)  # type: ignore[attr-defined]
+
+    def handle(self) -> None:
+        while True:
+            try:
+                body = _receive(self.request)
+            except (ValueError, OSError):
+                return  # a bad or broken client: drop its connection
+            if body is None:
+                return
+            try:
+                call = _decode_call(body)
+                if call.op == "release":  # one-way: never answered
+                    self.server.index.release(self.session, call.offsets[:MAX_KEYS_PER_CALL])  # type: ignore[attr-defined]
+                    continue
+                reply = self._serve(call)
+            except ValueError as error:  # msgspec's decode and schema errors too
+                reply = ShmReply(error=str(error))
+            try:
+                _send(self.request, _encode(reply))
+            except OSError:
+                return
+
+    def _serve(self, call: ShmCall) -> ShmReply:
+        server, session = self.server, self.session
+        index: SlotIndex = server.index  # type: ignore[attr-defined]
+        _check_keys(call.keys)
+        if call.op == "hello":
+            return ShmReply(arena=server.arena_name,  # type: ignore[attr-defined]
+                            arena_bytes=index.arena_bytes)
+        if call.op == "reserve":
+            if len(call.lengths) != len(call.keys):
+                raise ValueError("a reserve needs one length per key")
+            return ShmReply(offsets=index.reserve(session, call.keys, call.lengths))
+        if call.op == "commit":
+            return ShmReply(count=index.commit(session, call.keys))
+        if call.op == "get":
+            offsets, lengths = index.lookup(session, call.keys)
+            return ShmReply(offsets=offsets, lengths=lengths)
+        if call.op == "count":
+            return ShmReply(count=index.count(call.keys))
+        raise ValueError(f"unknown op {call.op!r}")
+
+
+class _ControlServer(socketserver.ThreadingTCPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+
+def _release_arena(arena: SharedMemory) -> None:
+    """Close and unlink (the server's ``stop``, or interpreter exit)."""
+    try:
+        arena.close()
+    except BufferError:
+        pass
+    try:
+        arena.unlink()
+    except FileNotFoundError:
+        pass
+
+
+class ShmStoreServer:
+    """The arena and its index, served on ``host:port`` (port 0: any free
+    one) to ``ShmStore`` clients at ``url``. ``stop`` (or interpreter
+    exit) unlinks the arena. ``clock``: the index's, for tests."""
+
+    def __init__(self, capacity_bytes: int, ttl_s: float = DEFAULT_TTL_S,
+                 slot_bytes: int | None = None, host: str = "127.0.0.1", port: int = 0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if capacity_bytes < 1 or ttl_s <= 0 or (slot_bytes is not None
+                                                and not 1 <= slot_bytes <= capacity_bytes):
+            raise ValueError("a KV store needs capacity_bytes >= 1, ttl_s > 0 and "
+                             "1 <= slot_bytes <= capacity_bytes")
+        arena_bytes = capacity_bytes - capacity_bytes % (slot_bytes or 1)
+        _check_room(arena_bytes)
+        self.arena_name = "cpkv_" + secrets.token_hex(8)
+        self._arena = SharedMemory(self.arena_name, create=True, size=arena_bytes)
+        self._finalizer = weakref.finalize(self, _release_arena, self._arena)
+        try:
+            self._control = _ControlServer((host, port), _Handler)
+        except OSError:
+            self._finalizer()
+            raise
+        self.index = SlotIndex(arena_bytes, ttl_s, slot_bytes, clock)
+        control = self._control
+        control.index, control.arena_name = self.index, self.arena_name  # type: ignore[attr-defined]
+        control.lock, control.connections = threading.Lock(), set()  # type: ignore[attr-defined]
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        host, port = self._control.server_address[:2]
+        return f"shm://{host}:{port}/{self.arena_name}"
+
+    @property
+    def stats(self) -> StoreStats:
+        """The index's counters: puts, lookups, evicted, expired, refused."""
+        return self.index.stats
+
+    def start(self) -> ShmStoreServer:
+        """Serve on a background thread."""
+        self._thread = threading.Thread(target=self._control.serve_forever,
+                                        name="carpool-kv-shm", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop serving, drop every connection (clients see the store gone
+        at their next call) and unlink the arena. Idempotent."""
+        if self._thread is not None:
+            self._control.shutdown()
+            self._thread = None
+        self._control.server_close()
+        control = self._control
+        with control.lock:  # type: ignore[attr-defined]
+            for connection in control.connections:  # type: ignore[attr-defined]
+                try:
+                    connection.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+            control.connections.clear()  # type: ignore[attr-defined]
+        self._finalizer()
+
+    def __enter__(self) -> ShmStoreServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _check_room(arena_bytes: int) -> None:
+    """Refuse an arena /dev/shm cannot hold: pages past its size would
+    kill the writer with SIGBUS on first touch, not fail cleanly."""
+    if not os.path.isdir("/dev/shm"):
+        return
+    info = os.statvfs("/dev/shm")
+    free = info.f_bavail * info.f_frsize
+    if arena_bytes > free:
+        raise ValueError(f"a shared-memory KV store of {arena_bytes} bytes does not fit in "
+                         f"/dev/shm ({free} bytes free): lower its capacity or grow /dev/shm "
+                         f"(docker: --shm-size)")
+
+
+# -- the client ----------------------------------------------------------------------
+
+
+def _attach(name: str) -> SharedMemory:
+    """Map the arena without adopting it: before Python 3.13 attaching
+    registers it with this process's resource tracker, which would unlink
+    the fleet's arena when this replica exits."""
+    if sys.version_info >= (3, 13):
+        return SharedMemory(name, track=False)
+    arena = SharedMemory(name)
+    resource_tracker.unregister(arena._name, "shared_memory")  # noqa: SLF001
+    return arena
+
+
+class _Channel:
+    """One control connection, made on first use (and after a failure);
+    its users hold ``lock`` for a whole exchange."""
+
+    def __init__(self, address: tuple[str, int], arena: str, timeout_s: float) -> None:
+        self.address, self.arena, self.timeout_s = address, arena, timeout_s
+        self.sock: socket.socket | None = None
+        self.lock = threading.Lock()
+
+    def connect(self) -> None:
+        if self.sock is None:
+            self.sock = socket.create_connection(self.address, timeout=self.timeout_s)
+            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            hello = self.call(ShmCall("hello"))
+            if hello.arena != self.arena:
+                raise ConnectionError(f"the store serves arena {hello.arena!r}, "
+                                      f"not {self.arena!r}")
+
+    def call(self, call: ShmCall, answered: bool = True) -> ShmReply:
+        self.connect()
+        _send(self.sock, _encode(call))
+        if not answered:
+            return ShmReply()
+        body = _receive(self.sock)
+        if body is None:
+            raise ConnectionError("the store closed the connection")
+        return _decode_reply(body)
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+
+
+class ShmStore:
+    """A ``KVStore`` client of a ``ShmStoreServer`` at ``shm://HOST:PORT/ARENA``;
+    thread safe. Two connections: writes and reads (and the arena copies)
+    go one at a time on the first, lookups on the second, so the engine
+    thread's ``count_prefix`` never waits behind a copy. ``timeout_s``
+    bounds each socket wait; a store gone or timing out raises
+    ``KVStoreUnavailable`` and the next call connects again."""
+
+    def __init__(self, url: str, timeout_s: float = 0.5) -> None:
+        host, port, self.arena_name = parse_shm_url(url)
+        self.stats = StoreStats(extra={"refused": 0})
+        self._data = _Channel((host, port), self.arena_name, timeout_s)
+        self._lookup = _Channel((host, port), self.arena_name, timeout_s)
+        self._arena: SharedMemory | None = None  # guarded by self._data.lock
+
+    def _call(self, channel: _Channel, call: ShmCall, answered: bool = True) -> ShmReply:
+        try:
+            if channel is self._data and self._arena is None:
+                channel.connect()
+                self._arena = _attach(self.arena_name)
+            reply = channel.call(call, answered)
+        except (OSError, ValueError) as error:  # timeouts, refusals, garbage replies
+            self._drop(channel)
+            self.stats.errors += 1
+            raise KVStoreUnavailable(f"kv store {self._data.address}: {error}") from error
+        if reply.error:
+            raise ValueError(f"kv store refused the call: {reply.error}")
+        if call.op in ("reserve", "get") and len(reply.offsets) != len(call.keys):
+            self._drop(channel)
+            raise KVStoreUnavailable("kv store: a reply of the wrong length")
+        return reply
+
+    def _drop(self, channel: _Channel) -> None:
+        channel.close()
+        if channel is self._data and self._arena is not None:
+            self._arena.close()
+            self._arena = None
+
+    def _span(self, offset: int, length: int) -> memoryview:
+        """The arena's bytes [offset, offset + length), checked."""
+        if offset < 0 or offset + length > self._arena.size:
+            self._drop(self._data)
+            raise KVStoreUnavailable(f"kv store: a span [{offset}, +{length}) outside the arena")
+        return self._arena.buf[offset:offset + length]
+
+    def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> None:
+        items = list(items)
+        for start in range(0, len(items), MAX_KEYS_PER_CALL):
+            self._put_chunk(items[start:start + MAX_KEYS_PER_CALL])
+
+    def _put_chunk(self, items: list[tuple[bytes, bytes]]) -> None:
+        keys = [key for key, _ in items]
+        _check_keys(keys)
+        with self._data.lock:
+            reply = self._call(self._data, ShmCall("reserve", keys, [len(p) for _, p in items]))
+            placed = [(key, payload, offset)
+                      for (key, payload), offset in zip(items, reply.offsets) if offset >= 0]
+            for _, payload, offset in placed:
+                with self._span(offset, len(payload)) as view:
+                    view[:] = payload
+            if placed:  # unplaced on a failure: the server frees them with the connection
+                self._call(self._data, ShmCall("commit", [key for key, _, _ in placed]))
+        self.stats.put([(key, payload) for key, payload, _ in placed])
+        self.stats.extra["refused"] += len(items) - len(placed)
+
+    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        found: list[bytes | None] = []
+        for start in range(0, len(keys), MAX_KEYS_PER_CALL):
+            found += self._get_chunk(list(keys[start:start + MAX_KEYS_PER_CALL]))
+        self.stats.got(found)
+        return found
+
+    def _get_chunk(self, keys: list[bytes]) -> list[bytes | None]:
+        _check_keys(keys)
+        with self._data.lock:
+            reply = self._call(self._data, ShmCall("get", keys))
+            pinned = [offset for offset in reply.offsets if offset >= 0]
+            found: list[bytes | None] = []
+            for offset, length in zip(reply.offsets, reply.lengths):
+                if offset < 0:
+                    found.append(None)
+                    continue
+                with self._span(offset, length) as view:
+                    found.append(bytes(view))
+            if pinned:
+                try:
+                    self._call(self._data, ShmCall("release", offsets=pinned), answered=False)
+                except KVStoreUnavailable:
+                    pass  # the copies are done; the pins went with the connection
+        return found
+
+    def count_prefix(self, keys: Sequence[bytes]) -> int:
+        count = 0
+        for start in range(0, len(keys), MAX_KEYS_PER_CALL):
+            chunk = list(keys[start:start + MAX_KEYS_PER_CALL])
+            _check_keys(chunk)
+            with self._lookup.lock:
+                held = self._call(self._lookup, ShmCall("count", chunk)).count
+            count += held
+            if held < len(chunk):
+                break
+        self.stats.looked_up(len(keys), count)
+        return count
+
+    def close(self) -> None:
+        with self._data.lock:
+            self._drop(self._data)
+        with self._lookup.lock:
+            self._drop(self._lookup)
