@@ -46,7 +46,9 @@
 # two-router); two-round-robin-store and two-router-store are the same
 # two-replica fleets with a shared KV store (`--kv-store local`: the API
 # process serves it), served for real only (the simulator's KV tier is
-# not priced from this machine's transfers yet).
+# not priced from this machine's transfers yet). pd-1-1 is P/D serving:
+# one prefill and one decode replica of one thread each (`--prefill 1
+# --decode 1`, the prompt's KV streamed through the front's store), real only.
 #
 #   scripts/fleet_compare.sh                          # ~25 min on 2 cores, alone
 #   COUNT=12 GRID=smoke OUT=/tmp/fc scripts/fleet_compare.sh   # a smoke run
@@ -166,7 +168,8 @@ simulate() {  # $1: dir, $2: cost model, $3: result name, $4: replicas, $5: rout
 run_case() {  # $1: name, $2: replicas, $3: routing, $4: threads, $5: cost model, $6: store?
   local name=$1 replicas=$2 routing=$3 threads=$4 cost=$5 store=${6:-} dir="$OUT/$1"
   local began=$SECONDS fleet=()
-  if [ "$replicas" -gt 1 ]; then fleet=(--replicas "$replicas" --routing "$routing"); fi
+  if [ "$replicas" = pd ]; then fleet=(--prefill 1 --decode 1)
+  elif [ "$replicas" -gt 1 ]; then fleet=(--replicas "$replicas" --routing "$routing"); fi
   if [ -n "$store" ]; then fleet+=(--kv-store local); fi
   mkdir -p "$dir"
   serve "$dir" "$threads" "${fleet[@]}"
@@ -225,9 +228,10 @@ for name in "${CASES[@]}"; do
     one-replica) threads=$THREADS; replicas=1; routing=round-robin; store="" ;;
     two-round-robin*) threads=$HALF; replicas=2; routing=round-robin ;;
     two-router*) threads=$HALF; replicas=2; routing=predicted-ttft ;;
+    pd-1-1) threads=$HALF; replicas=pd; routing=predicted-ttft ;;
     *) echo "unknown case $name" >&2; exit 2 ;;
   esac
-  case "$name" in *-store) store=1 ;; *) store="" ;; esac
+  case "$name" in *-store|pd-*) store=1 ;; *) store="" ;; esac  # real only
   if [ -z "$store" ] && [[ " $measured " != *" $threads "* ]]; then
     measure "$threads"; measured="$measured $threads"
   fi

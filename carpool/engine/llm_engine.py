@@ -117,7 +117,7 @@ class LLMEngine:
 
     @classmethod
     def from_config(cls, config: EngineConfig, kernels_in_background: bool = False,
-                    ) -> "LLMEngine":
+                    kv_store=None) -> "LLMEngine":
         """Load the model named in ``config`` (the default model if none).
 
         A GGUF file is converted to the dtype the model will run in; the
@@ -126,7 +126,9 @@ class LLMEngine:
         yet, start at once on the portable path while they compile, and
         switch to them when built (``carpool.model.cpu_kernels``): what a
         server wants; benchmarks and tests keep the default (one path from
-        the first step).
+        the first step). ``kv_store``: a ``KVStore`` object for the KV
+        connector instead of the one ``config.cache.kv_store`` names (a
+        backend the engine layer cannot import, e.g. Ray's object store).
         """
         from carpool.executor.torch_executor import TorchExecutor, resolve_device, resolve_dtype
         from carpool.model.loader import load_model
@@ -149,10 +151,10 @@ class LLMEngine:
                                  kernels_in_background=kernels_in_background)
         loaded.weights.clear()
         connector = None
-        if config.cache.kv_store is not None:
+        if config.cache.kv_store is not None or kv_store is not None:
             from carpool.kv_transfer.connector import store_connector
 
-            connector = store_connector(config.cache, executor, loaded.config)
+            connector = store_connector(config.cache, executor, loaded.config, kv_store)
         return cls(config, loaded.tokenizer, loaded.config, executor, max_len,
                    kv_connector=connector)
 

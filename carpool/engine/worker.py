@@ -57,13 +57,15 @@ _PR_SET_PDEATHSIG = 1
 
 
 def build_serving_engine(config, slo_sources: dict[str, str] | None = None, schedule=None,
-                         log_line=None) -> LLMEngine:
+                         log_line=None, kv_store=None) -> LLMEngine:
     """The engine ``carpool serve`` runs: loaded (serving while the CPU
     kernels compile on a first start), its latency targets resolved
-    (``prepare_serving``), following ``schedule`` (a ``ProfileSchedule``)."""
+    (``prepare_serving``), following ``schedule`` (a ``ProfileSchedule``);
+    ``kv_store``: as ``LLMEngine.from_config``'s."""
     from carpool.engine.calibrate import prepare_serving
 
-    engine = prepare_serving(LLMEngine.from_config(config, kernels_in_background=True),
+    engine = prepare_serving(LLMEngine.from_config(config, kernels_in_background=True,
+                                                   kv_store=kv_store),
                              slo_sources, log_line)
     if os.environ.get(FAULT_ENV):
         inject_fault(engine, int(os.environ[FAULT_ENV]))

@@ -311,14 +311,16 @@ class StoreConnector:
                            self.stats.store_errors, error)
 
 
-def store_connector(cache, executor, model_config) -> StoreConnector:
+def store_connector(cache, executor, model_config, store: KVStore | None = None,
+                    ) -> StoreConnector:
     """The connector ``cache`` (a ``CacheConfig`` with ``kv_store`` set)
-    asks for, on ``executor``'s KV tensors."""
+    asks for, on ``executor``'s KV tensors; ``store``: that store instead."""
     from carpool.config import parse_size
     from carpool.kv_transfer import open_store
     from carpool.kv_transfer.blocks import weights_fingerprint
 
-    store = open_store(cache.kv_store, cache.kv_store_ttl, parse_size(cache.kv_store_capacity))
+    if store is None:
+        store = open_store(cache.kv_store, cache.kv_store_ttl, parse_size(cache.kv_store_capacity))
     io = KVBlockIO(executor.kv_caches)
     fingerprint = weights_fingerprint(executor.model, f"{model_config!r} {executor.dtype}")
     return StoreConnector(store, io, fingerprint, parse_size(cache.kv_store_max_inflight),

@@ -1,35 +1,29 @@
-"""A KV store in POSIX shared memory, for the processes of a fleet on one
-machine: the front's ``ShmStoreServer`` and the ``ShmStore`` client each
-replica uses (``KVStore``).
+"""A KV store in POSIX shared memory for the processes of a fleet on one
+machine: the front's ``ShmStoreServer`` and each replica's ``ShmStore``
+(a ``KVStore``), at ``shm://127.0.0.1:PORT/ARENA``.
 
-The server owns an arena (``multiprocessing.shared_memory``, a fresh
-random name) cut into equal slots, and the index (``SlotIndex``: key ->
-slot, length, last use; LRU eviction, TTL from the last use, like
-``MemoryStore``). Clients map the arena and move payload bytes with one
-memcpy each way; only control messages (keys, offsets, lengths) cross the
-control socket on 127.0.0.1, framed as in ``tcp_store`` (4-byte length,
-msgpack structs with explicit schemas, no pickle; frames and key counts
-bounded).
+The server owns an arena (``multiprocessing.shared_memory``, a random
+name) cut into equal slots, and the index (``SlotIndex``: key -> slot,
+length, last use; LRU eviction and a TTL from the last use, as in
+``MemoryStore``). Clients map the arena and copy payloads in and out
+themselves; only keys, offsets and lengths cross the control socket,
+framed as in ``tcp_store`` (4-byte length, msgpack structs, no pickle;
+frames and keys per call bounded).
 
-Slots: one payload per slot. The slot size is ``slot_bytes`` when given,
-else the first payload's length (a model's payloads all have one size:
-header and every layer's K and V of one block). A payload larger than a
-slot, or empty, is refused (counted in ``stats.extra["refused"]``, not
-stored); a smaller one takes a whole slot. Capacity is
-``capacity_bytes // slot_bytes`` slots.
+Slots: the slot size is ``slot_bytes`` when given, else the first
+payload's length (a model's payloads all have one size). A payload larger
+than a slot, or empty, is refused: counted (``stats.extra["refused"]``),
+not stored; a smaller one takes a whole slot. Capacity: ``capacity_bytes
+// slot_bytes`` slots. A put ``reserve``s free slots (evicting for room),
+copies, then ``commit``s: only then can readers see the keys.
 
-Writes: ``reserve`` hands out free slots (evicting least recently used
-blocks for room), the client copies its payloads in, then ``commit`` makes
-them visible; a reserved slot is never visible nor evictable.
-
-Reads are pinned, not left to the payload check: ``get`` pins each found
-slot until the client's ``release`` (a one-way message after its copy, so
-no extra round trip is waited for), and a pinned slot evicted or replaced
-meanwhile is reused only once unpinned. So a reader never sees another
-block's bytes, which matters for any user of the store and saves a
-recompute; the payloads' CRC stays the second line of defence. A
-connection's pins and reservations end with it (a replica that dies
-mid-copy leaks nothing).
+Reads pin, rather than trust the payload check: ``get`` pins each slot it
+answers until the client's one-way ``release`` after its copy (no extra
+round trip waited for); a pinned slot evicted or replaced meanwhile is
+reused only once unpinned. So a reader never gets another block's bytes
+(a contract every store user may rely on, and no recompute), the CRC
+staying a second line of defence. A connection's pins and reservations end
+with it: a replica dying mid-copy leaks no slot.
 """
 from __future__ import annotations
 
@@ -52,24 +46,23 @@ import msgspec
 from carpool.kv_transfer.stores import DEFAULT_TTL_S, KVStoreUnavailable, StoreStats, leading
 from carpool.kv_transfer.tcp_store import _LENGTH, _read_exact, _send
 
-MAX_FRAME_BYTES = 1 << 20  # control messages only: keys, offsets, lengths
+MAX_FRAME_BYTES = 1 << 20  # control messages only
 MAX_KEYS_PER_CALL = 1024  # the client splits longer calls
 MAX_KEY_BYTES = 256
 
 
 class ShmCall(msgspec.Struct, frozen=True):
-    op: str  # hello | reserve | commit | get | release | count
+    op: str  # hello | reserve | commit | get | release (one-way) | count
     keys: list[bytes] = []
     lengths: list[int] = []  # reserve: each payload's length
-    offsets: list[int] = []  # release: the offsets a get pinned
+    offsets: list[int] = []  # release: what a get pinned
 
 
 class ShmReply(msgspec.Struct, frozen=True):
-    offsets: list[int] = []  # reserve, get: byte offset in the arena per key; -1: none
+    offsets: list[int] = []  # reserve, get: each key's offset in the arena; -1: none
     lengths: list[int] = []  # get: each payload's length
-    count: int = 0  # commit: blocks made visible; count: leading keys held
-    arena: str = ""  # hello
-    arena_bytes: int = 0  # hello
+    count: int = 0  # commit: keys made visible; count: leading keys held
+    arena: str = ""  # hello: the arena's name
     error: str = ""
 
 
@@ -105,9 +98,6 @@ def parse_shm_url(url: str) -> tuple[str, int, str]:
     return host.strip("[]"), int(port), arena
 
 
-# -- the index (server side) -------------------------------------------------------
-
-
 @dataclass(slots=True)
 class _Entry:
     slot: int
@@ -117,19 +107,18 @@ class _Entry:
 
 @dataclass
 class Session:
-    """One connection's slots in flight: reserved (key -> slot, length)
-    and pinned (slot -> count); all given back when it ends."""
+    """One connection's slots in flight, given back when it ends."""
 
-    reserved: dict[bytes, tuple[int, int]] = field(default_factory=dict)
-    pinned: dict[int, int] = field(default_factory=dict)
+    reserved: dict[bytes, tuple[int, int]] = field(default_factory=dict)  # key -> slot, length
+    pinned: dict[int, int] = field(default_factory=dict)  # slot -> pins
 
 
 class SlotIndex:
-    """Which slot holds which block. Thread safe. Every slot is in exactly
-    one state: free, reserved by one session, held by one entry, or
-    retired (dropped from the index while pinned: freed at its last
-    release). Only free slots are handed out, so neither a writer nor an
-    eviction ever touches bytes a reader has pinned."""
+    """Which slot holds which block; thread safe. Invariant: each slot is
+    in exactly one state: free, reserved by one session, held by one entry,
+    or retired (its entry dropped while pinned; freed at the last unpin).
+    Only free slots are handed out, so no writer ever touches bytes that a
+    reader has pinned."""
 
     def __init__(self, arena_bytes: int, ttl_s: float, slot_bytes: int | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -139,7 +128,7 @@ class SlotIndex:
         self.stats = StoreStats(extra={"refused": 0})
         self._free: list[int] = []
         self._entries: OrderedDict[bytes, _Entry] = OrderedDict()  # least recently used first
-        self._pins: dict[int, int] = {}  # slot -> readers, over all sessions
+        self._pins: dict[int, int] = {}  # slot -> pins of all sessions
         self._retired: set[int] = set()
         self._lock = threading.Lock()
         if slot_bytes is not None:
@@ -154,8 +143,8 @@ class SlotIndex:
 
     def reserve(self, session: Session, keys: Sequence[bytes],
                 lengths: Sequence[int]) -> list[int]:
-        """A free slot's offset per key (-1: refused: too large, empty, the
-        key already being written by this session, or every slot busy)."""
+        """A free slot's offset per key; -1: refused (too large, empty, the
+        key already being written by this session, every slot busy)."""
         with self._lock:
             self._expire(self.clock())
             offsets = []
@@ -164,9 +153,9 @@ class SlotIndex:
                 if slot is None:
                     self.stats.extra["refused"] += 1
                     offsets.append(-1)
-                    continue
-                session.reserved[key] = (slot, length)
-                offsets.append(slot * self.slot_bytes)
+                else:
+                    session.reserved[key] = (slot, length)
+                    offsets.append(slot * self.slot_bytes)
             return offsets
 
     def _take_slot(self, length: int) -> int | None:
@@ -175,31 +164,30 @@ class SlotIndex:
         if self.slot_bytes is None or not 1 <= length <= self.slot_bytes:
             return None
         while not self._free and self._entries:  # evict for room, oldest use first
-            _, entry = self._entries.popitem(last=False)
-            self._drop_slot(entry.slot)
+            self._drop_slot(self._entries.popitem(last=False)[1].slot)
             self.stats.evicted += 1
         return self._free.pop() if self._free else None
 
     def commit(self, session: Session, keys: Sequence[bytes]) -> int:
-        """Make this session's reserved ``keys`` visible (a key held
-        before now points at its new slot); returns how many."""
+        """Make this session's reserved ``keys`` visible (a key held before
+        moves to its new slot); returns how many."""
         with self._lock:
             now, done = self.clock(), 0
             for key in keys:
                 reserved = session.reserved.pop(key, None)
                 if reserved is None:
-                    continue  # not reserved here (or twice in this call)
+                    continue  # not reserved here
                 old = self._entries.pop(key, None)
                 if old is not None:
                     self._drop_slot(old.slot)
-                self._entries[key] = _Entry(reserved[0], reserved[1], now)
-                self.stats.puts += 1
+                self._entries[key] = _Entry(*reserved, now)
+                self.stats.put([(key, b"")])
                 self.stats.bytes_in += reserved[1]
                 done += 1
             return done
 
     def lookup(self, session: Session, keys: Sequence[bytes]) -> tuple[list[int], list[int]]:
-        """Each key's (offset, length), (-1, 0) when missing; a hit is a use
+        """Each key's (offset, length), (-1, 0) if missing. A hit is a use
         and pins its slot for ``session`` until ``release``."""
         with self._lock:
             now = self.clock()
@@ -207,16 +195,13 @@ class SlotIndex:
             offsets, lengths = [], []
             for key in keys:
                 entry = self._entries.get(key)
-                if entry is None:
-                    offsets.append(-1)
-                    lengths.append(0)
-                    continue
-                entry.used = now
-                self._entries.move_to_end(key)
-                self._pins[entry.slot] = self._pins.get(entry.slot, 0) + 1
-                session.pinned[entry.slot] = session.pinned.get(entry.slot, 0) + 1
-                offsets.append(entry.slot * self.slot_bytes)
-                lengths.append(entry.length)
+                if entry is not None:
+                    entry.used = now
+                    self._entries.move_to_end(key)
+                    self._pins[entry.slot] = self._pins.get(entry.slot, 0) + 1
+                    session.pinned[entry.slot] = session.pinned.get(entry.slot, 0) + 1
+                offsets.append(-1 if entry is None else entry.slot * self.slot_bytes)
+                lengths.append(0 if entry is None else entry.length)
             self.stats.looked_up(len(keys), sum(o >= 0 for o in offsets))
             self.stats.bytes_out += sum(lengths)
             return offsets, lengths
@@ -227,7 +212,8 @@ class SlotIndex:
             for offset in offsets:
                 slot = offset // self.slot_bytes if self.slot_bytes and offset >= 0 else -1
                 if session.pinned.get(slot, 0) > 0:
-                    self._unpin(session, slot)
+                    session.pinned[slot] -= 1
+                    self._unpin(slot, 1)
 
     def count(self, keys: Sequence[bytes]) -> int:
         """How many leading ``keys`` are held (no use counted)."""
@@ -238,18 +224,16 @@ class SlotIndex:
     def end(self, session: Session) -> None:
         """A connection ended: its pins and uncommitted slots go back."""
         with self._lock:
-            for slot, count in list(session.pinned.items()):
-                for _ in range(count):
-                    self._unpin(session, slot)
-            for slot, _ in session.reserved.values():
-                self._free.append(slot)
+            for slot, pins in session.pinned.items():
+                self._unpin(slot, pins)
+            self._free += [slot for slot, _ in session.reserved.values()]
+            session.pinned.clear()
             session.reserved.clear()
 
-    def _unpin(self, session: Session, slot: int) -> None:
-        session.pinned[slot] -= 1
-        if not session.pinned[slot]:
-            del session.pinned[slot]
-        self._pins[slot] -= 1
+    def _unpin(self, slot: int, pins: int) -> None:
+        if not pins:
+            return
+        self._pins[slot] -= pins
         if not self._pins[slot]:
             del self._pins[slot]
             if slot in self._retired:
@@ -257,7 +241,7 @@ class SlotIndex:
                 self._free.append(slot)
 
     def _drop_slot(self, slot: int) -> None:
-        """A slot's entry is gone: free now, or at its last reader's release."""
+        """A slot's entry is gone: free now, or at its last unpin."""
         if slot in self._pins:
             self._retired.add(slot)
         else:
@@ -274,21 +258,21 @@ class SlotIndex:
             self.stats.expired += 1
 
 
-# -- the server ----------------------------------------------------------------------
-
-
 class _Handler(socketserver.BaseRequestHandler):
+    server: ShmStoreServer
+
     def setup(self) -> None:
         self.session = Session()
-        with self.server.lock:  # type: ignore[attr-defined]
-            self.server.connections.add(self.request)  # type: ignore[attr-defined]
+        with self.server.lock:
+            self.server.connections.add(self.request)
 
     def finish(self) -> None:
-        self.server.index.end(self.session)  # type: ignore[attr-defined]
-        with self.server.lock:  # type: ignore[attr-defined]
-            self.server.connections.discard(self.request)  # type: ignore[attr-defined]
+        self.server.index.end(self.session)
+        with self.server.lock:
+            self.server.connections.discard(self.request)
 
     def handle(self) -> None:
+        index = self.server.index
         while True:
             try:
                 body = _receive(self.request)
@@ -299,9 +283,9 @@ class _Handler(socketserver.BaseRequestHandler):
             try:
                 call = _decode_call(body)
                 if call.op == "release":  # one-way: never answered
-                    self.server.index.release(self.session, call.offsets[:MAX_KEYS_PER_CALL])  # type: ignore[attr-defined]
+                    index.release(self.session, call.offsets[:MAX_KEYS_PER_CALL])
                     continue
-                reply = self._serve(call)
+                reply = self._serve(index, call)
             except ValueError as error:  # msgspec's decode and schema errors too
                 reply = ShmReply(error=str(error))
             try:
@@ -309,34 +293,26 @@ class _Handler(socketserver.BaseRequestHandler):
             except OSError:
                 return
 
-    def _serve(self, call: ShmCall) -> ShmReply:
-        server, session = self.server, self.session
-        index: SlotIndex = server.index  # type: ignore[attr-defined]
+    def _serve(self, index: SlotIndex, call: ShmCall) -> ShmReply:
         _check_keys(call.keys)
         if call.op == "hello":
-            return ShmReply(arena=server.arena_name,  # type: ignore[attr-defined]
-                            arena_bytes=index.arena_bytes)
+            return ShmReply(arena=self.server.arena_name)
         if call.op == "reserve":
             if len(call.lengths) != len(call.keys):
                 raise ValueError("a reserve needs one length per key")
-            return ShmReply(offsets=index.reserve(session, call.keys, call.lengths))
+            return ShmReply(offsets=index.reserve(self.session, call.keys, call.lengths))
         if call.op == "commit":
-            return ShmReply(count=index.commit(session, call.keys))
+            return ShmReply(count=index.commit(self.session, call.keys))
         if call.op == "get":
-            offsets, lengths = index.lookup(session, call.keys)
+            offsets, lengths = index.lookup(self.session, call.keys)
             return ShmReply(offsets=offsets, lengths=lengths)
         if call.op == "count":
             return ShmReply(count=index.count(call.keys))
         raise ValueError(f"unknown op {call.op!r}")
 
 
-class _ControlServer(socketserver.ThreadingTCPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-
-
 def _release_arena(arena: SharedMemory) -> None:
-    """Close and unlink (the server's ``stop``, or interpreter exit)."""
+    """Close and unlink the arena (``stop``, or interpreter exit)."""
     try:
         arena.close()
     except BufferError:
@@ -347,38 +323,35 @@ def _release_arena(arena: SharedMemory) -> None:
         pass
 
 
-class ShmStoreServer:
-    """The arena and its index, served on ``host:port`` (port 0: any free
-    one) to ``ShmStore`` clients at ``url``. ``stop`` (or interpreter
-    exit) unlinks the arena. ``clock``: the index's, for tests."""
+class ShmStoreServer(socketserver.ThreadingTCPServer):
+    """The arena (``capacity_bytes``, rounded down to whole slots) and its
+    index, served on ``host:port`` (port 0: any free one) to ``ShmStore``
+    clients at ``url``. ``stop`` (or interpreter exit) unlinks the arena.
+    ``clock``: the index's, for tests."""
+
+    daemon_threads = True
+    allow_reuse_address = True
 
     def __init__(self, capacity_bytes: int, ttl_s: float = DEFAULT_TTL_S,
                  slot_bytes: int | None = None, host: str = "127.0.0.1", port: int = 0,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        if capacity_bytes < 1 or ttl_s <= 0 or (slot_bytes is not None
-                                                and not 1 <= slot_bytes <= capacity_bytes):
+        if capacity_bytes < 1 or ttl_s <= 0 or not 1 <= (slot_bytes or 1) <= capacity_bytes:
             raise ValueError("a KV store needs capacity_bytes >= 1, ttl_s > 0 and "
                              "1 <= slot_bytes <= capacity_bytes")
         arena_bytes = capacity_bytes - capacity_bytes % (slot_bytes or 1)
         _check_room(arena_bytes)
+        super().__init__((host, port), _Handler)  # binds first: nothing to undo if it fails
         self.arena_name = "cpkv_" + secrets.token_hex(8)
-        self._arena = SharedMemory(self.arena_name, create=True, size=arena_bytes)
-        self._finalizer = weakref.finalize(self, _release_arena, self._arena)
-        try:
-            self._control = _ControlServer((host, port), _Handler)
-        except OSError:
-            self._finalizer()
-            raise
+        self.arena = SharedMemory(self.arena_name, create=True, size=arena_bytes)
+        self._finalizer = weakref.finalize(self, _release_arena, self.arena)
         self.index = SlotIndex(arena_bytes, ttl_s, slot_bytes, clock)
-        control = self._control
-        control.index, control.arena_name = self.index, self.arena_name  # type: ignore[attr-defined]
-        control.lock, control.connections = threading.Lock(), set()  # type: ignore[attr-defined]
+        self.lock = threading.Lock()
+        self.connections: set[socket.socket] = set()
         self._thread: threading.Thread | None = None
 
     @property
     def url(self) -> str:
-        host, port = self._control.server_address[:2]
-        return f"shm://{host}:{port}/{self.arena_name}"
+        return "shm://%s:%d/%s" % (*self.server_address[:2], self.arena_name)
 
     @property
     def stats(self) -> StoreStats:
@@ -387,8 +360,8 @@ class ShmStoreServer:
 
     def start(self) -> ShmStoreServer:
         """Serve on a background thread."""
-        self._thread = threading.Thread(target=self._control.serve_forever,
-                                        name="carpool-kv-shm", daemon=True)
+        self._thread = threading.Thread(target=self.serve_forever, name="carpool-kv-shm",
+                                        daemon=True)
         self._thread.start()
         return self
 
@@ -396,73 +369,56 @@ class ShmStoreServer:
         """Stop serving, drop every connection (clients see the store gone
         at their next call) and unlink the arena. Idempotent."""
         if self._thread is not None:
-            self._control.shutdown()
+            self.shutdown()
             self._thread = None
-        self._control.server_close()
-        control = self._control
-        with control.lock:  # type: ignore[attr-defined]
-            for connection in control.connections:  # type: ignore[attr-defined]
+        self.server_close()
+        with self.lock:
+            for connection in self.connections:
                 try:
                     connection.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
-            control.connections.clear()  # type: ignore[attr-defined]
+            self.connections.clear()
         self._finalizer()
-
-    def __enter__(self) -> ShmStoreServer:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
 
 def _check_room(arena_bytes: int) -> None:
-    """Refuse an arena /dev/shm cannot hold: pages past its size would
-    kill the writer with SIGBUS on first touch, not fail cleanly."""
-    if not os.path.isdir("/dev/shm"):
-        return
-    info = os.statvfs("/dev/shm")
-    free = info.f_bavail * info.f_frsize
-    if arena_bytes > free:
-        raise ValueError(f"a shared-memory KV store of {arena_bytes} bytes does not fit in "
-                         f"/dev/shm ({free} bytes free): lower its capacity or grow /dev/shm "
-                         f"(docker: --shm-size)")
-
-
-# -- the client ----------------------------------------------------------------------
+    """Refuse an arena /dev/shm cannot hold: pages past its room would kill
+    a writer with SIGBUS at first touch instead of failing here."""
+    if os.path.isdir("/dev/shm"):
+        info = os.statvfs("/dev/shm")
+        if arena_bytes > info.f_bavail * info.f_frsize:
+            raise ValueError(f"a shared-memory KV store of {arena_bytes} bytes does not fit in "
+                             f"/dev/shm ({info.f_bavail * info.f_frsize} bytes free): lower "
+                             f"its capacity or grow /dev/shm (docker: --shm-size)")
 
 
 def _attach(name: str) -> SharedMemory:
-    """Map the arena without adopting it: before Python 3.13 attaching
+    """Map the arena without adopting it: before Python 3.13, attaching
     registers it with this process's resource tracker, which would unlink
     the fleet's arena when this replica exits."""
     if sys.version_info >= (3, 13):
         return SharedMemory(name, track=False)
     arena = SharedMemory(name)
-    resource_tracker.unregister(arena._name, "shared_memory")  # noqa: SLF001
+    resource_tracker.unregister(arena._name, "shared_memory")
     return arena
 
 
 class _Channel:
-    """One control connection, made on first use (and after a failure);
-    its users hold ``lock`` for a whole exchange."""
+    """One control connection, made on first use and after a failure; its
+    users hold ``lock`` for a whole exchange."""
 
     def __init__(self, address: tuple[str, int], arena: str, timeout_s: float) -> None:
         self.address, self.arena, self.timeout_s = address, arena, timeout_s
         self.sock: socket.socket | None = None
         self.lock = threading.Lock()
 
-    def connect(self) -> None:
+    def call(self, call: ShmCall, answered: bool = True) -> ShmReply:
         if self.sock is None:
             self.sock = socket.create_connection(self.address, timeout=self.timeout_s)
             self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            hello = self.call(ShmCall("hello"))
-            if hello.arena != self.arena:
-                raise ConnectionError(f"the store serves arena {hello.arena!r}, "
-                                      f"not {self.arena!r}")
-
-    def call(self, call: ShmCall, answered: bool = True) -> ShmReply:
-        self.connect()
+            if self.call(ShmCall("hello")).arena != self.arena:
+                raise ConnectionError(f"the store there does not serve arena {self.arena!r}")
         _send(self.sock, _encode(call))
         if not answered:
             return ShmReply()
@@ -479,34 +435,32 @@ class _Channel:
 
 class ShmStore:
     """A ``KVStore`` client of a ``ShmStoreServer`` at ``shm://HOST:PORT/ARENA``;
-    thread safe. Two connections: writes and reads (and the arena copies)
-    go one at a time on the first, lookups on the second, so the engine
-    thread's ``count_prefix`` never waits behind a copy. ``timeout_s``
-    bounds each socket wait; a store gone or timing out raises
-    ``KVStoreUnavailable`` and the next call connects again."""
+    thread safe. Puts and gets (with their copies) go one at a time on one
+    connection, lookups on another: the engine thread's ``count_prefix``
+    never waits behind a copy. ``timeout_s`` bounds each socket wait; a
+    store gone, timing out or without its arena raises
+    ``KVStoreUnavailable``, and the next call connects again."""
 
     def __init__(self, url: str, timeout_s: float = 0.5) -> None:
         host, port, self.arena_name = parse_shm_url(url)
         self.stats = StoreStats(extra={"refused": 0})
         self._data = _Channel((host, port), self.arena_name, timeout_s)
         self._lookup = _Channel((host, port), self.arena_name, timeout_s)
-        self._arena: SharedMemory | None = None  # guarded by self._data.lock
+        self._arena: SharedMemory | None = None  # with the data channel, under its lock
 
     def _call(self, channel: _Channel, call: ShmCall, answered: bool = True) -> ShmReply:
         try:
-            if channel is self._data and self._arena is None:
-                channel.connect()
-                self._arena = _attach(self.arena_name)
             reply = channel.call(call, answered)
-        except (OSError, ValueError) as error:  # timeouts, refusals, garbage replies
+            if channel is self._data and self._arena is None:
+                self._arena = _attach(self.arena_name)
+            if len(reply.offsets) != (len(call.keys) if call.op in ("reserve", "get") else 0):
+                raise ValueError("a reply of the wrong length")
+        except (OSError, ValueError) as error:  # timeouts, a missing arena, garbage replies
             self._drop(channel)
             self.stats.errors += 1
-            raise KVStoreUnavailable(f"kv store {self._data.address}: {error}") from error
+            raise KVStoreUnavailable(f"kv store {channel.address}: {error}") from error
         if reply.error:
             raise ValueError(f"kv store refused the call: {reply.error}")
-        if call.op in ("reserve", "get") and len(reply.offsets) != len(call.keys):
-            self._drop(channel)
-            raise KVStoreUnavailable("kv store: a reply of the wrong length")
         return reply
 
     def _drop(self, channel: _Channel) -> None:
@@ -519,28 +473,27 @@ class ShmStore:
         """The arena's bytes [offset, offset + length), checked."""
         if offset < 0 or offset + length > self._arena.size:
             self._drop(self._data)
-            raise KVStoreUnavailable(f"kv store: a span [{offset}, +{length}) outside the arena")
+            raise KVStoreUnavailable(f"kv store: [{offset}, +{length}) is outside the arena")
         return self._arena.buf[offset:offset + length]
 
     def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> None:
         items = list(items)
         for start in range(0, len(items), MAX_KEYS_PER_CALL):
-            self._put_chunk(items[start:start + MAX_KEYS_PER_CALL])
-
-    def _put_chunk(self, items: list[tuple[bytes, bytes]]) -> None:
-        keys = [key for key, _ in items]
-        _check_keys(keys)
-        with self._data.lock:
-            reply = self._call(self._data, ShmCall("reserve", keys, [len(p) for _, p in items]))
-            placed = [(key, payload, offset)
-                      for (key, payload), offset in zip(items, reply.offsets) if offset >= 0]
-            for _, payload, offset in placed:
-                with self._span(offset, len(payload)) as view:
-                    view[:] = payload
-            if placed:  # unplaced on a failure: the server frees them with the connection
-                self._call(self._data, ShmCall("commit", [key for key, _, _ in placed]))
-        self.stats.put([(key, payload) for key, payload, _ in placed])
-        self.stats.extra["refused"] += len(items) - len(placed)
+            chunk = items[start:start + MAX_KEYS_PER_CALL]
+            keys = [key for key, _ in chunk]
+            _check_keys(keys)
+            with self._data.lock:
+                offsets = self._call(self._data, ShmCall(
+                    "reserve", keys, [len(payload) for _, payload in chunk])).offsets
+                placed = [(key, payload, offset)
+                          for (key, payload), offset in zip(chunk, offsets) if offset >= 0]
+                for _, payload, offset in placed:
+                    with self._span(offset, len(payload)) as view:
+                        view[:] = payload
+                if placed:  # on a failure before, the server frees them with the connection
+                    self._call(self._data, ShmCall("commit", [key for key, _, _ in placed]))
+            self.stats.put([(key, payload) for key, payload, _ in placed])
+            self.stats.extra["refused"] += len(chunk) - len(placed)
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         found: list[bytes | None] = []
@@ -551,21 +504,24 @@ class ShmStore:
 
     def _get_chunk(self, keys: list[bytes]) -> list[bytes | None]:
         _check_keys(keys)
+        found: list[bytes | None] = []
         with self._data.lock:
             reply = self._call(self._data, ShmCall("get", keys))
-            pinned = [offset for offset in reply.offsets if offset >= 0]
-            found: list[bytes | None] = []
+            if len(reply.lengths) != len(keys):
+                self._drop(self._data)
+                raise KVStoreUnavailable("kv store: a reply of the wrong length")
             for offset, length in zip(reply.offsets, reply.lengths):
                 if offset < 0:
                     found.append(None)
                     continue
                 with self._span(offset, length) as view:
                     found.append(bytes(view))
+            pinned = [offset for offset in reply.offsets if offset >= 0]
             if pinned:
                 try:
                     self._call(self._data, ShmCall("release", offsets=pinned), answered=False)
                 except KVStoreUnavailable:
-                    pass  # the copies are done; the pins went with the connection
+                    pass  # the copies are done; the pins ended with the connection
         return found
 
     def count_prefix(self, keys: Sequence[bytes]) -> int:
@@ -582,7 +538,6 @@ class ShmStore:
         return count
 
     def close(self) -> None:
-        with self._data.lock:
-            self._drop(self._data)
-        with self._lookup.lock:
-            self._drop(self._lookup)
+        for channel in (self._data, self._lookup):
+            with channel.lock:
+                self._drop(channel)
