@@ -220,7 +220,7 @@ def _routing(engine) -> dict:
     pools = getattr(engine, "pools", None)
     if pools is not None:
         return {"pd": {"handoffs": engine.handoffs, "colocated": engine.colocated,
-                       **{name: _routing(pool)["routing"]
+                       **{name: _routing(pool).get("routing", {})
                           for name, pool in zip(("prefill", "decode"), pools)}}}
     router = getattr(engine, "router", None)
     if router is None:
