@@ -205,6 +205,7 @@ run_case() {  # $1: name, $2: replicas, $3: routing, $4: threads, $5: cost model
   # over from one window of the trace to another).
   carpool measure --from "$URL" --out "$dir/cost-model-insample.json" \
     >"$dir/measure-insample.txt" 2>&1 || true
+  curl -sf "$URL/metrics" >"$dir/metrics.txt" || true  # KV store and handoff counters
   stop_server
   if [ -n "$store" ]; then echo "   $name: real in $((SECONDS - began)) s"; return 0; fi
   simulate "$dir" "$cost" sim "$replicas" "$routing" "simulated: $name"

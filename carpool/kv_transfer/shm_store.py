@@ -1,29 +1,26 @@
 """A KV store in POSIX shared memory for the processes of a fleet on one
 machine: the front's ``ShmStoreServer`` and each replica's ``ShmStore``
-(a ``KVStore``), at ``shm://127.0.0.1:PORT/ARENA``.
+(a ``KVStore``) at ``shm://127.0.0.1:PORT/ARENA``.
 
-The server owns an arena (``multiprocessing.shared_memory``, a random
-name) cut into equal slots, and the index (``SlotIndex``: key -> slot,
-length, last use; LRU eviction and a TTL from the last use, as in
-``MemoryStore``). Clients map the arena and copy payloads in and out
-themselves; only keys, offsets and lengths cross the control socket,
-framed as in ``tcp_store`` (4-byte length, msgpack structs, no pickle;
-frames and keys per call bounded).
+The server owns an arena (``multiprocessing.shared_memory``, random name)
+cut into equal slots, and the index (``SlotIndex``: key -> slot, length,
+last use; LRU eviction, TTL from the last use, as ``MemoryStore``).
+Clients map the arena and copy payloads themselves; only keys, offsets and
+lengths cross the control socket, framed as ``tcp_store`` does (4-byte
+length, msgpack structs, no pickle; frames and keys per call bounded).
 
-Slots: the slot size is ``slot_bytes`` when given, else the first
-payload's length (a model's payloads all have one size). A payload larger
-than a slot, or empty, is refused: counted (``stats.extra["refused"]``),
-not stored; a smaller one takes a whole slot. Capacity: ``capacity_bytes
-// slot_bytes`` slots. A put ``reserve``s free slots (evicting for room),
-copies, then ``commit``s: only then can readers see the keys.
+Slots: ``slot_bytes`` when given, else the first payload's length (a
+model's payloads all have one size). A payload larger than a slot, or
+empty, is refused: counted (``stats.extra["refused"]``), not stored; a
+smaller one takes a whole slot. A put ``reserve``s free slots (evicting
+for room), copies, then ``commit``s: only then do readers see the keys.
 
-Reads pin, rather than trust the payload check: ``get`` pins each slot it
-answers until the client's one-way ``release`` after its copy (no extra
-round trip waited for); a pinned slot evicted or replaced meanwhile is
-reused only once unpinned. So a reader never gets another block's bytes
-(a contract every store user may rely on, and no recompute), the CRC
-staying a second line of defence. A connection's pins and reservations end
-with it: a replica dying mid-copy leaks no slot.
+Reads pin rather than trust the payload check: a ``get`` pins its slots
+until the client's one-way ``release`` after its copy (no round trip
+waited for), and a pinned slot evicted or replaced meanwhile is reused only
+once unpinned. So no reader gets another block's bytes (no recompute; the
+CRC stays a second defence). A connection's pins and reservations end with
+it: a replica dying mid-copy leaks no slot.
 """
 from __future__ import annotations
 
@@ -46,9 +43,9 @@ import msgspec
 from carpool.kv_transfer.stores import DEFAULT_TTL_S, KVStoreUnavailable, StoreStats, leading
 from carpool.kv_transfer.tcp_store import _LENGTH, _read_exact, _send
 
-MAX_FRAME_BYTES = 1 << 20  # control messages only
-MAX_KEYS_PER_CALL = 1024  # the client splits longer calls
-MAX_KEY_BYTES = 256
+MAX_KEYS_PER_CALL = 1 << 16  # a million-token prompt's blocks
+MAX_KEY_BYTES = 64  # block_key_bytes: 24
+MAX_FRAME_BYTES = 8 << 20  # control messages only: above any valid call
 
 
 class ShmCall(msgspec.Struct, frozen=True):
@@ -181,7 +178,7 @@ class SlotIndex:
                 if old is not None:
                     self._drop_slot(old.slot)
                 self._entries[key] = _Entry(*reserved, now)
-                self.stats.put([(key, b"")])
+                self.stats.puts += 1
                 self.stats.bytes_in += reserved[1]
                 done += 1
             return done
@@ -213,6 +210,8 @@ class SlotIndex:
                 slot = offset // self.slot_bytes if self.slot_bytes and offset >= 0 else -1
                 if session.pinned.get(slot, 0) > 0:
                     session.pinned[slot] -= 1
+                    if not session.pinned[slot]:
+                        del session.pinned[slot]
                     self._unpin(slot, 1)
 
     def count(self, keys: Sequence[bytes]) -> int:
@@ -231,8 +230,6 @@ class SlotIndex:
             session.reserved.clear()
 
     def _unpin(self, slot: int, pins: int) -> None:
-        if not pins:
-            return
         self._pins[slot] -= pins
         if not self._pins[slot]:
             del self._pins[slot]
@@ -283,7 +280,7 @@ class _Handler(socketserver.BaseRequestHandler):
             try:
                 call = _decode_call(body)
                 if call.op == "release":  # one-way: never answered
-                    index.release(self.session, call.offsets[:MAX_KEYS_PER_CALL])
+                    index.release(self.session, call.offsets)
                     continue
                 reply = self._serve(index, call)
             except ValueError as error:  # msgspec's decode and schema errors too
@@ -342,7 +339,11 @@ class ShmStoreServer(socketserver.ThreadingTCPServer):
         _check_room(arena_bytes)
         super().__init__((host, port), _Handler)  # binds first: nothing to undo if it fails
         self.arena_name = "cpkv_" + secrets.token_hex(8)
-        self.arena = SharedMemory(self.arena_name, create=True, size=arena_bytes)
+        try:
+            self.arena = SharedMemory(self.arena_name, create=True, size=arena_bytes)
+        except OSError:
+            self.server_close()
+            raise
         self._finalizer = weakref.finalize(self, _release_arena, self.arena)
         self.index = SlotIndex(arena_bytes, ttl_s, slot_bytes, clock)
         self.lock = threading.Lock()
@@ -454,6 +455,110 @@ class ShmStore:
             if channel is self._data and self._arena is None:
                 self._arena = _attach(self.arena_name)
             if len(reply.offsets) != (len(call.keys) if call.op in ("reserve", "get") else 0):
+                raise ValueError("a reply of the wrong length")
+            if len(reply.lengths) != (len(call.keys) if call.op == "get" else 0):
+                raise ValueError("a reply of the wrong length")
+        except (OSError, ValueError) as error:  # timeouts, a missing arena, garbage replies
+            self._drop(channel)
+            self.stats.errors += 1
+            raise KVStoreUnavailable(f"kv store {channel.address}: {error}") from error
+        if reply.error:
+            raise ValueError(f"kv store refused the call: {reply.error}")
+        return reply
+
+    def _drop(self, channel: _Channel) -> None:
+        channel.close()
+        if channel is self._data and self._arena is not None:
+            self._arena.close()
+            self._arena = None
+
+    def _span(self, offset: int, length: int) -> memoryview:
+        """The arena's bytes [offset, offset + length), checked."""
+        if offset < 0 or offset + length > self._arena.size:
+            self._drop(self._data)
+            raise KVStoreUnavailable(f"kv store: [{offset}, +{length}) is outside the arena")
+        return self._arena.buf[offset:offset + length]
+
+    def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> None:
+        keys = [key for key, _ in items]
+        _check_keys(keys)
+        if not items:
+            return
+        with self._data.lock:
+            offsets = self._call(self._data, ShmCall(
+                "reserve", keys, [len(payload) for _, payload in items])).offsets
+            placed = [(key, payload, offset)
+                      for (key, payload), offset in zip(items, offsets) if offset >= 0]
+            for _, payload, offset in placed:
+                with self._span(offset, len(payload)) as view:
+                    view[:] = payload
+            if placed:  # on a failure before, the server frees them with the connection
+                self._call(self._data, ShmCall("commit", [key for key, _, _ in placed]))
+        self.stats.put([(key, payload) for key, payload, _ in placed])
+        self.stats.extra["refused"] += len(items) - len(placed)
+
+    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        keys = list(keys)
+        _check_keys(keys)
+        if not keys:
+            return []
+        found: list[bytes | None] = []
+        with self._data.lock:
+            reply = self._call(self._data, ShmCall("get", keys))
+            for offset, length in zip(reply.offsets, reply.lengths):
+                if offset < 0:
+                    found.append(None)
+                    continue
+                with self._span(offset, length) as view:
+                    found.append(bytes(view))
+            pinned = [offset for offset in reply.offsets if offset >= 0]
+            if pinned:
+                try:
+                    self._call(self._data, ShmCall("release", offsets=pinned), answered=False)
+                except KVStoreUnavailable:
+                    pass  # the copies are done; the pins ended with the connection
+        self.stats.got(found)
+        return found
+
+    def count_prefix(self, keys: Sequence[bytes]) -> int:
+        keys = list(keys)
+        _check_keys(keys)
+        if not keys:
+            return 0
+        with self._lookup.lock:
+            count = self._call(self._lookup, ShmCall("count", keys)).count
+        self.stats.looked_up(len(keys), count)
+        return count
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+
+
+class ShmStore:
+    """A ``KVStore`` client of a ``ShmStoreServer`` at ``shm://HOST:PORT/ARENA``;
+    thread safe. Puts and gets (with their copies) go one at a time on one
+    connection, lookups on another: the engine thread's ``count_prefix``
+    never waits behind a copy. ``timeout_s`` bounds each socket wait; a
+    store gone, timing out or without its arena raises
+    ``KVStoreUnavailable``, and the next call connects again."""
+
+    def __init__(self, url: str, timeout_s: float = 0.5) -> None:
+        host, port, self.arena_name = parse_shm_url(url)
+        self.stats = StoreStats(extra={"refused": 0})
+        self._data = _Channel((host, port), self.arena_name, timeout_s)
+        self._lookup = _Channel((host, port), self.arena_name, timeout_s)
+        self._arena: SharedMemory | None = None  # with the data channel, under its lock
+
+    def _call(self, channel: _Channel, call: ShmCall, answered: bool = True) -> ShmReply:
+        try:
+            reply = channel.call(call, answered)
+            if channel is self._data and self._arena is None:
+                self._arena = _attach(self.arena_name)
+            if len(reply.offsets) != (len(call.keys) if call.op in ("reserve", "get") else 0):
+                raise ValueError("a reply of the wrong length")
+            if len(reply.lengths) != (len(call.keys) if call.op == "get" else 0):
                 raise ValueError("a reply of the wrong length")
         except (OSError, ValueError) as error:  # timeouts, a missing arena, garbage replies
             self._drop(channel)
