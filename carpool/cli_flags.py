@@ -98,8 +98,9 @@ ENGINE_FLAGS: list[Flag] = [
     _f("--num-blocks", "num_blocks", int, "N", "KV pool size in blocks (overrides "
        "--kv-cache-memory and --gpu-memory-utilization)"),
     _f("--kv-store", "kv_store", str, "URL",
-       "a shared KV store for prompt blocks: local (with --replicas: one the API process "
-       "serves its replicas) | memory | tcp://HOST:PORT | redis://HOST:PORT[/DB] "
+       "a shared KV store for prompt blocks: local (with --replicas or --prefill/--decode: a "
+       "TCP store the API process serves its replicas) | shm (the same in shared memory) | "
+       "memory | tcp://HOST:PORT | shm://HOST:PORT/ARENA | redis://HOST:PORT[/DB] "
        "(default: none)"),
     _f("--kv-store-ttl", "kv_store_ttl", float, "SECONDS",
        "seconds a stored block stays after its last use"),

@@ -70,8 +70,9 @@ class CacheConfig:
     # A shared KV store (carpool/kv_transfer): full prompt blocks are written
     # through, and on a local prefix miss the blocks it holds are loaded
     # instead of computed. local (a fleet's front serves one to its
-    # replicas; one replica: memory) | memory (this process) |
-    # tcp://HOST:PORT | redis://HOST:PORT[/DB]; None: off. Replicas share blocks only with
+    # replicas over TCP on 127.0.0.1; one replica: memory) | shm (the same
+    # in shared memory: only keys cross the socket) | memory (this process)
+    # | tcp://HOST:PORT | shm://HOST:PORT/ARENA | redis://HOST:PORT[/DB]; None: off. Replicas share blocks only with
     # one block_hash_key (a fleet's).
     kv_store: str | None = None
     kv_store_ttl: float = 1800.0  # seconds a block stays after its last use
@@ -121,10 +122,11 @@ class CacheConfig:
         if not self.kv_store_ttl > 0:
             raise ValueError(f"kv_store_ttl must be > 0 seconds, got {self.kv_store_ttl}")
         if self.kv_store is not None and not (
-                self.kv_store in ("memory", "local") or self.kv_store.startswith(
-                    ("tcp://", "redis://", "rediss://", "unix://"))):
-            raise ValueError(f"kv_store must be local, memory, tcp://HOST:PORT or "
-                             f"redis://HOST:PORT[/DB], got {self.kv_store!r}")
+                self.kv_store in ("memory", "local", "shm") or self.kv_store.startswith(
+                    ("tcp://", "shm://", "redis://", "rediss://", "unix://"))):
+            raise ValueError(f"kv_store must be local, shm, memory, tcp://HOST:PORT, "
+                             f"shm://HOST:PORT/ARENA or redis://HOST:PORT[/DB], got "
+                             f"{self.kv_store!r}")
         self.block_hash_secret()  # raises on a malformed key (the value is dropped)
 
 

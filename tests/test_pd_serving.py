@@ -17,6 +17,7 @@ import threading
 import time
 
 import openai
+import pytest
 from server_utils import ServerProcess
 
 # Distinct from their first token on: no prompt finds another's blocks cached.
@@ -70,12 +71,13 @@ def _nothing_held(http) -> None:
         time.sleep(0.2)
 
 
+@pytest.mark.parametrize("store", ["local", "shm"])  # the front's TCP or shared-memory store
 def test_pd_serving_says_what_colocated_serving_says_and_streams_the_first_token_at_once(
-        tiny_model_dir):
+        tiny_model_dir, store):
     with _serve(str(tiny_model_dir)) as colocated:
         expected = _answers(colocated, PROMPTS)
-    with _serve(str(tiny_model_dir), "--prefill", "1", "--decode", "1") as server, \
-            server.client() as http:
+    with _serve(str(tiny_model_dir), "--prefill", "1", "--decode", "1", "--kv-store",
+                store) as server, server.client() as http:
         assert len(server.engine_workers()) == 2
         assert _answers(server, PROMPTS) == expected
         pd = _pd(http)

@@ -7,10 +7,15 @@ from carpool.kv_transfer.stores import DEFAULT_TTL_S, KVStore, MemoryStore, Redi
 
 
 def open_store(url: str, ttl_s: float = DEFAULT_TTL_S, capacity_bytes: int = 1 << 30) -> KVStore:
-    """``memory`` or ``local`` (in this process), ``tcp://HOST:PORT`` (a ``TcpStoreServer``,
-    e.g. ``carpool kv-store``) or ``redis://HOST:PORT[/DB]``."""
-    if url in ("memory", "local"):  # local: a fleet's front serves it (one replica: here)
-        return MemoryStore(capacity_bytes, ttl_s)
+    """``memory``, ``local`` or ``shm`` (in this process), ``tcp://HOST:PORT`` (a
+    ``TcpStoreServer``, e.g. ``carpool kv-store``), ``shm://HOST:PORT/ARENA`` (a
+    ``ShmStoreServer``: the processes of one machine) or ``redis://HOST:PORT[/DB]``."""
+    if url in ("memory", "local", "shm"):  # local, shm: a fleet's front serves it (one
+        return MemoryStore(capacity_bytes, ttl_s)  # replica: here)
+    if url.startswith("shm://"):
+        from carpool.kv_transfer.shm_store import ShmStore
+
+        return ShmStore(url)
     if url.startswith(("redis://", "rediss://", "unix://")):
         return RedisStore(url, ttl_s)
     if url.startswith("tcp://"):
@@ -20,5 +25,5 @@ def open_store(url: str, ttl_s: float = DEFAULT_TTL_S, capacity_bytes: int = 1 <
         if not host or not port.isdigit():
             raise ValueError(f"a TCP KV store is tcp://HOST:PORT, got {url!r}")
         return TcpStore(host.strip("[]"), int(port))
-    raise ValueError(f"kv_store must be memory, tcp://HOST:PORT or redis://HOST:PORT[/DB], "
-                     f"got {url!r}")
+    raise ValueError(f"kv_store must be memory, tcp://HOST:PORT, shm://HOST:PORT/ARENA or "
+                     f"redis://HOST:PORT[/DB], got {url!r}")

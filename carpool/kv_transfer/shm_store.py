@@ -1,26 +1,23 @@
-"""A KV store in POSIX shared memory for the processes of a fleet on one
-machine: the front's ``ShmStoreServer`` and each replica's ``ShmStore``
-(a ``KVStore``) at ``shm://127.0.0.1:PORT/ARENA``.
+"""A KV store in POSIX shared memory for a fleet's processes on one machine:
+the front's ``ShmStoreServer`` and each replica's ``ShmStore`` (a
+``KVStore``) at ``shm://127.0.0.1:PORT/ARENA``.
 
 The server owns an arena (``multiprocessing.shared_memory``, random name)
-cut into equal slots, and the index (``SlotIndex``: key -> slot, length,
-last use; LRU eviction, TTL from the last use, as ``MemoryStore``).
-Clients map the arena and copy payloads themselves; only keys, offsets and
-lengths cross the control socket, framed as ``tcp_store`` does (4-byte
-length, msgpack structs, no pickle; frames and keys per call bounded).
+cut into equal slots, and the index (``SlotIndex``: LRU eviction and TTL
+as ``MemoryStore``). Clients copy payloads in and out of the arena; only
+keys, offsets and lengths cross the control socket (framed as ``tcp_store``:
+4-byte length, msgpack structs, no pickle; frames and keys bounded).
 
-Slots: ``slot_bytes`` when given, else the first payload's length (a
-model's payloads all have one size). A payload larger than a slot, or
-empty, is refused: counted (``stats.extra["refused"]``), not stored; a
-smaller one takes a whole slot. A put ``reserve``s free slots (evicting
-for room), copies, then ``commit``s: only then do readers see the keys.
+Slots: ``slot_bytes``, else the first payload's length (a model's payloads
+all have one size). Larger or empty payloads are refused: counted
+(``stats.extra["refused"]``), not stored. A put ``reserve``s free slots
+(evicting for room), copies, ``commit``s: only then are the keys visible.
 
-Reads pin rather than trust the payload check: a ``get`` pins its slots
-until the client's one-way ``release`` after its copy (no round trip
-waited for), and a pinned slot evicted or replaced meanwhile is reused only
-once unpinned. So no reader gets another block's bytes (no recompute; the
-CRC stays a second defence). A connection's pins and reservations end with
-it: a replica dying mid-copy leaks no slot.
+Reads pin, rather than trust the payload check: a ``get`` pins its slots
+until the client's one-way ``release`` after its copy, and a slot evicted
+or replaced meanwhile is reused only once unpinned. So a reader never gets
+another block's bytes (the CRC stays a second defence). A connection's
+pins and reservations end with it: a replica dying mid-copy leaks no slot.
 """
 from __future__ import annotations
 
@@ -32,15 +29,15 @@ import sys
 import threading
 import time
 import weakref
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from contextlib import suppress
 from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
 
 import msgspec
 
-from carpool.kv_transfer.stores import DEFAULT_TTL_S, KVStoreUnavailable, StoreStats, leading
+from carpool.kv_transfer.shm_index import Session, SlotIndex
+from carpool.kv_transfer.stores import DEFAULT_TTL_S, KVStoreUnavailable, StoreStats
 from carpool.kv_transfer.tcp_store import _LENGTH, _read_exact, _send
 
 MAX_KEYS_PER_CALL = 1 << 16  # a million-token prompt's blocks
@@ -93,166 +90,6 @@ def parse_shm_url(url: str) -> tuple[str, int, str]:
     if not url.startswith("shm://") or not host or not port.isdigit() or not arena:
         raise ValueError(f"a shared-memory KV store is shm://HOST:PORT/ARENA, got {url!r}")
     return host.strip("[]"), int(port), arena
-
-
-@dataclass(slots=True)
-class _Entry:
-    slot: int
-    length: int
-    used: float
-
-
-@dataclass
-class Session:
-    """One connection's slots in flight, given back when it ends."""
-
-    reserved: dict[bytes, tuple[int, int]] = field(default_factory=dict)  # key -> slot, length
-    pinned: dict[int, int] = field(default_factory=dict)  # slot -> pins
-
-
-class SlotIndex:
-    """Which slot holds which block; thread safe. Invariant: each slot is
-    in exactly one state: free, reserved by one session, held by one entry,
-    or retired (its entry dropped while pinned; freed at the last unpin).
-    Only free slots are handed out, so no writer ever touches bytes that a
-    reader has pinned."""
-
-    def __init__(self, arena_bytes: int, ttl_s: float, slot_bytes: int | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.arena_bytes, self.ttl_s, self.clock = arena_bytes, ttl_s, clock
-        self.slot_bytes: int | None = None
-        self.num_slots = 0
-        self.stats = StoreStats(extra={"refused": 0})
-        self._free: list[int] = []
-        self._entries: OrderedDict[bytes, _Entry] = OrderedDict()  # least recently used first
-        self._pins: dict[int, int] = {}  # slot -> pins of all sessions
-        self._retired: set[int] = set()
-        self._lock = threading.Lock()
-        if slot_bytes is not None:
-            self._size_slots(slot_bytes)
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def _size_slots(self, slot_bytes: int) -> None:
-        self.slot_bytes, self.num_slots = slot_bytes, self.arena_bytes // slot_bytes
-        self._free = list(range(self.num_slots - 1, -1, -1))  # pop() hands out 0 first
-
-    def reserve(self, session: Session, keys: Sequence[bytes],
-                lengths: Sequence[int]) -> list[int]:
-        """A free slot's offset per key; -1: refused (too large, empty, the
-        key already being written by this session, every slot busy)."""
-        with self._lock:
-            self._expire(self.clock())
-            offsets = []
-            for key, length in zip(keys, lengths):
-                slot = None if key in session.reserved else self._take_slot(length)
-                if slot is None:
-                    self.stats.extra["refused"] += 1
-                    offsets.append(-1)
-                else:
-                    session.reserved[key] = (slot, length)
-                    offsets.append(slot * self.slot_bytes)
-            return offsets
-
-    def _take_slot(self, length: int) -> int | None:
-        if self.slot_bytes is None and 1 <= length <= self.arena_bytes:
-            self._size_slots(length)  # the first payload sets the slot size
-        if self.slot_bytes is None or not 1 <= length <= self.slot_bytes:
-            return None
-        while not self._free and self._entries:  # evict for room, oldest use first
-            self._drop_slot(self._entries.popitem(last=False)[1].slot)
-            self.stats.evicted += 1
-        return self._free.pop() if self._free else None
-
-    def commit(self, session: Session, keys: Sequence[bytes]) -> int:
-        """Make this session's reserved ``keys`` visible (a key held before
-        moves to its new slot); returns how many."""
-        with self._lock:
-            now, done = self.clock(), 0
-            for key in keys:
-                reserved = session.reserved.pop(key, None)
-                if reserved is None:
-                    continue  # not reserved here
-                old = self._entries.pop(key, None)
-                if old is not None:
-                    self._drop_slot(old.slot)
-                self._entries[key] = _Entry(*reserved, now)
-                self.stats.puts += 1
-                self.stats.bytes_in += reserved[1]
-                done += 1
-            return done
-
-    def lookup(self, session: Session, keys: Sequence[bytes]) -> tuple[list[int], list[int]]:
-        """Each key's (offset, length), (-1, 0) if missing. A hit is a use
-        and pins its slot for ``session`` until ``release``."""
-        with self._lock:
-            now = self.clock()
-            self._expire(now)
-            offsets, lengths = [], []
-            for key in keys:
-                entry = self._entries.get(key)
-                if entry is not None:
-                    entry.used = now
-                    self._entries.move_to_end(key)
-                    self._pins[entry.slot] = self._pins.get(entry.slot, 0) + 1
-                    session.pinned[entry.slot] = session.pinned.get(entry.slot, 0) + 1
-                offsets.append(-1 if entry is None else entry.slot * self.slot_bytes)
-                lengths.append(0 if entry is None else entry.length)
-            self.stats.looked_up(len(keys), sum(o >= 0 for o in offsets))
-            self.stats.bytes_out += sum(lengths)
-            return offsets, lengths
-
-    def release(self, session: Session, offsets: Sequence[int]) -> None:
-        """Unpin what ``lookup`` pinned for ``session`` (others: ignored)."""
-        with self._lock:
-            for offset in offsets:
-                slot = offset // self.slot_bytes if self.slot_bytes and offset >= 0 else -1
-                if session.pinned.get(slot, 0) > 0:
-                    session.pinned[slot] -= 1
-                    if not session.pinned[slot]:
-                        del session.pinned[slot]
-                    self._unpin(slot, 1)
-
-    def count(self, keys: Sequence[bytes]) -> int:
-        """How many leading ``keys`` are held (no use counted)."""
-        with self._lock:
-            self._expire(self.clock())
-            return leading(key in self._entries for key in keys)
-
-    def end(self, session: Session) -> None:
-        """A connection ended: its pins and uncommitted slots go back."""
-        with self._lock:
-            for slot, pins in session.pinned.items():
-                self._unpin(slot, pins)
-            self._free += [slot for slot, _ in session.reserved.values()]
-            session.pinned.clear()
-            session.reserved.clear()
-
-    def _unpin(self, slot: int, pins: int) -> None:
-        self._pins[slot] -= pins
-        if not self._pins[slot]:
-            del self._pins[slot]
-            if slot in self._retired:
-                self._retired.remove(slot)
-                self._free.append(slot)
-
-    def _drop_slot(self, slot: int) -> None:
-        """A slot's entry is gone: free now, or at its last unpin."""
-        if slot in self._pins:
-            self._retired.add(slot)
-        else:
-            self._free.append(slot)
-
-    def _expire(self, now: float) -> None:
-        """Drop blocks unused for ``ttl_s`` (the front is the oldest use)."""
-        while self._entries:
-            key, entry = next(iter(self._entries.items()))
-            if entry.used >= now - self.ttl_s:
-                break
-            del self._entries[key]
-            self._drop_slot(entry.slot)
-            self.stats.expired += 1
 
 
 class _Handler(socketserver.BaseRequestHandler):
@@ -310,14 +147,12 @@ class _Handler(socketserver.BaseRequestHandler):
 
 def _release_arena(arena: SharedMemory) -> None:
     """Close and unlink the arena (``stop``, or interpreter exit)."""
-    try:
+    with suppress(BufferError):
         arena.close()
-    except BufferError:
-        pass
     try:
         arena.unlink()
-    except FileNotFoundError:
-        pass
+    except FileNotFoundError:  # removed by hand: forget it (unlink did not)
+        resource_tracker.unregister(arena._name, "shared_memory")
 
 
 class ShmStoreServer(socketserver.ThreadingTCPServer):
@@ -361,8 +196,8 @@ class ShmStoreServer(socketserver.ThreadingTCPServer):
 
     def start(self) -> ShmStoreServer:
         """Serve on a background thread."""
-        self._thread = threading.Thread(target=self.serve_forever, name="carpool-kv-shm",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self.serve_forever, args=(0.05,),
+                                        name="carpool-kv-shm", daemon=True)  # stops in 50 ms
         self._thread.start()
         return self
 
@@ -375,12 +210,16 @@ class ShmStoreServer(socketserver.ThreadingTCPServer):
         self.server_close()
         with self.lock:
             for connection in self.connections:
-                try:
+                with suppress(OSError):
                     connection.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
             self.connections.clear()
         self._finalizer()
+
+    def __enter__(self) -> ShmStoreServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
 
 
 def _check_room(arena_bytes: int) -> None:
@@ -454,9 +293,8 @@ class ShmStore:
             reply = channel.call(call, answered)
             if channel is self._data and self._arena is None:
                 self._arena = _attach(self.arena_name)
-            if len(reply.offsets) != (len(call.keys) if call.op in ("reserve", "get") else 0):
-                raise ValueError("a reply of the wrong length")
-            if len(reply.lengths) != (len(call.keys) if call.op == "get" else 0):
+            wanted = len(call.keys) if call.op in ("reserve", "get") else 0
+            if (len(reply.offsets), len(reply.lengths)) != (wanted, wanted * (call.op == "get")):
                 raise ValueError("a reply of the wrong length")
         except (OSError, ValueError) as error:  # timeouts, a missing arena, garbage replies
             self._drop(channel)
@@ -476,6 +314,7 @@ class ShmStore:
         """The arena's bytes [offset, offset + length), checked."""
         if offset < 0 or offset + length > self._arena.size:
             self._drop(self._data)
+            self.stats.errors += 1
             raise KVStoreUnavailable(f"kv store: [{offset}, +{length}) is outside the arena")
         return self._arena.buf[offset:offset + length]
 
@@ -513,10 +352,9 @@ class ShmStore:
                     found.append(bytes(view))
             pinned = [offset for offset in reply.offsets if offset >= 0]
             if pinned:
-                try:
+                with suppress(KVStoreUnavailable):  # the copies are done; if the connection
+                    # broke, the pins ended with it
                     self._call(self._data, ShmCall("release", offsets=pinned), answered=False)
-                except KVStoreUnavailable:
-                    pass  # the copies are done; the pins ended with the connection
         self.stats.got(found)
         return found
 
@@ -527,118 +365,6 @@ class ShmStore:
             return 0
         with self._lookup.lock:
             count = self._call(self._lookup, ShmCall("count", keys)).count
-        self.stats.looked_up(len(keys), count)
-        return count
-
-    def close(self) -> None:
-        if self.sock is not None:
-            self.sock.close()
-            self.sock = None
-
-
-class ShmStore:
-    """A ``KVStore`` client of a ``ShmStoreServer`` at ``shm://HOST:PORT/ARENA``;
-    thread safe. Puts and gets (with their copies) go one at a time on one
-    connection, lookups on another: the engine thread's ``count_prefix``
-    never waits behind a copy. ``timeout_s`` bounds each socket wait; a
-    store gone, timing out or without its arena raises
-    ``KVStoreUnavailable``, and the next call connects again."""
-
-    def __init__(self, url: str, timeout_s: float = 0.5) -> None:
-        host, port, self.arena_name = parse_shm_url(url)
-        self.stats = StoreStats(extra={"refused": 0})
-        self._data = _Channel((host, port), self.arena_name, timeout_s)
-        self._lookup = _Channel((host, port), self.arena_name, timeout_s)
-        self._arena: SharedMemory | None = None  # with the data channel, under its lock
-
-    def _call(self, channel: _Channel, call: ShmCall, answered: bool = True) -> ShmReply:
-        try:
-            reply = channel.call(call, answered)
-            if channel is self._data and self._arena is None:
-                self._arena = _attach(self.arena_name)
-            if len(reply.offsets) != (len(call.keys) if call.op in ("reserve", "get") else 0):
-                raise ValueError("a reply of the wrong length")
-            if len(reply.lengths) != (len(call.keys) if call.op == "get" else 0):
-                raise ValueError("a reply of the wrong length")
-        except (OSError, ValueError) as error:  # timeouts, a missing arena, garbage replies
-            self._drop(channel)
-            self.stats.errors += 1
-            raise KVStoreUnavailable(f"kv store {channel.address}: {error}") from error
-        if reply.error:
-            raise ValueError(f"kv store refused the call: {reply.error}")
-        return reply
-
-    def _drop(self, channel: _Channel) -> None:
-        channel.close()
-        if channel is self._data and self._arena is not None:
-            self._arena.close()
-            self._arena = None
-
-    def _span(self, offset: int, length: int) -> memoryview:
-        """The arena's bytes [offset, offset + length), checked."""
-        if offset < 0 or offset + length > self._arena.size:
-            self._drop(self._data)
-            raise KVStoreUnavailable(f"kv store: [{offset}, +{length}) is outside the arena")
-        return self._arena.buf[offset:offset + length]
-
-    def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> None:
-        items = list(items)
-        for start in range(0, len(items), MAX_KEYS_PER_CALL):
-            chunk = items[start:start + MAX_KEYS_PER_CALL]
-            keys = [key for key, _ in chunk]
-            _check_keys(keys)
-            with self._data.lock:
-                offsets = self._call(self._data, ShmCall(
-                    "reserve", keys, [len(payload) for _, payload in chunk])).offsets
-                placed = [(key, payload, offset)
-                          for (key, payload), offset in zip(chunk, offsets) if offset >= 0]
-                for _, payload, offset in placed:
-                    with self._span(offset, len(payload)) as view:
-                        view[:] = payload
-                if placed:  # on a failure before, the server frees them with the connection
-                    self._call(self._data, ShmCall("commit", [key for key, _, _ in placed]))
-            self.stats.put([(key, payload) for key, payload, _ in placed])
-            self.stats.extra["refused"] += len(chunk) - len(placed)
-
-    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        found: list[bytes | None] = []
-        for start in range(0, len(keys), MAX_KEYS_PER_CALL):
-            found += self._get_chunk(list(keys[start:start + MAX_KEYS_PER_CALL]))
-        self.stats.got(found)
-        return found
-
-    def _get_chunk(self, keys: list[bytes]) -> list[bytes | None]:
-        _check_keys(keys)
-        found: list[bytes | None] = []
-        with self._data.lock:
-            reply = self._call(self._data, ShmCall("get", keys))
-            if len(reply.lengths) != len(keys):
-                self._drop(self._data)
-                raise KVStoreUnavailable("kv store: a reply of the wrong length")
-            for offset, length in zip(reply.offsets, reply.lengths):
-                if offset < 0:
-                    found.append(None)
-                    continue
-                with self._span(offset, length) as view:
-                    found.append(bytes(view))
-            pinned = [offset for offset in reply.offsets if offset >= 0]
-            if pinned:
-                try:
-                    self._call(self._data, ShmCall("release", offsets=pinned), answered=False)
-                except KVStoreUnavailable:
-                    pass  # the copies are done; the pins ended with the connection
-        return found
-
-    def count_prefix(self, keys: Sequence[bytes]) -> int:
-        count = 0
-        for start in range(0, len(keys), MAX_KEYS_PER_CALL):
-            chunk = list(keys[start:start + MAX_KEYS_PER_CALL])
-            _check_keys(chunk)
-            with self._lookup.lock:
-                held = self._call(self._lookup, ShmCall("count", chunk)).count
-            count += held
-            if held < len(chunk):
-                break
         self.stats.looked_up(len(keys), count)
         return count
 

@@ -46,14 +46,23 @@ VIEW_INTERVAL_S = 0.25  # how often replicas' polled stats refresh the router's 
 
 
 def local_kv_store(config: EngineConfig):
-    """``kv_store: local``: a TCP store served by this front process on
-    127.0.0.1 for its replicas (``config`` is pointed at it); else None."""
-    if config.cache.kv_store != "local":
+    """``kv_store: local`` (or ``shm``): a TCP (or shared-memory) store
+    served by this front process on 127.0.0.1 for its replicas (``config``
+    is pointed at it); else None."""
+    cache = config.cache
+    if cache.kv_store == "shm":
+        from carpool.kv_transfer.shm_store import ShmStoreServer
+
+        server = ShmStoreServer(parse_size(cache.kv_store_capacity), cache.kv_store_ttl).start()
+        cache.kv_store = server.url
+        log.info("shared-memory KV store for the replicas: %s (%s)", cache.kv_store,
+                 cache.kv_store_capacity)
+        return server
+    if cache.kv_store != "local":
         return None
     from carpool.kv_transfer.stores import MemoryStore
     from carpool.kv_transfer.tcp_store import TcpStoreServer
 
-    cache = config.cache
     server = TcpStoreServer(MemoryStore(parse_size(cache.kv_store_capacity),
                                         cache.kv_store_ttl)).start()
     cache.kv_store = "tcp://%s:%d" % server.address
