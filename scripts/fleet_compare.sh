@@ -42,6 +42,7 @@
 # TTFT/TPOT of the default model here, so goodput separates a fleet that
 # keeps up from one whose queue grows.
 #
+# REAL_ONLY=1 serves every case for real and simulates none.
 # CASES picks the configurations (default: one-replica two-round-robin
 # two-router); two-round-robin-store and two-router-store are the same
 # two-replica fleets with a shared KV store (`--kv-store local`: the API
@@ -165,8 +166,10 @@ simulate() {  # $1: dir, $2: cost model, $3: result name, $4: replicas, $5: rout
     >"$1/$3.txt" 2>"$1/$3.err"
 }
 
-run_case() {  # $1: name, $2: replicas, $3: routing, $4: threads, $5: cost model, $6: store?
-  local name=$1 replicas=$2 routing=$3 threads=$4 cost=$5 store=${6:-} dir="$OUT/$1"
+run_case() {  # $1: name, $2: replicas, $3: routing, $4: threads, $5: cost model, $6: store?,
+  # $7: real only (no simulation)?
+  local name=$1 replicas=$2 routing=$3 threads=$4 cost=$5 store=${6:-} real_only=${7:-}
+  local dir="$OUT/$1"
   local began=$SECONDS fleet=()
   if [ "$replicas" = pd ]; then fleet=(--prefill 1 --decode 1)
   elif [ "$replicas" -gt 1 ]; then fleet=(--replicas "$replicas" --routing "$routing"); fi
@@ -207,7 +210,7 @@ run_case() {  # $1: name, $2: replicas, $3: routing, $4: threads, $5: cost model
     >"$dir/measure-insample.txt" 2>&1 || true
   curl -sf "$URL/metrics" >"$dir/metrics.txt" || true  # KV store and handoff counters
   stop_server
-  if [ -n "$store" ]; then echo "   $name: real in $((SECONDS - began)) s"; return 0; fi
+  if [ -n "$real_only" ]; then echo "   $name: real in $((SECONDS - began)) s"; return 0; fi
   simulate "$dir" "$cost" sim "$replicas" "$routing" "simulated: $name"
   if [ "$CAL_COUNT" -gt 0 ]; then
     simulate "$dir" "$dir/cost-model-live.json" sim-live "$replicas" "$routing" \
@@ -233,10 +236,12 @@ for name in "${CASES[@]}"; do
     *) echo "unknown case $name" >&2; exit 2 ;;
   esac
   case "$name" in *-store|pd-*) store=1 ;; *) store="" ;; esac  # real only
-  if [ -z "$store" ] && [[ " $measured " != *" $threads "* ]]; then
+  if [ -n "${REAL_ONLY:-}" ]; then real_only=1; else real_only=$store; fi
+  if [ -z "$real_only" ] && [[ " $measured " != *" $threads "* ]]; then
     measure "$threads"; measured="$measured $threads"
   fi
-  run_case "$name" "$replicas" "$routing" "$threads" "$OUT/cost-model-t$threads.json" "$store"
+  run_case "$name" "$replicas" "$routing" "$threads" "$OUT/cost-model-t$threads.json" "$store" \
+    "$real_only"
 done
 
 echo

@@ -24,6 +24,7 @@ import torch
 from carpool.kv_transfer.blocks import KVBlockIO
 from carpool.kv_transfer.payload import block_key_bytes, decode_block, encode_block
 from carpool.kv_transfer.stores import MemoryStore, RedisStore
+from carpool.kv_transfer.shm_store import ShmStore, ShmStoreServer
 from carpool.kv_transfer.tcp_store import TcpStore, TcpStoreServer
 
 PRINT = bytes(16)
@@ -93,8 +94,10 @@ def main() -> None:
     src, dst = KVBlockIO(_caches(args.blocks)), KVBlockIO(_caches(args.blocks))
     nbytes = args.blocks * src.layout.data_bytes
     tcp_server = TcpStoreServer(MemoryStore(4 * nbytes)).start()
+    shm_server = ShmStoreServer(4 * nbytes + (1 << 20)).start()
     backends = {"memory": MemoryStore(4 * nbytes),
-                "tcp (loopback)": TcpStore(*tcp_server.address)}
+                "tcp (loopback)": TcpStore(*tcp_server.address),
+                "shared memory (`--kv-store shm`)": ShmStore(shm_server.url)}
     if args.redis:
         backends["redis (loopback)"] = RedisStore(args.redis)
     mb = nbytes / 1e6
@@ -110,6 +113,7 @@ def main() -> None:
     print(f"| ceiling: memcpy | {mb / copy:.0f} | {mb / copy:.0f} |")
     print(f"| ceiling: loopback socket | {mb / sock:.0f} | {mb / sock:.0f} |")
     tcp_server.stop()
+    shm_server.stop()
 
 
 if __name__ == "__main__":
