@@ -10,7 +10,8 @@ read the blocks out of a KV cache (``KVBlockIO.read``), encode them
 ``decode_block`` (checks) and ``KVBlockIO.write`` into another cache: the
 connector's whole path. MB/s counts the blocks' data bytes once per
 direction (put and get each move them). ``--redis`` adds a Redis server
-you started (e.g. ``redis-server --port 6390 --save ''``). Run it alone.
+you started (e.g. ``redis-server --port 6390 --save ''``), ``--ray`` Ray's
+object store (``carpool/ray_serve/kv_store.py``). Run it alone.
 """
 from __future__ import annotations
 
@@ -23,8 +24,8 @@ import torch
 
 from carpool.kv_transfer.blocks import KVBlockIO
 from carpool.kv_transfer.payload import block_key_bytes, decode_block, encode_block
-from carpool.kv_transfer.stores import MemoryStore, RedisStore
 from carpool.kv_transfer.shm_store import ShmStore, ShmStoreServer
+from carpool.kv_transfer.stores import MemoryStore, RedisStore
 from carpool.kv_transfer.tcp_store import TcpStore, TcpStoreServer
 
 PRINT = bytes(16)
@@ -90,6 +91,8 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--redis", default=None, help="redis://HOST:PORT/DB of a running server")
+    parser.add_argument("--ray", action="store_true",
+                        help="add Ray's object store (a local Ray on 127.0.0.1; needs '.[ray]')")
     args = parser.parse_args()
     src, dst = KVBlockIO(_caches(args.blocks)), KVBlockIO(_caches(args.blocks))
     nbytes = args.blocks * src.layout.data_bytes
@@ -100,6 +103,14 @@ def main() -> None:
                 "shared memory (`--kv-store shm`)": ShmStore(shm_server.url)}
     if args.redis:
         backends["redis (loopback)"] = RedisStore(args.redis)
+    if args.ray:  # this process is both replicas: put and get from one Ray worker
+        import ray
+
+        from carpool.ray_serve.kv_store import RayObjectStore
+
+        ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
+                 log_to_driver=False)
+        backends["Ray object store (P/D on Ray)"] = RayObjectStore("KVIndex:bench", 4 * nbytes)
     mb = nbytes / 1e6
     print(f"{args.blocks} blocks of {src.layout.data_bytes} bytes ({mb:.1f} MB), best of "
           f"{args.repeats}")
@@ -114,6 +125,10 @@ def main() -> None:
     print(f"| ceiling: loopback socket | {mb / sock:.0f} | {mb / sock:.0f} |")
     tcp_server.stop()
     shm_server.stop()
+    if args.ray:
+        import ray
+
+        ray.shutdown()
 
 
 if __name__ == "__main__":

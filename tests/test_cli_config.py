@@ -199,3 +199,19 @@ def test_a_bad_value_is_one_line_and_uvicorn_log_level_is_checked():
     args = build_parser().parse_args(["serve", "--uvicorn-log-level", "loud"])
     with pytest.raises(ValueError, match="uvicorn_log_level"):
         server_config_from_args(args).validate()
+
+
+def test_prefill_and_decode_flags_are_checked():
+    from carpool.cli import server_config_from_args
+    from carpool.server.config import ServerConfig
+
+    args = build_parser().parse_args(["serve", "--prefill", "2", "--decode", "3"])
+    config = server_config_from_args(args).validate()
+    assert (config.prefill, config.decode) == (2, 3)
+    ServerConfig(prefill=1, decode=1, backend="ray").validate()  # Ray pools too
+    for bad in ({"prefill": 1}, {"decode": 2}, {"prefill": -1, "decode": 1},
+                {"prefill": 1, "decode": 1, "replicas": 2},
+                {"prefill": 1, "decode": 1, "autoscale": "reactive"},
+                {"prefill": 1, "decode": 1, "engine_process": False}):
+        with pytest.raises(ValueError, match="prefill"):
+            ServerConfig(**bad).validate()

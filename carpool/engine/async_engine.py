@@ -27,7 +27,7 @@ from carpool.engine.llm_engine import LLMEngine, check_prompt
 from carpool.engine.outputs import RequestOutput
 from carpool.engine.stats import EngineStats
 from carpool.engine.streams import DeliveryLag, EngineDeadError, RequestStream
-from carpool.engine.wire import EngineInfo
+from carpool.engine.wire import EngineInfo, Handoff
 from carpool.sampling_params import SamplingParams
 from carpool.scheduler import RejectedError
 
@@ -52,6 +52,7 @@ class _Add:
     max_wait: float | None = None
     cache_salt: str | None = None
     arrival_time: float | None = None  # engine clock, when the caller handed it over
+    handoff: Handoff | None = None  # its P/D part, if split (``wire.Handoff``)
 
 
 class AsyncEngine:
@@ -123,9 +124,11 @@ class AsyncEngine:
                           request_id: str | None = None, priority: int = 0,
                           session_id: str | None = None, deadline: float | None = None,
                           max_wait: float | None = None, cache_salt: str | None = None,
-                          received_at: float | None = None) -> RequestStream:
+                          received_at: float | None = None, handoff: Handoff | None = None,
+                          ) -> RequestStream:
         """Validate and queue; raises ``ValueError`` at once for bad input and
         ``RejectedError`` when admission control turns the request away.
+        ``handoff``: a P/D part (``LLMEngine.add_request``'s).
 
         Cancelled while waiting for the engine to accept it (the engine
         thread may be in the middle of a long step), the request is aborted:
@@ -152,7 +155,7 @@ class AsyncEngine:
             if received_at is not None:
                 arrival -= max(0.0, time.monotonic() - received_at)
             self._adds.append(_Add(request_id, prompt, params, priority, session_id, deadline,
-                                   max_wait, cache_salt, arrival))
+                                   max_wait, cache_salt, arrival, handoff))
             self._wake.notify()
         try:
             accepted = await stream.queue.get()  # None, or why it was refused
@@ -239,7 +242,7 @@ class AsyncEngine:
                                         priority=add.priority, session_id=add.session_id,
                                         deadline=add.deadline, max_wait=add.max_wait,
                                         cache_salt=add.cache_salt,
-                                        arrival_time=add.arrival_time)
+                                        arrival_time=add.arrival_time, handoff=add.handoff)
             except (ValueError, RejectedError) as exc:
                 self._send(add.request_id, exc, final=True)
             else:

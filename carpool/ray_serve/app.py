@@ -8,6 +8,16 @@ Two deployments:
   each, routed by carpool's router (``CarpoolRequestRouter``) and, with
   ``autoscale``, sized by carpool's autoscaler (``CarpoolAutoscalingPolicy``).
 
+P/D serving (``prefill`` and ``decode`` counts, as ``carpool serve
+--prefill P --decode D``): two engine deployments instead, ``CarpoolPrefill``
+and ``CarpoolDecode`` (``EngineReplica``s with that role, each pool routed
+by carpool's router), sharing the block-hash secret and a ``RayObjectStore``
+(KV blocks in Ray's object store, listed by the application's ``KVIndex``
+actor, which the ingress creates so that it lives as long as the
+application). The ingress serves through ``PDFleet`` over one ``RayEngine``
+per pool: the first token from a prefill replica, the rest from a decode
+replica that loads the prompt's blocks from the store.
+
 ``build_app``'s arguments are carpool's settings by their flag names (as
 in a ``--config`` file: ``model``, ``replicas``, ``routing``,
 ``max-num-seqs``, ``autoscale``, ...) plus ``config`` (a carpool settings
@@ -17,6 +27,7 @@ as msgspec bytes (``AppSettings``), never a pickled carpool object.
 """
 from __future__ import annotations
 
+import asyncio
 import copy
 import secrets
 import warnings
@@ -29,12 +40,14 @@ from carpool.cli_flags import file_settings
 from carpool.config import EngineConfig, read_yaml
 from carpool.ray_serve.autoscaling import POLICY_PATH, policy_kwargs
 from carpool.ray_serve.engine import RayEngine
-from carpool.ray_serve.replica import EngineReplica
+from carpool.ray_serve.kv_store import store_for, uses_ray_store
+from carpool.ray_serve.replica import EngineReplica, app_name
 from carpool.ray_serve.router import CarpoolRequestRouter
 from carpool.ray_serve.wire import AppSettings
 from carpool.server.app import build_app as build_fastapi_app
 from carpool.server.config import ServerConfig
 from carpool.server.metrics import Metrics
+from carpool.server.pd_fleet import PDFleet
 from carpool.server.serving import ServerContext
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -47,11 +60,23 @@ QUIET = {"enable_access_log": False}
 
 @serve.ingress()
 class CarpoolIngress:
-    """carpool's FastAPI app, built once the engine deployment answered."""
+    """carpool's FastAPI app, built once the engine deployment answered
+    (P/D: both, ``engine_handle`` the prefill one)."""
 
-    async def __init__(self, settings: bytes, engine_handle) -> None:
+    async def __init__(self, settings: bytes, engine_handle, decode_handle=None) -> None:
         app = AppSettings.decode(settings)
-        self.engine = await RayEngine.connect(engine_handle, app.engine, app.server.routing)
+        if decode_handle is None:
+            self.engine = await RayEngine.connect(engine_handle, app.engine, app.server.routing)
+        else:
+            # The KV index is created here first (when the replicas use Ray's
+            # store), so that this ingress owns it: it lives, and is deleted,
+            # with the application. Its handle is kept: a named actor whose
+            # handles all went out of scope is collected.
+            self.kv_index = None
+            if uses_ray_store(app.engine.cache):
+                store = store_for(app.engine.cache, app_name())
+                self.kv_index = await asyncio.to_thread(store.index)
+            self.engine = await _pd_engine(app, engine_handle, decode_handle)
         self.ctx = ServerContext(self.engine, self.engine.tokenizer, app.model_name,
                                  self.engine.info.max_model_len, app.server,
                                  Metrics(app.model_name, lambda: self.engine.stats))
@@ -64,6 +89,14 @@ class CarpoolIngress:
         engine = getattr(self, "engine", None)
         if engine is not None:
             await engine.wait_closed()
+
+
+async def _pd_engine(app: AppSettings, prefill_handle, decode_handle) -> PDFleet:
+    """A ``PDFleet`` over the two pools' ``RayEngine``s."""
+    prefill, decode = await asyncio.gather(
+        RayEngine.connect(prefill_handle, app.engine, app.server.routing),
+        RayEngine.connect(decode_handle, app.engine, app.server.routing))
+    return PDFleet(prefill, decode)
 
 
 def settings_from_args(args: dict[str, Any]) -> AppSettings:
@@ -100,6 +133,8 @@ def settings_for(engine: EngineConfig, server: ServerConfig, model_name: str,
         engine.cache.block_hash_key = engine.cache.block_hash_secret().hex()
     if replica_cpus < 0 or ingress_cpus < 0:
         raise ValueError("replica_cpus and ingress_cpus must be >= 0")
+    if server.prefill and not engine.cache.enable_prefix_caching:
+        raise ValueError("P/D serving moves KV by block keys: it needs prefix caching")
     return AppSettings(engine, server, model_name, dict(slo_sources or {}), replica_cpus,
                        ingress_cpus)
 
@@ -127,11 +162,11 @@ def _autoscaling_config(server: ServerConfig) -> AutoscalingConfig:
                 server.autoscale, server.replicas, scaling)))
 
 
-def application(settings: AppSettings):
-    """The Ray Serve ``Application`` of these settings (``serve.run`` it)."""
+def _engine_options(settings: AppSettings, name: str) -> dict[str, Any]:
+    """An engine deployment's options, carpool's router routing it."""
     server, scheduler = settings.server, settings.engine.scheduler
-    engine_options: dict[str, Any] = {
-        "name": "CarpoolEngine",
+    return {
+        "name": name,
         "ray_actor_options": {"num_cpus": settings.replica_cpus},
         # carpool's admission bounds the queue; Ray's cap only guards against a runaway
         "max_ongoing_requests": scheduler.max_num_seqs + scheduler.max_queue_requests,
@@ -143,17 +178,29 @@ def application(settings: AppSettings):
             request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
             request_routing_stats_timeout_s=5.0),
     }
-    if server.autoscale:
-        engine_options["autoscaling_config"] = _autoscaling_config(server)
-    else:
-        engine_options["num_replicas"] = server.replicas
-    engine = serve.deployment(EngineReplica, **engine_options)
+
+
+def application(settings: AppSettings):
+    """The Ray Serve ``Application`` of these settings (``serve.run`` it)."""
+    server = settings.server
     ingress = serve.deployment(CarpoolIngress, name="CarpoolIngress",
                                ray_actor_options={"num_cpus": settings.ingress_cpus},
                                max_ongoing_requests=INGRESS_MAX_ONGOING,
                                graceful_shutdown_timeout_s=server.shutdown_timeout,
                                logging_config=QUIET)
     data = settings.encode()
+    if server.prefill or server.decode:  # P/D: a pool each, fixed sizes (ServerConfig.validate)
+        prefill = serve.deployment(EngineReplica, num_replicas=server.prefill,
+                                   **_engine_options(settings, "CarpoolPrefill"))
+        decode = serve.deployment(EngineReplica, num_replicas=server.decode,
+                                  **_engine_options(settings, "CarpoolDecode"))
+        return ingress.bind(data, prefill.bind(data, "prefill"), decode.bind(data, "decode"))
+    engine_options = _engine_options(settings, "CarpoolEngine")
+    if server.autoscale:
+        engine_options["autoscaling_config"] = _autoscaling_config(server)
+    else:
+        engine_options["num_replicas"] = server.replicas
+    engine = serve.deployment(EngineReplica, **engine_options)
     return ingress.bind(data, engine.bind(data))
 
 

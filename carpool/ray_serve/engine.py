@@ -9,6 +9,11 @@ router (``carpool.ray_serve.router``) picks the replica. The replica's
 that ``EngineClient`` returns. Aborting (the client went away) cancels the
 handle's stream, which aborts the request on its replica.
 
+P/D serving: the ingress holds one ``RayEngine`` per pool (the prefill and
+the decode deployment) behind a ``PDFleet``, which adds each part with its
+``Handoff``; a decode part's outputs go on from the prefill part's tokens,
+text and logprobs, as ``EngineClient``'s do.
+
 Per-replica stats for ``/metrics`` come from polling the deployment's
 ``stats`` method (the router spreads these polls over the replicas).
 
@@ -39,7 +44,7 @@ from carpool.engine.outputs import TokenLogprob
 from carpool.engine.stats import EngineStats, merge_stats
 from carpool.engine.step_log import StepLog
 from carpool.engine.streams import EngineDeadError, RequestStream
-from carpool.engine.wire import Add
+from carpool.engine.wire import Add, Handoff
 from carpool.ray_serve.wire import (
     Accepted,
     Failed,
@@ -143,8 +148,11 @@ class RayEngine:
                           request_id: str | None = None, priority: int = 0,
                           session_id: str | None = None, deadline: float | None = None,
                           max_wait: float | None = None, cache_salt: str | None = None,
-                          received_at: float | None = None) -> RequestStream:
-        """As ``AsyncEngine.add_request``, on the replica carpool's router picks."""
+                          received_at: float | None = None, handoff: Handoff | None = None,
+                          delivered_text: str = "") -> RequestStream:
+        """As ``AsyncEngine.add_request``, on the replica carpool's router picks.
+        ``handoff``: a P/D part (``wire.Handoff``); a decode part's outputs
+        count its prefill part's tokens, ``delivered_text`` and logprobs."""
         if self._stopping:
             raise EngineDeadError("the engine is shut down")
         params = params or SamplingParams()
@@ -157,12 +165,18 @@ class RayEngine:
         full_blocks = len(ids) // self.config.cache.block_size
         _, hashes = self._chain.keys(self._chain.root(cache_salt), ids, 0, full_blocks)
         waited = time.monotonic() - received_at if received_at is not None else 0.0
-        add = Add(request_id, ids, params, priority, session_id, deadline, max_wait, cache_salt)
+        add = Add(request_id, ids, params, priority, session_id, deadline, max_wait, cache_salt,
+                  handoff=handoff)
         hint = RouteHint(request_id, len(ids), hashes, session_id, priority, max(0.0, waited))
         stream = self.handle.generate.options(stream=True).remote(
             self._encoder.encode(add), self._encoder.encode(hint))
         queue: asyncio.Queue = asyncio.Queue()
         live = _Live(ids, list(ids), logprobs=[] if params.logprobs is not None else None)
+        if handoff is not None and handoff.output_token_ids:  # a decode part goes on from them
+            live.ids += handoff.output_token_ids
+            live.text_parts.append(delivered_text)
+            if live.logprobs is not None:
+                live.logprobs += handoff.logprobs or ()
         self._live[request_id] = asyncio.ensure_future(self._pump(request_id, stream, queue,
                                                                   live))
         try:

@@ -33,6 +33,20 @@ def free_port(host: str) -> int:
         return probe.getsockname()[1]
 
 
+def _most_replicas(server_config: ServerConfig) -> int:
+    """How many engine replicas may run at once (the CPUs are split between them)."""
+    if server_config.prefill:
+        return server_config.prefill + server_config.decode
+    return max(1, server_config.max_replicas or server_config.replicas)
+
+
+def _replicas_text(server_config: ServerConfig) -> str:
+    if server_config.prefill:
+        return (f"{server_config.prefill} prefill and {server_config.decode} decode engine "
+                f"replica(s) (P/D, KV through Ray's object store)")
+    return f"{server_config.replicas} engine replica(s)"
+
+
 def run_ray_server(engine_config: EngineConfig, server_config: ServerConfig,
                    slo_sources: dict[str, str] | None = None, schedule=None) -> int:
     """Serve through Ray Serve until a signal; the exit status (0, or 1 when
@@ -61,9 +75,8 @@ def run_ray_server(engine_config: EngineConfig, server_config: ServerConfig,
     from carpool.ray_serve.app import application, settings_for
 
     cpus = os.cpu_count() or 1
-    most = server_config.max_replicas or server_config.replicas
     settings = settings_for(engine_config, server_config, model_name(engine_config, server_config),
-                            slo_sources, replica_cpus=cpus / max(1, most))
+                            slo_sources, replica_cpus=cpus / _most_replicas(server_config))
     if server_config.port == 0:  # any free port (Ray's proxy cannot say which it took)
         server_config.port = free_port(server_config.host)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -77,7 +90,7 @@ def run_ray_server(engine_config: EngineConfig, server_config: ServerConfig,
         signal.signal(sig, lambda *_: stop.set())
     try:
         serve.start(http_options={"host": server_config.host, "port": server_config.port})
-        log.info("deploying %d engine replica(s) on Ray Serve...", server_config.replicas)
+        log.info("deploying %s on Ray Serve...", _replicas_text(server_config))
         serve.run(application(settings), name=APP_NAME, route_prefix="/")
         log.info("serving %r on http://%s:%d through Ray Serve (routing %s%s)",
                  settings.model_name, server_config.host, server_config.port,

@@ -7,6 +7,11 @@ Leaving the stream early (the ingress cancels it: the client went away)
 cancels this generator, which aborts the request and frees its KV blocks
 before the engine's next step.
 
+P/D serving (``role`` ``prefill`` or ``decode``: the application's
+``CarpoolPrefill`` and ``CarpoolDecode`` deployments): the engine's KV
+connector works on the application's ``RayObjectStore`` (``kv_store``),
+and each ``Add`` carries its part's ``Handoff`` to the engine.
+
 The replica reports, for carpool's request router, the ``ReplicaReport``
 its ``ReplicaView`` needs (``record_routing_stats``), and, for carpool's
 autoscaling policy, its waiting and running counts, slots and arrivals
@@ -14,6 +19,7 @@ autoscaling policy, its waiting and running counts, slots and arrivals
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -23,9 +29,11 @@ from collections.abc import AsyncIterator, Iterable
 import msgspec
 
 from carpool.engine.async_engine import AsyncEngine
+from carpool.engine.stats import EngineStats
 from carpool.engine.streams import EngineDeadError, RequestStream
 from carpool.engine.wire import Add, Delta
 from carpool.engine.worker import build_serving_engine, delta_of, refusal_of
+from carpool.ray_serve.kv_store import store_for, uses_ray_store
 from carpool.ray_serve.wire import (
     REPORT_KEY,
     Accepted,
@@ -97,14 +105,27 @@ def replica_name() -> str:
     return serve.get_replica_context().replica_id.unique_id
 
 
+def app_name() -> str:
+    """The Serve application this replica belongs to."""
+    from ray import serve
+
+    return serve.get_replica_context().app_name
+
+
 class EngineReplica:
     """One engine; the deployment's class (``carpool.ray_serve.app``)."""
 
-    def __init__(self, settings: bytes) -> None:
+    def __init__(self, settings: bytes, role: str = "") -> None:
+        """``role``: ``prefill`` or ``decode`` (a P/D pool), or empty (colocated)."""
+        if role not in ("", "prefill", "decode"):
+            raise ValueError(f"an engine replica's role is prefill, decode or empty, got {role!r}")
         app = AppSettings.decode(settings)
         self.config = app.engine
+        self.role = role
         self.name = replica_name()
         self.held = HeldBlocks()
+        kv_store = (store_for(self.config.cache, app_name())
+                    if role and uses_ray_store(self.config.cache) else None)
         self._encoder = msgspec.msgpack.Encoder()
         if self.config.model.threads is None:
             # Ray's CPUs for this replica (at least one thread): more torch
@@ -112,13 +133,15 @@ class EngineReplica:
             self.config.model.threads = max(1, int(app.replica_cpus))
 
         def build():
-            engine = build_serving_engine(self.config, app.slo_sources, None, log.info)
+            engine = build_serving_engine(self.config, app.slo_sources, None, log.info,
+                                          kv_store=kv_store)
             engine.scheduler.kv.report_blocks_to(self.held)  # before the first request
             return engine
 
         # Built on the engine thread: one thread runs every torch op.
         self.engine = AsyncEngine(build)
-        log.info("engine replica %s ready (pid %d)", self.name, os.getpid())
+        log.info("engine replica %s%s ready (pid %d)", self.name,
+                 f" ({role})" if role else "", os.getpid())
 
     async def generate(self, add: bytes, hint: bytes, routed: bytes = b"",
                        ) -> AsyncIterator[bytes]:
@@ -132,7 +155,8 @@ class EngineReplica:
             stream = await self.engine.add_request(
                 request.prompt_token_ids, request.params, request.request_id,
                 request.priority, request.session_id, request.deadline, request.max_wait,
-                request.cache_salt, received_at=time.monotonic() - max(0.0, route.waited_s))
+                request.cache_salt, received_at=time.monotonic() - max(0.0, route.waited_s),
+                handoff=request.handoff)
         except (ValueError, RejectedError) as exc:
             yield encode(Refused(refusal_of(request.request_id, exc)))
             return
@@ -150,7 +174,19 @@ class EngineReplica:
 
     async def stats(self) -> bytes:
         """This replica's ``StatsReply`` (the ingress polls it for /metrics)."""
-        return self._encoder.encode(StatsReply(self.name, self.engine.stats, self.engine.info))
+        return self._encoder.encode(StatsReply(self.name, self.current_stats(),
+                                               self.engine.info))
+
+    def current_stats(self) -> EngineStats:
+        """The engine thread's latest snapshot, its KV store counters read
+        now: the store's I/O thread goes on after the engine went idle (a
+        P/D prefill's last layer parts), and an idle engine publishes no
+        new snapshot. Plain counters, which the I/O thread only adds to."""
+        stats = self.engine.stats
+        connector = getattr(self.engine.engine, "kv_connector", None)
+        if connector is None:
+            return stats
+        return dataclasses.replace(stats, kv_store=connector.metrics())
 
     def record_routing_stats(self) -> dict[str, bytes]:
         """Ray Serve's routing-stats hook: a ``ReplicaReport`` for carpool's router."""

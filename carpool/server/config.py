@@ -124,10 +124,9 @@ class ServerConfig:
         if (self.prefill > 0) != (self.decode > 0) or min(self.prefill, self.decode) < 0:
             raise ValueError(f"P/D serving needs both --prefill N and --decode N >= 1, got "
                              f"{self.prefill} and {self.decode}")
-        if self.prefill and (self.replicas > 1 or self.autoscale or not self.engine_process
-                             or self.backend != "local"):
-            raise ValueError("--prefill/--decode run their own pools of local engine "
-                             "processes: drop --replicas, --autoscale and --no-engine-process")
+        if self.prefill and (self.replicas > 1 or self.autoscale or not self.engine_process):
+            raise ValueError("--prefill/--decode run their own pools of engine replicas: drop "
+                             "--replicas, --autoscale and --no-engine-process")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got "
                              f"{self.backend!r}")
