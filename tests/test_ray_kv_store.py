@@ -79,11 +79,12 @@ def test_the_index_evicts_least_recently_used_by_bytes_and_frees_emptied_batches
 
 
 def test_the_index_forgets_keys_unused_for_the_ttl():
-    index = KVIndex(capacity_bytes=1000, ttl_s=0.2)
+    now = [0.0]
+    index = KVIndex(capacity_bytes=1000, ttl_s=0.2, clock=lambda: now[0])
     index.put([b"a", b"b"], [10, 10], ["batch"])
-    time.sleep(0.1)
+    now[0] = 0.1
     index.get([b"a"])  # renewed
-    time.sleep(0.15)
+    now[0] = 0.25
     assert index.count([b"a"]) == 1 and index.count([b"b"]) == 0
     assert index.info()["expired"] == 1
 

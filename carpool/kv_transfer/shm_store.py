@@ -38,7 +38,8 @@ import msgspec
 
 from carpool.kv_transfer.shm_index import Session, SlotIndex
 from carpool.kv_transfer.stores import DEFAULT_TTL_S, KVStoreUnavailable, StoreStats
-from carpool.kv_transfer.tcp_store import _LENGTH, _read_exact, _send
+from carpool.kv_transfer.tcp_store import _receive as _receive_frame
+from carpool.kv_transfer.tcp_store import _send
 
 MAX_KEYS_PER_CALL = 1 << 16  # a million-token prompt's blocks
 MAX_KEY_BYTES = 64  # block_key_bytes: 24
@@ -66,14 +67,8 @@ _decode_reply = msgspec.msgpack.Decoder(ShmReply).decode
 
 
 def _receive(sock: socket.socket) -> bytes | None:
-    """One frame's body (at most ``MAX_FRAME_BYTES``); None at a clean EOF."""
-    head = _read_exact(sock, _LENGTH.size, allow_eof=True)
-    if head is None:
-        return None
-    (length,) = _LENGTH.unpack(head)
-    if length > MAX_FRAME_BYTES:
-        raise ValueError(f"a frame of {length} bytes is over the limit of {MAX_FRAME_BYTES}")
-    return _read_exact(sock, length)
+    """One control frame's body (at most ``MAX_FRAME_BYTES``); None at a clean EOF."""
+    return _receive_frame(sock, MAX_FRAME_BYTES)
 
 
 def _check_keys(keys: Sequence[bytes]) -> None:

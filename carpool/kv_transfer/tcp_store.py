@@ -56,14 +56,15 @@ def _send(sock: socket.socket, body: bytes) -> None:
         sock.sendall(view[done:])
 
 
-def _receive(sock: socket.socket) -> bytes | None:
-    """One frame's body; None when the peer closed before a frame began."""
+def _receive(sock: socket.socket, limit: int = MAX_FRAME_BYTES) -> bytes | None:
+    """One frame's body (at most ``limit`` bytes); None when the peer closed
+    before a frame began."""
     head = _read_exact(sock, _LENGTH.size, allow_eof=True)
     if head is None:
         return None
     (length,) = _LENGTH.unpack(head)
-    if length > MAX_FRAME_BYTES:
-        raise ValueError(f"a frame of {length} bytes is over the limit of {MAX_FRAME_BYTES}")
+    if length > limit:
+        raise ValueError(f"a frame of {length} bytes is over the limit of {limit}")
     return _read_exact(sock, length)
 
 

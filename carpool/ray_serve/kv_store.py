@@ -93,10 +93,11 @@ class KVIndex:
     One call at a time (a plain actor): every method sees a consistent
     map. Holds no payload bytes itself, only borrowed refs."""
 
-    def __init__(self, capacity_bytes: int, ttl_s: float = DEFAULT_TTL_S) -> None:
+    def __init__(self, capacity_bytes: int, ttl_s: float = DEFAULT_TTL_S,
+                 clock=time.monotonic) -> None:  # noqa: ANN001 - () -> seconds
         if capacity_bytes < 1 or ttl_s <= 0:
             raise ValueError("a KV store needs capacity_bytes >= 1 and ttl_s > 0")
-        self.capacity_bytes, self.ttl_s = capacity_bytes, ttl_s
+        self.capacity_bytes, self.ttl_s, self.clock = capacity_bytes, ttl_s, clock
         self.bytes_held = 0
         self.evicted = self.expired = 0
         self._entries: OrderedDict[bytes, _Entry] = OrderedDict()  # least recently used first
@@ -108,7 +109,7 @@ class KVIndex:
     def put(self, keys: list[bytes], sizes: list[int], refs: list) -> int:
         """Register one batch (``refs``: its one ObjectRef, borrowed);
         returns how many entries were evicted for room."""
-        now = time.monotonic()
+        now = self.clock()
         batch = self._next_batch
         self._next_batch += 1
         self._batches[batch] = [refs[0], 0]
@@ -130,7 +131,7 @@ class KVIndex:
     def get(self, keys: list[bytes]) -> tuple[list, list[tuple[int, int] | None]]:
         """The refs of the batches holding ``keys`` and, per key, (index in
         those refs, position in its batch) or None; a hit is a use."""
-        now = time.monotonic()
+        now = self.clock()
         self._expire(now)
         refs: list = []
         index_of: dict[int, int] = {}
@@ -150,7 +151,7 @@ class KVIndex:
 
     def count(self, keys: list[bytes]) -> int:
         """How many leading ``keys`` are listed (no use counted)."""
-        self._expire(time.monotonic())
+        self._expire(self.clock())
         return leading(key in self._entries for key in keys)
 
     def forget(self, keys: list[bytes]) -> None:
