@@ -49,7 +49,9 @@
 # process serves it), served for real only (the simulator's KV tier is
 # not priced from this machine's transfers yet). pd-1-1 is P/D serving:
 # one prefill and one decode replica of one thread each (`--prefill 1
-# --decode 1`, the prompt's KV streamed through the front's store), real only.
+# --decode 1`, the prompt's KV streamed through the front's store), real only;
+# pd-1-1-conditional the same fleet whose planner keeps a request on the
+# decode replica where the transfer does not pay (`--pd-mode conditional`).
 #
 #   scripts/fleet_compare.sh                          # ~25 min on 2 cores, alone
 #   COUNT=12 GRID=smoke OUT=/tmp/fc scripts/fleet_compare.sh   # a smoke run
@@ -172,6 +174,8 @@ run_case() {  # $1: name, $2: replicas, $3: routing, $4: threads, $5: cost model
   local dir="$OUT/$1"
   local began=$SECONDS fleet=()
   if [ "$replicas" = pd ]; then fleet=(--prefill 1 --decode 1)
+  elif [ "$replicas" = pd-conditional ]; then
+    fleet=(--prefill 1 --decode 1 --pd-mode conditional)
   elif [ "$replicas" -gt 1 ]; then fleet=(--replicas "$replicas" --routing "$routing"); fi
   if [ -n "$store" ]; then fleet+=(--kv-store local); fi
   mkdir -p "$dir"
@@ -233,6 +237,7 @@ for name in "${CASES[@]}"; do
     two-round-robin*) threads=$HALF; replicas=2; routing=round-robin ;;
     two-router*) threads=$HALF; replicas=2; routing=predicted-ttft ;;
     pd-1-1) threads=$HALF; replicas=pd; routing=predicted-ttft ;;
+    pd-1-1-conditional) threads=$HALF; replicas=pd-conditional; routing=predicted-ttft ;;
     *) echo "unknown case $name" >&2; exit 2 ;;
   esac
   case "$name" in *-store|pd-*) store=1 ;; *) store="" ;; esac  # real only

@@ -120,6 +120,54 @@ def test_pd_serving_matches_colocated_greedy_on_the_default_model(real_model_pat
         _nothing_held(http)
 
 
+def _nothing_routed(http) -> None:
+    """The front's router counts nothing in flight on any replica."""
+    deadline = time.monotonic() + 10
+    while True:
+        pd = _pd(http)
+        counts = {v["replica"]: v["in_flight"] for pool in ("prefill", "decode")
+                  for v in pd[pool]["replicas"]}
+        if not any(counts.values()):
+            return
+        assert time.monotonic() < deadline, counts
+        time.sleep(0.2)
+
+
+def test_the_planner_places_each_request_and_leaves_nothing_counted(tiny_model_dir):
+    """``always``: the planner's prefill and decode legs; an aborted stream
+    and a stop in the first token release both. ``conditional`` with a link
+    too slow to pay: every request stays on the decode pool, same answers."""
+    with _serve(str(tiny_model_dir)) as colocated:
+        expected = _answers(colocated, PROMPTS)
+    with _serve(str(tiny_model_dir), "--prefill", "1", "--decode", "1") as server, \
+            server.client() as http:
+        assert _pd(http)["mode"] == "always" and _pd(http)["placed_by"] == "planner"
+        body = {"prompt": PROMPTS[3], "max_tokens": 200, "temperature": 0, "ignore_eos": True,
+                "stream": True}
+        with http.stream("POST", "/v1/completions", json=body) as response:
+            next(line for line in response.iter_lines() if line.startswith("data: {"))
+        # Closed after the first event: aborted wherever it is.
+        first = _answers(server, [PROMPTS[0]], max_tokens=1)[0]
+        stopped = http.post("/v1/completions", json={
+            "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0, "stop": [first]}).json()
+        assert stopped["choices"][0]["text"] == ""
+        assert stopped["choices"][0]["finish_reason"] == "stop"
+        _nothing_routed(http)
+        _nothing_held(http)
+        decisions = [d["replica"] for d in _pd(http)["decode"]["decisions"]]
+        assert "p0" in decisions and "d0" in decisions
+    with _serve(str(tiny_model_dir), "--prefill", "1", "--decode", "1", "--pd-mode",
+                "conditional", "--pd-bandwidth", "0.000001") as server, \
+            server.client() as http:
+        assert _answers(server, PROMPTS) == expected
+        pd = _pd(http)
+        assert (pd["mode"], pd["handoffs"], pd["colocated"]) == ("conditional", 0, len(PROMPTS))
+        assert pd["link"]["bandwidth_gbps"] == 0.000001
+        assert all(d["cause"].startswith("colocated") for d in pd["decode"]["decisions"]
+                   if d["replica"] == "d0")
+        _nothing_routed(http)
+
+
 def _pids(http) -> dict[str, int]:
     pd = _pd(http)
     return {v["replica"]: v["pid"] for pool in ("prefill", "decode")
@@ -139,7 +187,7 @@ def test_a_prefill_replica_dead_before_its_first_token_costs_the_client_nothing(
             events = [json.loads(line[6:]) for line in response.iter_lines()
                       if line.startswith("data: {")]
         assert "".join(e["choices"][0]["text"] for e in events) == expected
-        assert _pd(http)["colocated"] == 1
+        assert _pd(http)["rescued"] == 1
         deadline = time.monotonic() + 60  # the prefill pool restarts its replica
         while _pids(http).get("p0") in (None, prefill_pid):
             assert time.monotonic() < deadline, "the prefill replica was not restarted"

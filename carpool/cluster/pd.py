@@ -38,6 +38,9 @@ from carpool.cluster.router import Router
 from carpool.cluster.view import ReplicaView, Role, RouteDecision, RouteRequest, RoutingError
 from carpool.scheduler.shedding import predict_first_token_delay
 
+# conditional: remote prefill only where it pays; always: every request.
+PD_MODES = ("conditional", "always")
+
 
 @dataclass(frozen=True)
 class KVShape:
@@ -133,11 +136,11 @@ class PDPlanner:
 
     def plan(self, request: RouteRequest, now: float) -> PDPlan:
         """Choose and count: the decode leg under ``request.request_id``, a
-        remote prefill leg under ``request_id + ":prefill"``."""
+        remote prefill leg under ``prefill_leg(request_id)``."""
         router = self.router
         # Both legs' ids checked before either is counted: a plan never
         # leaves half a request routed.
-        for request_id in (request.request_id, f"{request.request_id}:prefill"):
+        for request_id in (request.request_id, self.prefill_leg(request.request_id)):
             if router.replica_of(request_id) is not None:
                 raise ValueError(f"request {request_id!r} is already routed")
         local = router.candidates(Role.MIXED, Role.DECODE)
@@ -151,10 +154,15 @@ class PDPlanner:
             router.assign(request, decision, now)
             return PDPlan(decision, None, decision.cause, predicted_ttft=home_ttft)
         # The decode replica waits for the KV, not for a prefill of its own.
-        router.assign(RouteRequest(f"{request.request_id}:prefill", request.prompt_tokens,
+        router.assign(RouteRequest(self.prefill_leg(request.request_id), request.prompt_tokens,
                                    request.block_hashes), plan.prefill, now)
         router.assign(request, plan.decode, now, prefill_tokens=1)
         return plan
+
+    @staticmethod
+    def prefill_leg(request_id: str) -> str:
+        """The id a request's remote prefill is counted under in the router."""
+        return f"{request_id}:prefill"
 
     def _best(self, request: RouteRequest,
               views: list[ReplicaView]) -> tuple[ReplicaView, int, float | None]:

@@ -249,7 +249,9 @@ class LLMEngine:
         return EngineInfo(self.max_model_len, self.model_config.vocab_size,
                           self.tokenizer.describe(), cache, step_facts(self),
                           self.executor.num_blocks,
-                          self.slo.describe() if self.slo is not None else None)
+                          self.slo.describe() if self.slo is not None else None,
+                          (self.model_config.num_layers, self.model_config.num_kv_heads,
+                           self.model_config.head_dim, self.executor.dtype.itemsize))
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Abort now (between steps): its blocks return to the pool at once."""

@@ -39,6 +39,9 @@ class EngineInfo:
     step_facts: dict  # ``step_log.step_facts``: /carpool/steps's record
     kv_num_blocks: int
     slo_text: str | None = None  # ``ServingSLO.describe()``; None: controller off
+    # The KV cache per token, as the P/D planner prices a transfer
+    # (``carpool.cluster.pd.KVShape``): layers, KV heads, head size, bytes per value.
+    kv_shape: tuple[int, int, int, int] = (0, 0, 0, 0)
 
 
 # -- front -> worker -----------------------------------------------------------------

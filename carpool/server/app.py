@@ -219,16 +219,18 @@ def _routing(engine) -> dict:
     serving: each pool's, and how many requests were handed over."""
     pools = getattr(engine, "pools", None)
     if pools is not None:
-        return {"pd": {"handoffs": engine.handoffs, "colocated": engine.colocated,
+        return {"pd": {**engine.report(),
                        **{name: _routing(pool).get("routing", {})
                           for name, pool in zip(("prefill", "decode"), pools)}}}
     router = getattr(engine, "router", None)
     if router is None:
         return {}
-    views = [{"replica": v.replica_id, "health": v.health.value, "in_flight": v.in_flight,
-              "waiting": v.waiting, "running": v.running, "kv_usage": v.kv_usage,
-              "pid": getattr(engine.clients.get(v.replica_id), "pid", None)}
-             for v in router.views.values()]
+    # A pool's own replicas (P/D pools share one router).
+    own = engine.views() if hasattr(engine, "views") else router.views.values()
+    views = [{"replica": v.replica_id, "role": v.role.value, "health": v.health.value,
+              "in_flight": v.in_flight, "waiting": v.waiting, "running": v.running,
+              "kv_usage": v.kv_usage,
+              "pid": getattr(engine.clients.get(v.replica_id), "pid", None)} for v in own]
     scaling = {}
     if engine.scaler is not None:
         scaling = {"scaling": {"replicas": engine.scaler.replicas, "events": [

@@ -69,6 +69,16 @@ class ServerConfig:
     # store (kv_store: local by default). 0 and 0: colocated (--replicas).
     prefill: int = 0
     decode: int = 0
+    # Where each P/D request runs (carpool.cluster.pd.PDPlanner): always (every
+    # request prefilled on the prefill pool) | conditional (only where the
+    # predicted first token with the transfer beats a prefill on the decode
+    # replica; local backend). The link the planner prices the KV transfer
+    # with: GB/s and seconds per transfer (default: the local TCP store's
+    # load rate on a 2-core machine, README); shortest uncached prompt sent.
+    pd_mode: str = "always"
+    pd_bandwidth: float = 0.5
+    pd_latency: float = 0.0002
+    pd_min_remote_tokens: int = 0
     # The fleet router's policy (carpool.cluster.policies.POLICIES).
     routing: str = "predicted-ttft"
     # Live replica counts (carpool.cluster.autoscaler): reactive | predictive,
@@ -97,6 +107,28 @@ class ServerConfig:
     # Python logging's %-style fields; asctime is local time to the second
     # (LOG_DATE_FORMAT), e.g. "2026-12-04 19:30:01 carpool: serving ...".
     log_format: str = "%(asctime)s carpool: %(message)s"
+
+    def _validate_pd(self) -> None:
+        from carpool.cluster.pd import PD_MODES
+
+        if self.pd_mode not in PD_MODES:
+            raise ValueError(f"pd_mode must be one of {', '.join(PD_MODES)}, got "
+                             f"{self.pd_mode!r}")
+        if not self.pd_bandwidth > 0 or not self.pd_latency >= 0:  # also rejects NaN
+            raise ValueError(f"P/D link needs pd_bandwidth > 0 GB/s and pd_latency >= 0 s, "
+                             f"got {self.pd_bandwidth} and {self.pd_latency}")
+        if self.pd_min_remote_tokens < 0:
+            raise ValueError(f"pd_min_remote_tokens must be >= 0, got "
+                             f"{self.pd_min_remote_tokens}")
+        if self.prefill and self.backend == "ray" and self.pd_mode != "always":
+            raise ValueError("--backend ray: Ray Serve's request routers place each part, so "
+                             "P/D there is --pd-mode always")
+
+    def pd_link(self):
+        """The planner's ``Link`` (``pd_bandwidth`` GB/s, ``pd_latency`` s)."""
+        from carpool.cluster.pd import Link
+
+        return Link(self.pd_bandwidth * 1e9, self.pd_latency)
 
     def validate(self) -> "ServerConfig":
         if not 0 <= self.port <= 65535:
@@ -127,6 +159,7 @@ class ServerConfig:
         if self.prefill and (self.replicas > 1 or self.autoscale or not self.engine_process):
             raise ValueError("--prefill/--decode run their own pools of engine replicas: drop "
                              "--replicas, --autoscale and --no-engine-process")
+        self._validate_pd()
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got "
                              f"{self.backend!r}")

@@ -27,8 +27,8 @@ from collections.abc import Sequence
 
 from carpool.cluster.autoscaler import AutoscaleConfig, PoolScaler, PoolSignals, make_scaler
 from carpool.cluster.router import Router
-from carpool.cluster.view import Health, ReplicaView, RouteRequest, RoutingError
-from carpool.config import EngineConfig, parse_size
+from carpool.cluster.view import Health, ReplicaView, Role, RouteRequest, RoutingError
+from carpool.config import EngineConfig
 from carpool.engine.client import EngineClient
 from carpool.engine.llm_engine import check_prompt
 from carpool.engine.stats import EngineStats, merge_stats
@@ -39,36 +39,11 @@ from carpool.sampling_params import SamplingParams
 from carpool.scheduler import RejectedError
 from carpool.scheduler.cost_model import StepCostModel
 from carpool.scheduler.kv_events import BlockKeyChain, KvEventBatch
+from carpool.server.store_host import local_kv_store
 
 log = logging.getLogger("carpool.server")
 
 VIEW_INTERVAL_S = 0.25  # how often replicas' polled stats refresh the router's views
-
-
-def local_kv_store(config: EngineConfig):
-    """``kv_store: local`` (or ``shm``): a TCP (or shared-memory) store
-    served by this front process on 127.0.0.1 for its replicas (``config``
-    is pointed at it); else None."""
-    cache = config.cache
-    if cache.kv_store == "shm":
-        from carpool.kv_transfer.shm_store import ShmStoreServer
-
-        server = ShmStoreServer(parse_size(cache.kv_store_capacity), cache.kv_store_ttl).start()
-        cache.kv_store = server.url
-        log.info("shared-memory KV store for the replicas: %s (%s)", cache.kv_store,
-                 cache.kv_store_capacity)
-        return server
-    if cache.kv_store != "local":
-        return None
-    from carpool.kv_transfer.stores import MemoryStore
-    from carpool.kv_transfer.tcp_store import TcpStoreServer
-
-    server = TcpStoreServer(MemoryStore(parse_size(cache.kv_store_capacity),
-                                        cache.kv_store_ttl)).start()
-    cache.kv_store = "tcp://%s:%d" % server.address
-    log.info("shared KV store for the replicas: %s (%s)", cache.kv_store,
-             cache.kv_store_capacity)
-    return server
 
 
 class FleetEngine:
@@ -76,8 +51,9 @@ class FleetEngine:
 
     def __init__(self, launch: dict, config: EngineConfig, router: Router,
                  clients: Sequence[EngineClient], scaler: PoolScaler | None = None,
-                 pool: str = "r") -> None:
-        """``pool``: the replicas' names' prefix (``r0``, ``r1``, ...)."""
+                 pool: str = "r", role: Role = Role.MIXED) -> None:
+        """``pool``: the replicas' names' prefix (``r0``, ``r1``, ...);
+        ``role``: theirs in the ``router``, which other pools may share (P/D)."""
         self._launch = launch  # EngineClient.start's arguments, for restarts
         self.config = config
         self.router = router
@@ -93,7 +69,7 @@ class FleetEngine:
         self._next_id = 0
         self._stopping = False
         self._restarting: set[asyncio.Task] = set()
-        self.pool = pool
+        self.pool, self.role = pool, role
         for index, client in enumerate(clients):
             self._join(f"{pool}{index}", client)
         self._last_stats = self.stats
@@ -111,10 +87,13 @@ class FleetEngine:
     @classmethod
     async def start(cls, config: EngineConfig, replicas: int, routing: str = "predicted-ttft",
                     autoscale: AutoscaleConfig | None = None, autoscale_policy: str = "reactive",
-                    pool: str = "r", **launch) -> "FleetEngine":
+                    pool: str = "r", router: Router | None = None, role: Role = Role.MIXED,
+                    **launch) -> "FleetEngine":
         """Start ``replicas`` workers (concurrently) on one block-hash secret;
         ``autoscale``: then move the count within its bounds by the
-        ``autoscale_policy``'s wants (``carpool.cluster.autoscaler``)."""
+        ``autoscale_policy``'s wants (``carpool.cluster.autoscaler``);
+        ``router``: one shared with other pools (its policy then is
+        ``routing``'s already), where this pool's replicas take ``role``."""
         scaler = None
         if autoscale is not None:
             scaler = make_scaler(autoscale_policy, autoscale, replicas)
@@ -131,7 +110,7 @@ class FleetEngine:
             # OpenMP region wait (see async_engine).
             most = autoscale.max_replicas if autoscale is not None else replicas
             config.model.threads = max(1, (os.cpu_count() or 1) // most)
-        router = Router(routing)
+        router = router if router is not None else Router(routing)
         launch = {**launch, "kv_events": True, "step_log": launch.get("step_log") or StepLog()}
         started = await asyncio.gather(*(EngineClient.start(config, **launch)
                                          for _ in range(replicas)), return_exceptions=True)
@@ -142,7 +121,7 @@ class FleetEngine:
             if store_server is not None:
                 store_server.stop()
             raise failure
-        fleet = cls(launch, config, router, started, scaler, pool)
+        fleet = cls(launch, config, router, started, scaler, pool, role)
         fleet.kv_store_server = store_server
         return fleet
 
@@ -154,7 +133,7 @@ class FleetEngine:
         # the predicted-TTFT policy prices each replica's queue with.
         cost_model = StepCostModel()
         self.router.add_replica(ReplicaView(
-            replica_id, max_num_seqs=scheduler.max_num_seqs,
+            replica_id, self.role, max_num_seqs=scheduler.max_num_seqs,
             max_num_batched_tokens=scheduler.max_num_batched_tokens,
             block_size=self.config.cache.block_size, free_blocks=client.info.kv_num_blocks,
             cost_model=cost_model))
@@ -197,14 +176,18 @@ class FleetEngine:
     def _route(self, request_id: str, ids: list[int], session_id: str | None, priority: int,
                cache_salt: str | None) -> str:
         """The replica for a request (counted there by the router)."""
-        full_blocks = len(ids) // self.config.cache.block_size
-        _, hashes = self._chain.keys(self._chain.root(cache_salt), ids, 0, full_blocks)
+        hashes = self.block_hashes(ids, cache_salt)
         try:
             decision = self.router.route(RouteRequest(request_id, len(ids), hashes, session_id,
-                                                      priority), time.monotonic())
+                                                      priority), time.monotonic(), self.role)
         except RoutingError as exc:  # no replica ready, or every one over the TTFT target
             raise RejectedError(exc.reason, exc.retry_after, str(exc)) from None
         return decision.replica_id
+
+    def block_hashes(self, ids: Sequence[int], cache_salt: str | None) -> list[int]:
+        """The chained keys of the prompt's full blocks (the fleet's secret)."""
+        full_blocks = len(ids) // self.config.cache.block_size
+        return self._chain.keys(self._chain.root(cache_salt), ids, 0, full_blocks)[1]
 
     def _reroute(self, dead_id: str, request_id: str, add: Add, queue: asyncio.Queue,
                  accepted: bool) -> bool:
@@ -250,7 +233,7 @@ class FleetEngine:
         assert self.scaler is not None
         while True:
             await asyncio.sleep(self.scaler.config.tick_s)
-            views = [v for v in self.router.views.values() if v.routable]
+            views = [v for v in self.views() if v.routable]
             slots = sum(v.max_num_seqs for v in views)
             times = [v.service_time for v in views if v.service_time is not None]
             signals = PoolSignals(
@@ -339,6 +322,10 @@ class FleetEngine:
             return None
         return f"{len(self._restarting)} replica(s) restarting, {len(self.clients)} serving"
 
+    def views(self) -> list[ReplicaView]:
+        """This pool's replicas as the router sees them."""
+        return [v for v in self.router.views.values() if v.replica_id in self.clients]
+
     @property
     def last_progress(self) -> float:
         return max((c.last_progress for c in self.clients.values()), default=0.0)
@@ -355,8 +342,11 @@ class FleetEngine:
                           session_id: str | None = None, deadline: float | None = None,
                           max_wait: float | None = None, cache_salt: str | None = None,
                           received_at: float | None = None, handoff: Handoff | None = None,
-                          delivered_text: str = "") -> RequestStream:
-        """Route, then ``EngineClient.add_request`` on the chosen replica."""
+                          delivered_text: str = "", replica_id: str | None = None
+                          ) -> RequestStream:
+        """Route, then ``EngineClient.add_request`` on the chosen replica.
+        ``replica_id``: the one a planner chose and counted in the router
+        under ``request_id`` already (P/D); routed anew if it left since."""
         if self._stopping:
             raise EngineDeadError("the engine is shut down")
         if request_id is None:
@@ -364,7 +354,8 @@ class FleetEngine:
             request_id = f"req-{self._next_id}"
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         self._arrivals += 1
-        replica_id = self._route(request_id, ids, session_id, priority, cache_salt)
+        if replica_id is None or self.router.replica_of(request_id) != replica_id:
+            replica_id = self._route(request_id, ids, session_id, priority, cache_salt)
         client = self.clients.get(replica_id)
         try:
             if client is None:

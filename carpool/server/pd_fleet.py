@@ -23,6 +23,18 @@ greedy outputs are those of colocated serving. Detokenizing state crosses
 over too: the prefill part holds back text that may begin a stop string,
 and the decode part re-reads the first token before going on.
 
+Placement: both pools' replicas are views of one router (the prefill
+pool's role ``prefill``, the decode pool's ``decode``), so its prefix index
+and cost models cover the fleet, and ``carpool.cluster.pd.PDPlanner`` (the
+simulator's) picks each request's decode replica and, unless the request
+stays colocated there, its prefill replica, counting both at once:
+``always`` (``--pd-mode``, the default) disaggregates every request while a
+prefill replica is ready; ``conditional`` only where the predicted first
+token with the transfer (``--pd-bandwidth``/``--pd-latency``) beats a
+prefill on the decode replica itself. Without a planner (Ray Serve, whose
+request routers place each part), every request is disaggregated and each
+pool places its part.
+
 Failures: a prefill replica that dies before the first token costs the
 client nothing (the request runs colocated on a decode replica instead);
 after it, a decode replica that dies fails the request with the error (the
@@ -40,8 +52,12 @@ import logging
 import os
 import random
 import secrets
+import time
 from collections.abc import Sequence
 
+from carpool.cluster.pd import PD_MODES, KVShape, Link, PDPlan, PDPlanner
+from carpool.cluster.router import Router
+from carpool.cluster.view import Role, RouteRequest, RoutingError
 from carpool.config import EngineConfig
 from carpool.engine.outputs import RequestOutput
 from carpool.engine.stats import EngineStats, merge_stats
@@ -49,7 +65,9 @@ from carpool.engine.step_log import StepLog
 from carpool.engine.streams import EngineDeadError, RequestStream
 from carpool.engine.wire import Handoff
 from carpool.sampling_params import SamplingParams
-from carpool.server.fleet import FleetEngine, local_kv_store
+from carpool.scheduler import RejectedError
+from carpool.server.fleet import FleetEngine
+from carpool.server.store_host import local_kv_store
 
 log = logging.getLogger("carpool.server")
 
@@ -57,8 +75,12 @@ log = logging.getLogger("carpool.server")
 class PDFleet:
     """Prefill and decode pools with one engine's interface (module docstring)."""
 
-    def __init__(self, prefill: FleetEngine, decode: FleetEngine, store_server=None) -> None:
+    def __init__(self, prefill: FleetEngine, decode: FleetEngine, store_server=None,
+                 planner: PDPlanner | None = None) -> None:
+        """``planner``: over the router both pools share (module docstring);
+        None: every request disaggregated, each pool placing its part."""
         self.prefill, self.decode = prefill, decode
+        self.planner = planner
         self.config = decode.config
         self.info = decode.info
         self.tokenizer = decode.tokenizer
@@ -66,7 +88,8 @@ class PDFleet:
         self.on_failure = None  # a replica's death is its pool's business
         self.kv_store_server = store_server
         self.handoffs = 0  # requests that went from a prefill to a decode replica
-        self.colocated = 0  # of those, re-run on a decode replica: the prefill one died
+        self.colocated = 0  # requests the planner kept on a decode replica
+        self.rescued = 0  # requests re-run on a decode replica: their prefill one died
         self._parts: dict[str, asyncio.Task] = {}  # request id -> what moves it along
         self._seeds = random.Random()
         self._next_id = 0
@@ -74,12 +97,17 @@ class PDFleet:
 
     @classmethod
     async def start(cls, config: EngineConfig, prefill: int, decode: int,
-                    routing: str = "predicted-ttft", **launch) -> "PDFleet":
-        """Start both pools (concurrently) on one secret and one KV store
-        (``kv_store`` unset or ``local``: served by this process)."""
+                    routing: str = "predicted-ttft", mode: str = "always",
+                    link: Link | None = None, min_remote_tokens: int = 0,
+                    **launch) -> "PDFleet":
+        """Start both pools (concurrently) on one secret, one router and one
+        KV store (``kv_store`` unset or ``local``: served by this process);
+        ``mode``, ``link``, ``min_remote_tokens``: the planner's (``PDPlanner``)."""
         if prefill < 1 or decode < 1:
             raise ValueError(f"P/D serving needs prefill and decode replicas, got {prefill}:"
                              f"{decode}")
+        if mode not in PD_MODES:
+            raise ValueError(f"pd_mode must be one of {', '.join(PD_MODES)}, got {mode!r}")
         config = copy.deepcopy(config)
         if config.cache.block_hash_key is None:
             config.cache.block_hash_key = secrets.token_hex(32)
@@ -91,9 +119,12 @@ class PDFleet:
         if config.model.threads is None:  # the cores split between every replica
             config.model.threads = max(1, (os.cpu_count() or 1) // (prefill + decode))
         launch["step_log"] = StepLog()
+        router = Router(routing)
         pools = await asyncio.gather(
-            FleetEngine.start(config, prefill, routing, pool="p", **launch),
-            FleetEngine.start(config, decode, routing, pool="d", **launch),
+            FleetEngine.start(config, prefill, routing, pool="p", router=router,
+                              role=Role.PREFILL, **launch),
+            FleetEngine.start(config, decode, routing, pool="d", router=router,
+                              role=Role.DECODE, **launch),
             return_exceptions=True)
         failure = next((p for p in pools if isinstance(p, BaseException)), None)
         if failure is not None:
@@ -102,7 +133,10 @@ class PDFleet:
             if store_server is not None:
                 store_server.stop()
             raise failure
-        return cls(*pools, store_server)
+        layers, heads, head_dim, dtype_bytes = pools[1].info.kv_shape
+        planner = PDPlanner(router, KVShape(layers, heads, head_dim, dtype_bytes), link,
+                            min_remote_tokens, always=mode == "always")
+        return cls(*pools, store_server, planner)
 
     # -- requests ----------------------------------------------------------------------
 
@@ -125,43 +159,72 @@ class PDFleet:
         if params.seed is None:  # one seed for both parts (module docstring)
             params = dataclasses.replace(params, seed=self._seeds.getrandbits(63))
         common = {"priority": priority, "session_id": session_id, "cache_salt": cache_salt}
+        times = {"deadline": deadline, "max_wait": max_wait, "received_at": received_at}
         if params.max_tokens <= 1:  # nothing to hand over
-            return await self.prefill.add_request(ids, params, request_id, deadline=deadline,
-                                                  max_wait=max_wait, received_at=received_at,
-                                                  **common)
+            return await self.prefill.add_request(ids, params, request_id, **times, **common)
+        plan = self._plan(request_id, ids, session_id, priority, cache_salt)
+        # The decode leg's replica (the planner counted it there already).
+        home = {"replica_id": plan.decode.replica_id} if plan is not None else {}
+        if plan is not None and not plan.disaggregated:
+            self.colocated += 1
+            return await self.decode.add_request(ids, params, request_id, **times, **home,
+                                                 **common)
+        worker = {"replica_id": plan.prefill.replica_id} if plan is not None else {}
         try:
             first = await self.prefill.add_request(
-                ids, dataclasses.replace(params, max_tokens=1), request_id, deadline=deadline,
-                max_wait=max_wait, received_at=received_at, handoff=Handoff("prefill"), **common)
+                ids, dataclasses.replace(params, max_tokens=1), PDPlanner.prefill_leg(request_id),
+                handoff=Handoff("prefill"), **times, **worker, **common)
         except EngineDeadError as exc:  # no prefill replica took it: run it colocated
-            self._ran_colocated(request_id, exc)
-            return await self.decode.add_request(ids, params, request_id, deadline=deadline,
-                                                 max_wait=max_wait, received_at=received_at,
+            self._rescue(request_id, exc)
+            return await self.decode.add_request(ids, params, request_id, **times, **home,
                                                  **common)
+        except BaseException:
+            self._release(request_id)
+            raise
         queue: asyncio.Queue = asyncio.Queue()
-        task = asyncio.ensure_future(self._go_on(request_id, ids, params, first, queue, common))
+        task = asyncio.ensure_future(self._go_on(request_id, ids, params, first, queue,
+                                                 {**common, **home}))
         self._parts[request_id] = task
         task.add_done_callback(lambda _: self._parts.pop(request_id, None))
         return RequestStream(self, request_id, queue)
+
+    def _plan(self, request_id: str, ids: list[int], session_id: str | None, priority: int,
+              cache_salt: str | None) -> PDPlan | None:
+        """The planner's placement, both legs counted (None: no planner)."""
+        if self.planner is None:
+            return None
+        hashes = self.decode.block_hashes(ids, cache_salt)
+        try:
+            return self.planner.plan(RouteRequest(request_id, len(ids), hashes, session_id,
+                                                  priority), time.monotonic())
+        except RoutingError as exc:  # no decode replica ready
+            raise RejectedError(exc.reason, exc.retry_after, str(exc)) from None
+
+    def _release(self, request_id: str) -> None:
+        """The planned decode leg was never sent: uncount it."""
+        if self.planner is not None:
+            self.planner.router.finished(request_id, time.monotonic(), learn=False)
 
     async def _go_on(self, request_id: str, ids: list[int], params: SamplingParams,
                      prefill: RequestStream, queue: asyncio.Queue, common: dict) -> None:
         """Pass the first token on, then the decode part's outputs (or the
         colocated re-run's, if the prefill replica died)."""
+        sent = False  # the decode leg: once sent, its pool uncounts it
         try:
             try:
-                first = await self._first_output(prefill)
+                first = await self._first_output(prefill, request_id)
             except EngineDeadError as exc:  # nothing reached the client yet
-                self._ran_colocated(request_id, exc)
+                self._rescue(request_id, exc)
+                sent = True
                 rest = await self.decode.add_request(ids, params, request_id, **common)
                 await _forward(rest, queue)
                 return
-            if first.finished:  # a stop, a rejection or an abort: that is all
-                queue.put_nowait(first)
-                return
             queue.put_nowait(first)
+            if first.finished:  # a stop, a rejection or an abort: that is all
+                return
             self.handoffs += 1
             handoff = Handoff("decode", list(first.token_ids), first.logprobs)
+            sent = True
             rest = await self.decode.add_request(ids, params, request_id, handoff=handoff,
                                                  delivered_text=first.text, **common)
             await _forward(rest, queue, first)
@@ -169,20 +232,25 @@ class PDFleet:
             raise  # aborted: the stream being read (and so its request) was closed
         except BaseException as exc:  # noqa: BLE001 - the client's error, not ours
             queue.put_nowait(exc)
+        finally:
+            if not sent:
+                self._release(request_id)
 
-    def _ran_colocated(self, request_id: str, error: BaseException) -> None:
+    def _rescue(self, request_id: str, error: BaseException) -> None:
         log.warning("request %s: its prefill replica died (%s); running it on a decode "
                     "replica", request_id, error)
-        self.colocated += 1
+        self.rescued += 1
 
     @staticmethod
-    async def _first_output(prefill: RequestStream) -> RequestOutput:
+    async def _first_output(prefill: RequestStream, request_id: str) -> RequestOutput:
         """The prefill part's final output, made the first of the whole
-        request unless it ended it (a stop token or string, a rejection)."""
+        request (``request_id``'s) unless it ended it (a stop token or
+        string, a rejection)."""
         output = None
         async for output in prefill:
             pass
         assert output is not None and output.finished
+        output.request_id = request_id
         if output.finish_reason == "length" and output.num_output_tokens:
             output.finished, output.finish_reason, output.finish_time = False, None, None
         return output
@@ -207,6 +275,17 @@ class PDFleet:
 
     def check_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
         self.decode.check_prompt(token_ids, params)
+
+    def report(self) -> dict:
+        """For /carpool/policy: the placements so far and how they are made."""
+        planner = self.planner
+        placement = {"mode": "always", "placed_by": "each pool"} if planner is None else {
+            "mode": "always" if planner.always else "conditional", "placed_by": "planner",
+            "link": {"bandwidth_gbps": planner.link.bandwidth / 1e9,
+                     "latency_s": planner.link.latency},
+            "min_remote_tokens": planner.min_remote_tokens}
+        return {**placement, "handoffs": self.handoffs, "colocated": self.colocated,
+                "rescued": self.rescued}
 
     # -- the engine interface's state ------------------------------------------------------
 

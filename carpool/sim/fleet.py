@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from carpool.cluster import POLICIES, Health, ReplicaView, Role, Router, RouteRequest
 from carpool.cluster.autoscaler import PoolScaler, PoolSignals
 from carpool.cluster.kv_tier import SharedKVTier, TierClient
-from carpool.cluster.pd import KVShape
+from carpool.cluster.pd import KVShape, PDPlanner
 from carpool.config import EngineConfig
 from carpool.scheduler.block_pool import ROOT_HASH, BlockKeyChain
 from carpool.sim.pd import FleetPD, PDSettings
@@ -103,10 +103,10 @@ class _PrefillEvents(_Events):
         self.pd = pd
 
     def first_token(self, index: int, now: float) -> None:
-        self.router.first_token(f"{index}:prefill", now)
+        self.router.first_token(PDPlanner.prefill_leg(str(index)), now)
 
     def finished(self, index: int, now: float, ok: bool, queued_s: float = 0.0) -> None:
-        self.router.finished(f"{index}:prefill", now, learn=ok, queued_s=queued_s)
+        self.router.finished(PDPlanner.prefill_leg(str(index)), now, learn=ok, queued_s=queued_s)
         self.pd.prefill_done(index, now, self.router)
 
 

@@ -20,12 +20,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from carpool.cluster import Router, RouteRequest
-from carpool.cluster.pd import KVShape, Link, PDPlan, PDPlanner
+from carpool.cluster.pd import PD_MODES, KVShape, Link, PDPlan, PDPlanner
 from carpool.scheduler import Request
 from carpool.workload.stats import OK, RequestRecord
 from carpool.workload.traces import TraceRequest
-
-PD_MODES = ("conditional", "always")
 
 
 @dataclass(frozen=True)
