@@ -6,11 +6,17 @@ a CPU each), KV blocks moving through Ray's object store
 Greedy completions over HTTP are those of an in-process colocated engine
 (``carpool.LLM``); each went from the prefill to the decode replica, whose
 store metrics show the prompts' blocks loaded; streaming sends the first
-token (the prefill's) as its own event; no KV block stays held.
+token (the prefill's) as its own event; no KV block stays held. A replica killed mid-request: a prefill one costs
+the client nothing (Ray Serve retries it, or it runs on the decode
+replica), a decode one ends the stream with an error event after the first
+token; Ray Serve restarts both and no block stays held.
 """
 from __future__ import annotations
 
 import json
+import os
+import signal
+import threading
 import time
 
 import httpx
@@ -96,11 +102,69 @@ def test_pd_on_ray_answers_as_colocated_loading_blocks_through_the_object_store(
                                                  "max_tokens": 1}).json()
         assert one["usage"]["completion_tokens"] == 1
         assert http.get("/carpool/policy").json()["pd"]["handoffs"] == len(PROMPTS) + 1
-        # No KV block stays held on either replica.
-        deadline = time.monotonic() + 20
-        while True:
-            usage = _metrics(http, "carpool:replica_kv_cache_usage_perc")
-            if len(usage) == 2 and not any(usage.values()):
-                break
-            assert time.monotonic() < deadline, usage
-            time.sleep(0.25)
+        _usage_back_to_zero(http)  # no KV block stays held on either replica
+
+
+def _usage_back_to_zero(http: httpx.Client) -> None:
+    """Every serving replica's KV pool back to no block in use (the stats of
+    replicas that died leave after STALE_S)."""
+    deadline = time.monotonic() + 40
+    while True:
+        usage = _metrics(http, "carpool:replica_kv_cache_usage_perc")
+        if len(usage) == 2 and not any(usage.values()):
+            return
+        assert time.monotonic() < deadline, usage
+        time.sleep(0.25)
+
+
+def _pids(http: httpx.Client, besides: tuple[int, ...] = ()) -> dict[str, int]:
+    """Each pool's replica process (as the replicas' stats replies name it),
+    none of ``besides`` (killed ones: wait for Ray Serve's restart)."""
+    deadline = time.monotonic() + 90
+    while True:
+        pd = http.get("/carpool/policy").json()["pd"]
+        pids = {pool: {v["pid"] for v in pd[pool]["replicas"]} - {None, *besides}
+                for pool in ("prefill", "decode")}
+        if all(len(found) == 1 for found in pids.values()):
+            return {pool: found.pop() for pool, found in pids.items()}
+        assert time.monotonic() < deadline, pd
+        time.sleep(0.25)
+
+
+def _stream(http: httpx.Client, prompt: list[int]):
+    return http.stream("POST", "/v1/completions", json={
+        "model": "m", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+        "ignore_eos": True, "stream": True})
+
+
+def test_pd_on_ray_survives_a_dead_prefill_or_decode_replica(pd_app, expected):
+    with httpx.Client(base_url=pd_app, timeout=120) as http:
+        pids = _pids(http)
+        before = http.get("/carpool/policy").json()["pd"]
+        os.kill(pids["prefill"], signal.SIGSTOP)  # it takes the request and never answers
+        threading.Timer(0.5, os.kill, [pids["prefill"], signal.SIGKILL]).start()
+        with _stream(http, PROMPTS[3]) as response:
+            events = [json.loads(line[6:]) for line in response.iter_lines()
+                      if line.startswith("data: {")]
+        assert "".join(e["choices"][0]["text"] for e in events) == expected[3]
+        after = http.get("/carpool/policy").json()["pd"]
+        # Run on the decode replica, or retried by Ray Serve on the restarted one.
+        assert (after["rescued"] - before["rescued"]) + (after["handoffs"] -
+                                                        before["handoffs"]) == 1
+        pids = _pids(http, besides=(pids["prefill"],))
+        os.kill(pids["decode"], signal.SIGSTOP)  # the handoff reaches it and goes nowhere
+        with _stream(http, PROMPTS[0]) as response:
+            lines = response.iter_lines()
+            first = json.loads(next(line for line in lines if line.startswith("data: {"))[6:])
+            assert first["choices"][0]["text"]  # the first token came from the prefill
+            os.kill(pids["decode"], signal.SIGKILL)
+            rest = [line for line in lines if line.startswith("data: ")]
+        errors = [json.loads(line[6:]) for line in rest if '"error"' in line]
+        assert errors and "engine" in errors[0]["error"]["message"]
+        assert rest[-1] == "data: [DONE]"
+        _pids(http, besides=(pids["decode"],))  # Ray Serve restarted it
+        api = openai.OpenAI(base_url=pd_app + "/v1", api_key="none", max_retries=0, timeout=60)
+        again = api.completions.create(model="m", prompt=PROMPTS[1], max_tokens=MAX_TOKENS,
+                                       temperature=0, extra_body={"ignore_eos": True})
+        assert again.choices[0].text == expected[1]
+        _usage_back_to_zero(http)

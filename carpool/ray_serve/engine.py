@@ -89,12 +89,12 @@ class RayEngine:
         self.on_failure = None
         self.last_progress = time.monotonic()
         self._replicas: dict[str, tuple[float, EngineStats]] = {}
+        self._pids: dict[str, int] = {}  # replica -> its process (its stats replies say)
         # The routing as this ingress saw it, in the local fleet's form (its
         # /carpool/policy section): a Router that never chooses, only told
         # the decisions Ray's request router made (returned by the replicas
         # with Accepted) and the replicas' polled stats.
         self.router = Router(routing)
-        self.clients: dict = {}  # no worker processes of ours (the fleet's pids)
         self.scaler = None  # the autoscaler runs in Ray's controller
         self.restarts = self.rerouted = 0  # Ray Serve restarts replicas and retries
         self._last_stats = first.stats
@@ -262,6 +262,10 @@ class RayEngine:
                                      routed.predicted_ttft)
         self.router.assign(RouteRequest(request_id, prompt_tokens), decision, time.monotonic())
 
+    def replica_pid(self, name: str) -> int | None:
+        """The process of replica ``name`` as its latest stats reply said."""
+        return self._pids.get(name) or None
+
     def _view(self, name: str) -> None:
         if name not in self.router.views:
             self.router.add_replica(ReplicaView(name))
@@ -269,6 +273,7 @@ class RayEngine:
     def _record(self, reply: StatsReply) -> None:
         now = time.monotonic()
         self._replicas[reply.replica] = (now, reply.stats)
+        self._pids[reply.replica] = reply.pid
         self.last_progress = now
         stats = reply.stats
         self._view(reply.replica)
@@ -278,6 +283,7 @@ class RayEngine:
         for name, (seen, _) in list(self._replicas.items()):
             if now - seen > STALE_S:
                 del self._replicas[name]
+                self._pids.pop(name, None)
                 self.router.remove_replica(name)
 
     async def _poll(self) -> None:

@@ -175,7 +175,7 @@ class EngineReplica:
     async def stats(self) -> bytes:
         """This replica's ``StatsReply`` (the ingress polls it for /metrics)."""
         return self._encoder.encode(StatsReply(self.name, self.current_stats(),
-                                               self.engine.info))
+                                               self.engine.info, os.getpid()))
 
     def current_stats(self) -> EngineStats:
         """The engine thread's latest snapshot, its KV store counters read

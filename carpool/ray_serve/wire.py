@@ -107,6 +107,7 @@ class StatsReply(msgspec.Struct, array_like=True):
     replica: str
     stats: EngineStats
     info: EngineInfo
+    pid: int = 0  # the replica's process (for /carpool/policy)
 
 
 stats_decoder = msgspec.msgpack.Decoder(StatsReply)

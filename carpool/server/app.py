@@ -230,7 +230,7 @@ def _routing(engine) -> dict:
     views = [{"replica": v.replica_id, "role": v.role.value, "health": v.health.value,
               "in_flight": v.in_flight, "waiting": v.waiting, "running": v.running,
               "kv_usage": v.kv_usage,
-              "pid": getattr(engine.clients.get(v.replica_id), "pid", None)} for v in own]
+              "pid": engine.replica_pid(v.replica_id)} for v in own]
     scaling = {}
     if engine.scaler is not None:
         scaling = {"scaling": {"replicas": engine.scaler.replicas, "events": [

@@ -322,6 +322,10 @@ class FleetEngine:
             return None
         return f"{len(self._restarting)} replica(s) restarting, {len(self.clients)} serving"
 
+    def replica_pid(self, replica_id: str) -> int | None:
+        """The worker process of ``replica_id`` (None: not serving now)."""
+        return getattr(self.clients.get(replica_id), "pid", None)
+
     def views(self) -> list[ReplicaView]:
         """This pool's replicas as the router sees them."""
         return [v for v in self.router.views.values() if v.replica_id in self.clients]
