@@ -166,6 +166,8 @@ class TorchExecutor(Executor):
         self.kv_caches = [(self._cache_tensor(k_shape), self._cache_tensor(v_shape))
                           for _ in range(model_config.num_layers)]
         self.sampler = Sampler(model_config.vocab_size)
+        if self.cpu_ops is not None and self.device.type == "cpu":
+            self.sampler.row_argmax = self.cpu_ops.row_argmax
         self.graphs = self._capture_graphs(settings, max_model_len, max_num_seqs, graph_type)
 
     def _cache_tensor(self, shape: tuple[int, ...]) -> torch.Tensor:

@@ -76,6 +76,13 @@ class SwitchingCpuOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def row_argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """The first index of each row's max (as ``torch.max(dim)``, which
+        the portable path is: the same indices either way)."""
+        if self._kernels is not None:
+            return self._kernels.row_argmax(x)
+        return x.max(dim=-1).indices
+
     def packed_linear(self, *args):  # noqa: ANN002, ANN201
         """The kernel's packed bf16 linear (carpool/model/packed_linear.py);
         only once `active`."""

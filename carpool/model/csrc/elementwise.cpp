@@ -4,8 +4,11 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <limits>
 
 namespace {
 
@@ -32,6 +35,50 @@ void rms_norm_rows(const T* x, const T* weight, T* out, int64_t rows, int64_t co
       }
     }
   });
+}
+
+// The first index of each row's largest value, as torch.max(dim) gives it
+// (a NaN counts as the largest: the first NaN's index). The sampler's greedy
+// rows: ATen's bf16 max walks a 49k-wide row element by element. One
+// vectorized pass keeps the max of each chunk of 64 and the first chunk
+// that raised the running max (NaNs are found by their bits, which
+// -ffast-math cannot assume away); then that chunk is searched.
+constexpr int64_t kArgmaxChunk = 64;
+
+inline float bf16_bits_to_float(uint16_t b) {
+  const uint32_t wide = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &wide, sizeof f);
+  return f;
+}
+
+inline bool bf16_is_nan(uint16_t b) { return (b & 0x7fff) > 0x7f80; }
+
+int64_t argmax_row(const at::BFloat16* row, int64_t n) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(row);
+  float best = -std::numeric_limits<float>::infinity();
+  int64_t best_chunk = 0;
+  int nan = 0;
+  for (int64_t start = 0; start < n; start += kArgmaxChunk) {
+    const int64_t stop = std::min(n, start + kArgmaxChunk);
+    float chunk_max = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : chunk_max) reduction(| : nan)
+    for (int64_t i = start; i < stop; ++i) {
+      chunk_max = std::max(chunk_max, bf16_bits_to_float(bits[i]));
+      nan |= bf16_is_nan(bits[i]);
+    }
+    if (chunk_max > best) {
+      best = chunk_max;
+      best_chunk = start;
+    }
+  }
+  if (nan) {
+    for (int64_t i = 0; i < n; ++i)
+      if (bf16_is_nan(bits[i])) return i;
+  }
+  for (int64_t i = best_chunk; i < n; ++i)
+    if (bf16_bits_to_float(bits[i]) == best) return i;
+  return 0;  // every value -inf
 }
 
 // SwiGLU: out = silu(gate) * up for x = [gate | up] along the last dim.
@@ -74,6 +121,22 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
   auto out = torch::empty({x.size(0), half}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "silu_and_mul", [&] {
     silu_and_mul_rows<scalar_t>(x.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), x.size(0), half);
+  });
+  return out;
+}
+
+torch::Tensor row_argmax(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2, "expected [rows, cols]");
+  // ATen's own max is vectorized for float32 (and fast enough): bf16 only.
+  if (x.scalar_type() != at::kBFloat16 || x.stride(1) != 1 || x.size(1) == 0) {
+    return std::get<1>(x.max(1));
+  }
+  const int64_t rows = x.size(0), cols = x.size(1), stride = x.stride(0);
+  auto out = torch::empty({rows}, x.options().dtype(at::kLong));
+  int64_t* idx = out.data_ptr<int64_t>();
+  const at::BFloat16* data = x.data_ptr<at::BFloat16>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) idx[r] = argmax_row(data + r * stride, cols);
   });
   return out;
 }

@@ -322,6 +322,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
 
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor silu_and_mul(torch::Tensor x);
+torch::Tensor row_argmax(torch::Tensor x);
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias);
 bool packed_linear_native();
 torch::Tensor int4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
@@ -337,6 +338,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Decode attention over paged K/V (one query token per sequence)");
   m.def("rms_norm", &rms_norm, "RMSNorm over rows, fp32 math");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up for rows of [gate | up]");
+  m.def("row_argmax", &row_argmax, "first index of each row's max, as torch.max(dim)");
   m.def("packed_linear", &packed_linear, "x [rows, in] bf16 times a packed weight (+ bias)");
   m.def("decode_attention_block", &decode_attention_block,
         "Rotary, K/V cache write and paged attention of a decode-only step's layer");
