@@ -14,6 +14,8 @@
 #include <ATen/Parallel.h>
 
 #include <cstdint>
+#include <cstring>
+#include <vector>
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
                                      torch::Tensor v_cache, torch::Tensor block_tables,
@@ -48,6 +50,52 @@ inline void rotate_heads(const T* x, const T* cos, const T* sin, int64_t heads, 
 }
 
 #pragma GCC pop_options
+
+// bf16 as torch rounds it (c10's round to nearest even, NaN -> 0x7FC0), in
+// integer ops: inlined and vectorized, which the no-fast-math functions
+// above cannot be (GCC does not inline c10's conversions into a function of
+// other optimize options: 8% of a 64-sequence decode step went to those
+// calls). A lone product or sum is IEEE's under -ffast-math too, and the
+// roundings between them are integer ops that no contraction crosses, so
+// this computes what rotate_heads does, bit for bit.
+inline float bf16_float(uint16_t b) {
+  const uint32_t wide = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &wide, sizeof f);
+  return f;
+}
+
+inline uint16_t float_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+  return static_cast<uint16_t>((u + (((u >> 16) & 1u) + 0x7fffu)) >> 16);
+}
+
+inline float round_bf16(float f) { return bf16_float(float_bf16(f)); }
+
+inline void rotate_heads(const at::BFloat16* x16, const at::BFloat16* cos16,
+                         const at::BFloat16* sin16, int64_t heads, int64_t dim,
+                         at::BFloat16* out16) {
+  const uint16_t* x = reinterpret_cast<const uint16_t*>(x16);
+  const uint16_t* cos = reinterpret_cast<const uint16_t*>(cos16);
+  const uint16_t* sin = reinterpret_cast<const uint16_t*>(sin16);
+  uint16_t* out = reinterpret_cast<uint16_t*>(out16);
+  const int64_t half = dim / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    const uint16_t* xh = x + h * dim;
+    uint16_t* oh = out + h * dim;
+#pragma omp simd
+    for (int64_t i = 0; i < half; ++i) {
+      const float x1 = bf16_float(xh[i]), x2 = bf16_float(xh[i + half]);
+      const float c = bf16_float(cos[i]), s = bf16_float(sin[i]);
+      const float a = round_bf16(x1 * c), b = round_bf16(x2 * s);
+      const float d = round_bf16(x2 * c), e = round_bf16(x1 * s);
+      oh[i] = float_bf16(a - b);
+      oh[i + half] = float_bf16(d + e);
+    }
+  }
+}
 
 }  // namespace
 
@@ -90,23 +138,26 @@ torch::Tensor decode_attention_block(torch::Tensor qkv, torch::Tensor cos, torch
     scalar_t* kc = k_cache.data_ptr<scalar_t>();
     scalar_t* vc = v_cache.data_ptr<scalar_t>();
     const int64_t head_stride = num_blocks * block_size * dim;
-    std::vector<scalar_t> k_rot(kv_heads * dim);
-    for (int64_t t = 0; t < tokens; ++t) {
-      const scalar_t* row = src + t * width;
-      const scalar_t *c = cp + t * (dim / 2), *s = sp + t * (dim / 2);
-      rotate_heads(row, c, s, heads, dim, qp + t * heads * dim);
-      rotate_heads(row + heads * dim, c, s, kv_heads, dim, k_rot.data());
-      const scalar_t* v = row + (heads + kv_heads) * dim;
-      for (int64_t h = 0; h < kv_heads; ++h) {
-        // K blocks are stored transposed: [D, BS]; V blocks [BS, D].
-        scalar_t* kb = kc + h * head_stride + blocks[t] * dim * block_size + offsets[t];
-        scalar_t* vb = vc + h * head_stride + (blocks[t] * block_size + offsets[t]) * dim;
-        for (int64_t i = 0; i < dim; ++i) {
-          kb[i * block_size] = k_rot[h * dim + i];
-          vb[i] = v[h * dim + i];
+    // Tokens write distinct cache slots (the scheduler gives each its own).
+    at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+      std::vector<scalar_t> k_rot(kv_heads * dim);
+      for (int64_t t = begin; t < end; ++t) {
+        const scalar_t* row = src + t * width;
+        const scalar_t *c = cp + t * (dim / 2), *s = sp + t * (dim / 2);
+        rotate_heads(row, c, s, heads, dim, qp + t * heads * dim);
+        rotate_heads(row + heads * dim, c, s, kv_heads, dim, k_rot.data());
+        const scalar_t* v = row + (heads + kv_heads) * dim;
+        for (int64_t h = 0; h < kv_heads; ++h) {
+          // K blocks are stored transposed: [D, BS]; V blocks [BS, D].
+          scalar_t* kb = kc + h * head_stride + blocks[t] * dim * block_size + offsets[t];
+          scalar_t* vb = vc + h * head_stride + (blocks[t] * block_size + offsets[t]) * dim;
+          for (int64_t i = 0; i < dim; ++i) {
+            kb[i * block_size] = k_rot[h * dim + i];
+            vb[i] = v[h * dim + i];
+          }
         }
       }
-    }
+    });
   });
   return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
       .view({tokens, heads * dim});
