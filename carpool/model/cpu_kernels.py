@@ -33,6 +33,7 @@ from carpool.paths import default_cache_dir
 _SOURCES = [str(Path(__file__).parent / "csrc" / name)
             for name in ("paged_attention.cpp", "elementwise.cpp", "packed_linear.cpp",
                           "packed_int4.cpp", "decode_block.cpp")]
+_HEADERS = [str(Path(__file__).parent / "csrc" / "bf16.h")]  # a change rebuilds too
 _NAME = "carpool_cpu_ops"
 # A built extension loads in about a second; past this, serve without it.
 _LOAD_WAIT_S = 10.0
@@ -97,7 +98,8 @@ def is_built(build_dir: Path) -> bool:
     decides for sure when loading; this only picks where to compile)."""
     built = build_dir / f"{_NAME}.so"
     try:
-        return built.stat().st_mtime >= max(os.stat(src).st_mtime for src in _SOURCES)
+        return built.stat().st_mtime >= max(os.stat(src).st_mtime
+                                             for src in _SOURCES + _HEADERS)
     except OSError:
         return False
 

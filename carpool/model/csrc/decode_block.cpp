@@ -17,6 +17,8 @@
 #include <cstring>
 #include <vector>
 
+#include "bf16.h"
+
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
                                      torch::Tensor v_cache, torch::Tensor block_tables,
                                      torch::Tensor context_lens, double scale);
@@ -51,26 +53,14 @@ inline void rotate_heads(const T* x, const T* cos, const T* sin, int64_t heads, 
 
 #pragma GCC pop_options
 
-// bf16 as torch rounds it (c10's round to nearest even, NaN -> 0x7FC0), in
-// integer ops: inlined and vectorized, which the no-fast-math functions
-// above cannot be (GCC does not inline c10's conversions into a function of
-// other optimize options: 8% of a 64-sequence decode step went to those
-// calls). A lone product or sum is IEEE's under -ffast-math too, and the
+// bf16 as torch rounds it, in integer ops (bf16.h): inlined and vectorized,
+// which the no-fast-math functions above cannot be (GCC does not inline
+// c10's conversions into a function of other optimize options: 8% of a
+// 64-sequence decode step went to those calls). A lone product or sum is IEEE's under -ffast-math too, and the
 // roundings between them are integer ops that no contraction crosses, so
 // this computes what rotate_heads does, bit for bit.
-inline float bf16_float(uint16_t b) {
-  const uint32_t wide = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &wide, sizeof f);
-  return f;
-}
-
-inline uint16_t float_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-  return static_cast<uint16_t>((u + (((u >> 16) & 1u) + 0x7fffu)) >> 16);
-}
+using carpool::bf16_float;
+using carpool::float_bf16;
 
 inline float round_bf16(float f) { return bf16_float(float_bf16(f)); }
 

@@ -10,7 +10,11 @@
 #include <cstring>
 #include <limits>
 
+#include "bf16.h"
+
 namespace {
+
+using carpool::bf16_float;
 
 template <typename T>
 inline float widen(T v) { return static_cast<float>(v); }
@@ -45,13 +49,6 @@ void rms_norm_rows(const T* x, const T* weight, T* out, int64_t rows, int64_t co
 // -ffast-math cannot assume away); then that chunk is searched.
 constexpr int64_t kArgmaxChunk = 64;
 
-inline float bf16_bits_to_float(uint16_t b) {
-  const uint32_t wide = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &wide, sizeof f);
-  return f;
-}
-
 inline bool bf16_is_nan(uint16_t b) { return (b & 0x7fff) > 0x7f80; }
 
 int64_t argmax_row(const at::BFloat16* row, int64_t n) {
@@ -64,7 +61,7 @@ int64_t argmax_row(const at::BFloat16* row, int64_t n) {
     float chunk_max = -std::numeric_limits<float>::infinity();
 #pragma omp simd reduction(max : chunk_max) reduction(| : nan)
     for (int64_t i = start; i < stop; ++i) {
-      chunk_max = std::max(chunk_max, bf16_bits_to_float(bits[i]));
+      chunk_max = std::max(chunk_max, bf16_float(bits[i]));
       nan |= bf16_is_nan(bits[i]);
     }
     if (chunk_max > best) {
@@ -77,7 +74,7 @@ int64_t argmax_row(const at::BFloat16* row, int64_t n) {
       if (bf16_is_nan(bits[i])) return i;
   }
   for (int64_t i = best_chunk; i < n; ++i)
-    if (bf16_bits_to_float(bits[i]) == best) return i;
+    if (bf16_float(bits[i]) == best) return i;
   return 0;  // every value -inf
 }
 
