@@ -238,6 +238,10 @@ SERVER_FLAGS: list[Flag] = [
        "P/D: GB/s the planner prices a KV transfer at"),
     _f("--pd-latency", "pd_latency", float, "SECONDS", "P/D: seconds per KV transfer besides "
        "the bytes"),
+    _f("--pd-stall-weight", "pd_stall_weight", float, "W",
+       "P/D conditional: what a colocated prefill's stall of the decode replica's running "
+       "requests weighs against the request's own TTFT (default 0: its own TTFT only; 1: "
+       "request-seconds alike)"),
     _f("--pd-min-remote-tokens", "pd_min_remote_tokens", int, "N",
        "P/D conditional: shortest uncached prompt prefilled remotely (0: the predictions decide)"),
     _f("--routing", "routing", str, "POLICY",

@@ -51,7 +51,9 @@
 # one prefill and one decode replica of one thread each (`--prefill 1
 # --decode 1`, the prompt's KV streamed through the front's store), real only;
 # pd-1-1-conditional the same fleet whose planner keeps a request on the
-# decode replica where the transfer does not pay (`--pd-mode conditional`).
+# decode replica where the transfer does not pay (`--pd-mode conditional`);
+# pd-1-1-conditional-stall weighs what a colocated prefill stalls of the
+# decode replica's running requests (`--pd-stall-weight 1`).
 #
 #   scripts/fleet_compare.sh                          # ~25 min on 2 cores, alone
 #   COUNT=12 GRID=smoke OUT=/tmp/fc scripts/fleet_compare.sh   # a smoke run
@@ -176,6 +178,8 @@ run_case() {  # $1: name, $2: replicas, $3: routing, $4: threads, $5: cost model
   if [ "$replicas" = pd ]; then fleet=(--prefill 1 --decode 1)
   elif [ "$replicas" = pd-conditional ]; then
     fleet=(--prefill 1 --decode 1 --pd-mode conditional)
+  elif [ "$replicas" = pd-conditional-stall ]; then
+    fleet=(--prefill 1 --decode 1 --pd-mode conditional --pd-stall-weight 1)
   elif [ "$replicas" -gt 1 ]; then fleet=(--replicas "$replicas" --routing "$routing"); fi
   if [ -n "$store" ]; then fleet+=(--kv-store local); fi
   mkdir -p "$dir"
@@ -238,6 +242,7 @@ for name in "${CASES[@]}"; do
     two-router*) threads=$HALF; replicas=2; routing=predicted-ttft ;;
     pd-1-1) threads=$HALF; replicas=pd; routing=predicted-ttft ;;
     pd-1-1-conditional) threads=$HALF; replicas=pd-conditional; routing=predicted-ttft ;;
+    pd-1-1-conditional-stall) threads=$HALF; replicas=pd-conditional-stall; routing=predicted-ttft ;;
     *) echo "unknown case $name" >&2; exit 2 ;;
   esac
   case "$name" in *-store|pd-*) store=1 ;; *) store="" ;; esac  # real only

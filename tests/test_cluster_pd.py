@@ -146,3 +146,25 @@ def test_always_disaggregates_even_what_would_not_pay():
     # Without a prefill pool there is nothing to disaggregate to.
     alone = PDPlanner(fleet(prefill=0), LLAMA_8B, always=True)
     assert not alone.plan(RouteRequest("t", 4000), 0.0).disaggregated
+
+
+def test_a_busy_decode_replica_weighs_the_stall_a_colocated_prefill_would_cause():
+    """The prefill pool is queued (its first token later than a colocated
+    one), but the decode replica runs 60 decodes that a colocated prefill
+    would each stall once: weighed (the default), remote prefill wins;
+    without the weight, the request's own TTFT keeps it colocated."""
+    def plan(stall_weight):
+        router = fleet(prefill=1, decode=1)
+        worker, = router.candidates(Role.PREFILL)
+        worker.in_flight = worker.prefilling = 6
+        worker.pending_prefill_tokens = 6 * 4000
+        home, = router.candidates(Role.DECODE)
+        home.in_flight = 60  # decoding, none prefilling
+        return PDPlanner(router, LLAMA_8B, Link(bandwidth=50e9),
+                         stall_weight=stall_weight).plan(RouteRequest("q", 4000), 0.0)
+
+    assert not plan(0.0).disaggregated
+    weighed = plan(1.0)
+    assert weighed.disaggregated and weighed.predicted_ttft is not None
+    with pytest.raises(ValueError, match="stall_weight"):
+        PDPlanner(fleet(), LLAMA_8B, stall_weight=-1)

@@ -79,6 +79,9 @@ class ServerConfig:
     pd_bandwidth: float = 0.5
     pd_latency: float = 0.0002
     pd_min_remote_tokens: int = 0
+    # conditional: what a colocated prefill's stall of the decode replica's
+    # running requests weighs against the request's own TTFT (PDPlanner).
+    pd_stall_weight: float = 0.0
     # The fleet router's policy (carpool.cluster.policies.POLICIES).
     routing: str = "predicted-ttft"
     # Live replica counts (carpool.cluster.autoscaler): reactive | predictive,
@@ -117,6 +120,8 @@ class ServerConfig:
         if not self.pd_bandwidth > 0 or not self.pd_latency >= 0:  # also rejects NaN
             raise ValueError(f"P/D link needs pd_bandwidth > 0 GB/s and pd_latency >= 0 s, "
                              f"got {self.pd_bandwidth} and {self.pd_latency}")
+        if not self.pd_stall_weight >= 0:
+            raise ValueError(f"pd_stall_weight must be >= 0, got {self.pd_stall_weight}")
         if self.pd_min_remote_tokens < 0:
             raise ValueError(f"pd_min_remote_tokens must be >= 0, got "
                              f"{self.pd_min_remote_tokens}")

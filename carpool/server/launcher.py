@@ -239,7 +239,8 @@ async def _serve_with_worker(engine_config: EngineConfig, server_config: ServerC
             client = await PDFleet.start(engine_config, server_config.prefill,
                                          server_config.decode, server_config.routing,
                                          server_config.pd_mode, server_config.pd_link(),
-                                         server_config.pd_min_remote_tokens, **launch)
+                                         server_config.pd_min_remote_tokens,
+                                         server_config.pd_stall_weight, **launch)
         elif server_config.replicas > 1 or server_config.autoscale:
             autoscale = server_config.autoscale_config() if server_config.autoscale else None
             client = await FleetEngine.start(engine_config, server_config.replicas,

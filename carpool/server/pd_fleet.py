@@ -99,10 +99,11 @@ class PDFleet:
     async def start(cls, config: EngineConfig, prefill: int, decode: int,
                     routing: str = "predicted-ttft", mode: str = "always",
                     link: Link | None = None, min_remote_tokens: int = 0,
-                    **launch) -> "PDFleet":
+                    stall_weight: float = 0.0, **launch) -> "PDFleet":
         """Start both pools (concurrently) on one secret, one router and one
         KV store (``kv_store`` unset or ``local``: served by this process);
-        ``mode``, ``link``, ``min_remote_tokens``: the planner's (``PDPlanner``)."""
+        ``mode``, ``link``, ``min_remote_tokens``, ``stall_weight``: the
+        planner's (``PDPlanner``)."""
         if prefill < 1 or decode < 1:
             raise ValueError(f"P/D serving needs prefill and decode replicas, got {prefill}:"
                              f"{decode}")
@@ -135,7 +136,8 @@ class PDFleet:
             raise failure
         layers, heads, head_dim, dtype_bytes = pools[1].info.kv_shape
         planner = PDPlanner(router, KVShape(layers, heads, head_dim, dtype_bytes), link,
-                            min_remote_tokens, always=mode == "always")
+                            min_remote_tokens, always=mode == "always",
+                            stall_weight=stall_weight)
         return cls(*pools, store_server, planner)
 
     # -- requests ----------------------------------------------------------------------
@@ -283,7 +285,8 @@ class PDFleet:
             "mode": "always" if planner.always else "conditional", "placed_by": "planner",
             "link": {"bandwidth_gbps": planner.link.bandwidth / 1e9,
                      "latency_s": planner.link.latency},
-            "min_remote_tokens": planner.min_remote_tokens}
+            "min_remote_tokens": planner.min_remote_tokens,
+            "stall_weight": planner.stall_weight}
         return {**placement, "handoffs": self.handoffs, "colocated": self.colocated,
                 "rescued": self.rescued}
 

@@ -126,6 +126,10 @@ def add_pd_args(parser: argparse.ArgumentParser, *, pools: bool = True) -> None:
     group.add_argument("--pd-min-remote-tokens", type=int, default=0,
                        help="shortest uncached prompt the planner prefills remotely (default 0: "
                             "the predicted first tokens decide)")
+    group.add_argument("--pd-stall-weight", type=float, default=0.0,
+                       help="conditional: what a colocated prefill's stall of the decode "
+                            "replica's running requests weighs against the request's own "
+                            "TTFT (default 0: its own TTFT only; 1: request-seconds alike)")
 
 
 def pd_from_args(args: argparse.Namespace, prefill_replicas: int | None = None,
@@ -137,7 +141,8 @@ def pd_from_args(args: argparse.Namespace, prefill_replicas: int | None = None,
     if not prefill:
         return None
     return PDSettings(prefill, mode or args.pd_mode, args.pd_bandwidth * 1e9, args.pd_latency,
-                      args.pd_min_remote_tokens, getattr(args, "pd_link", ()))
+                      args.pd_min_remote_tokens, getattr(args, "pd_link", ()),
+                      args.pd_stall_weight)
 
 
 def parse_pd_links(text: str) -> tuple[tuple[int, int, float, float], ...]:

@@ -40,6 +40,9 @@ class PDSettings:
     # Links that differ from the pools' one: (prefill index, decode index,
     # bytes per second, latency seconds), e.g. a decode replica in another rack.
     links: tuple[tuple[int, int, float, float], ...] = ()
+    # What a colocated prefill's stall of the decode replica's running
+    # requests weighs against the request's own TTFT (PDPlanner).
+    stall_weight: float = 0.0
 
     def validate(self, replicas: int) -> PDSettings:
         if not 1 <= self.prefill_replicas < replicas:
@@ -94,7 +97,8 @@ class FleetPD:
         self.settings = settings
         self.planner = PDPlanner(router, kv, Link(settings.bandwidth, settings.latency),
                                  settings.min_remote_tokens, always=settings.mode == "always",
-                                 links=settings.link_table())
+                                 links=settings.link_table(),
+                                 stall_weight=settings.stall_weight)
         self.replica = replica
         self.inboxes: dict[str, TransferInbox] = {}
         # Plan index -> (plan, request, its record, its prefill leg's record).
