@@ -240,7 +240,7 @@ SERVER_FLAGS: list[Flag] = [
        "the bytes"),
     _f("--pd-stall-weight", "pd_stall_weight", float, "W",
        "P/D conditional: what a colocated prefill's stall of the decode replica's running "
-       "requests weighs against the request's own TTFT (default 0: its own TTFT only; 1: "
+       "requests weighs against the request's own TTFT (0: its own TTFT only; 1: "
        "request-seconds alike)"),
     _f("--pd-min-remote-tokens", "pd_min_remote_tokens", int, "N",
        "P/D conditional: shortest uncached prompt prefilled remotely (0: the predictions decide)"),
