@@ -230,18 +230,14 @@ SERVER_FLAGS: list[Flag] = [
        "P/D serving: N prefill replicas (with --decode), each prompt's KV sent to a decode "
        "replica through the KV store"),
     _f("--decode", "decode", int, "N", "P/D serving: N decode replicas (with --prefill)"),
-    _f("--pd-mode", "pd_mode", str, "MODE",
-       "P/D: always (every request prefilled on the prefill pool) | conditional (only where "
-       "the predicted first token with the KV transfer beats a prefill on the decode "
-       "replica; local backend)"),
+    _f("--pd-mode", "pd_mode", str, "MODE", "P/D: always (every prompt on the prefill pool) | "
+       "conditional (where the predicted TTFT says it pays; local backend)"),
     _f("--pd-bandwidth", "pd_bandwidth", float, "GBPS",
        "P/D: GB/s the planner prices a KV transfer at"),
     _f("--pd-latency", "pd_latency", float, "SECONDS", "P/D: seconds per KV transfer besides "
        "the bytes"),
-    _f("--pd-stall-weight", "pd_stall_weight", float, "W",
-       "P/D conditional: what a colocated prefill's stall of the decode replica's running "
-       "requests weighs against the request's own TTFT (0: its own TTFT only; 1: "
-       "request-seconds alike)"),
+    _f("--pd-stall-weight", "pd_stall_weight", float, "W", "P/D conditional: weight of the "
+       "decodes a colocated prefill stalls against the request's own TTFT (1: alike)"),
     _f("--pd-min-remote-tokens", "pd_min_remote_tokens", int, "N",
        "P/D conditional: shortest uncached prompt prefilled remotely (0: the predictions decide)"),
     _f("--routing", "routing", str, "POLICY",

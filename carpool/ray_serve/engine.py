@@ -262,6 +262,10 @@ class RayEngine:
                                      routed.predicted_ttft)
         self.router.assign(RouteRequest(request_id, prompt_tokens), decision, time.monotonic())
 
+    def views(self) -> list[ReplicaView]:
+        """The replicas as this ingress has seen them."""
+        return list(self.router.views.values())
+
     def replica_pid(self, name: str) -> int | None:
         """The process of replica ``name`` as its latest stats reply said."""
         return self._pids.get(name) or None

@@ -225,12 +225,11 @@ def _routing(engine) -> dict:
     router = getattr(engine, "router", None)
     if router is None:
         return {}
-    # A pool's own replicas (P/D pools share one router).
-    own = engine.views() if hasattr(engine, "views") else router.views.values()
     views = [{"replica": v.replica_id, "role": v.role.value, "health": v.health.value,
               "in_flight": v.in_flight, "waiting": v.waiting, "running": v.running,
               "kv_usage": v.kv_usage,
-              "pid": engine.replica_pid(v.replica_id)} for v in own]
+              "pid": engine.replica_pid(v.replica_id)}
+             for v in engine.views()]  # a pool's own (P/D pools share one router)
     scaling = {}
     if engine.scaler is not None:
         scaling = {"scaling": {"replicas": engine.scaler.replicas, "events": [
