@@ -29,6 +29,11 @@ def flag_bool(value: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
 
 
+def flag_bool_or_auto(value: str) -> bool | str:
+    """``auto`` or a true/false flag value (``flag_bool``)."""
+    return "auto" if value.strip().lower() == "auto" else flag_bool(value)
+
+
 @dataclass(frozen=True)
 class Flag:
     """One flag: its spelling, the config field it sets, how its value parses.
@@ -175,8 +180,13 @@ ENGINE_FLAGS: list[Flag] = [
        "adaptive: scheduler steps a knob change is spread over (1..3)"),
     _f("--hysteresis-ticks", "hysteresis_ticks", int, "N",
        "adaptive: ticks in a row asking for a change before mode, alpha or correction move"),
-    _f("--shed-on-ttft-target", "shed_on_ttft_target", flag_bool, "BOOL",
-       "adaptive: reject at arrival what is predicted to miss the TTFT target"),
+    _f("--shed-on-ttft-target", "shed_on_ttft_target", flag_bool_or_auto, "BOOL|auto",
+       "adaptive: reject at arrival what is predicted to miss the TTFT target; auto: only "
+       "when the operator set that target (--slo, --ttft-target, a settings file), never "
+       "for a measured one"),
+    _f("--batch-limit-by-tpot", "batch_limit_by_tpot", flag_bool_or_auto, "BOOL|auto",
+       "adaptive: cap the batch at the largest whose steps keep the TPOT target; auto: only "
+       "when the operator set that target"),
 ]
 
 SERVER_FLAGS: list[Flag] = [

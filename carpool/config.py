@@ -274,8 +274,18 @@ class ControllerConfig:
     hysteresis_ticks: int = 2  # ticks in a row wanting a new mode before it switches
     # Adaptive only: reject at arrival a request the cost model predicts
     # cannot get its first token within its share of ttft_target (as
-    # predictive shedding does for explicit deadlines).
-    shed_on_ttft_target: bool = True
+    # predictive shedding does for explicit deadlines). "auto": only when an
+    # operator set the TTFT target (flag, settings file, profile); a target
+    # measured at start-up (or its fallback) steers the controller but never
+    # turns work away: without an operator's SLO the server queues what fits
+    # its queue bounds, as vLLM does. ``resolve_levers`` decides it once.
+    shed_on_ttft_target: bool | str = AUTO
+    # Adaptive only: the batch limit's by_latency term, the largest batch
+    # whose steps the cost model puts within the TPOT target. "auto": only
+    # when an operator set the TPOT target. A measured target caps nothing:
+    # with requests waiting, a smaller batch only drains the queue slower
+    # (a 64-request burst took 3.6x as long under the measured cap).
+    batch_limit_by_tpot: bool | str = AUTO
 
     def validate(self) -> None:
         if self.adaptive not in (None, True, False):
@@ -298,6 +308,10 @@ class ControllerConfig:
                 continue
             if isinstance(value, str) or isinstance(value, bool) or not value > 0:
                 raise ValueError(f"{name} must be > 0 seconds, auto or null, got {value!r}")
+        for name in ("shed_on_ttft_target", "batch_limit_by_tpot"):
+            if getattr(self, name) not in (True, False, AUTO):
+                raise ValueError(f"{name} must be true, false or auto, "
+                                 f"got {getattr(self, name)!r}")
         if not 0.0 <= self.memory_headroom < 1.0:
             raise ValueError(f"memory_headroom must be in [0, 1), got {self.memory_headroom}")
         if not 1 <= self.transition_steps <= 3:
@@ -310,6 +324,24 @@ class ControllerConfig:
         if self.adaptive is None:
             self.adaptive = serving
 
+    def resolve_levers(self) -> None:
+        """The one place ``shed_on_ttft_target`` and ``batch_limit_by_tpot``
+        set to ``auto`` are decided: each on when its target is the
+        operator's (not ``auto``, not None). Called before measured targets
+        replace ``auto`` (``carpool.engine.calibrate``) and by ``concrete``;
+        idempotent."""
+        if self.shed_on_ttft_target == AUTO:
+            self.shed_on_ttft_target = self.ttft_target not in (AUTO, None)
+        if self.batch_limit_by_tpot == AUTO:
+            self.batch_limit_by_tpot = self.tpot_target not in (AUTO, None)
+
+    @property
+    def regime(self) -> str:
+        """``slo``: admission sheds predicted TTFT misses (an operator's
+        target); ``queue``: it only enforces the queue bounds and deadlines.
+        Meaningful once ``resolve_levers`` ran."""
+        return "slo" if self.adaptive and self.shed_on_ttft_target is True else "queue"
+
     @property
     def auto_targets(self) -> tuple[str, ...]:
         """The metrics (``ttft``, ``tpot``) whose target is still ``auto``."""
@@ -321,7 +353,9 @@ class ControllerConfig:
         fallback = {"ttft_target": FALLBACK_TTFT, "tpot_target": FALLBACK_TPOT}
         changes = {name: value for name, value in fallback.items()
                    if getattr(self, name) == AUTO}
-        return dataclasses.replace(self, adaptive=bool(self.adaptive), **changes)
+        copy = dataclasses.replace(self, adaptive=bool(self.adaptive))
+        copy.resolve_levers()  # before the fallbacks replace "auto"
+        return dataclasses.replace(copy, **changes)
 
 
 @dataclass

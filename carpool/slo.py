@@ -175,6 +175,10 @@ class ServingSLO:
     ttft_unloaded: float | None = None  # seconds, measured at start-up
     tpot_unloaded: float | None = None
     calibration_seconds: float | None = None  # what the measurement took
+    # Admission's regime (``ControllerConfig.regime``): ``slo`` sheds
+    # predicted TTFT misses, ``queue`` only enforces the queue bounds; and why.
+    regime: str = "queue"
+    regime_reason: str = ""
 
     def rule(self) -> str:
         """How calibrated targets follow from the measurement (one line)."""
@@ -210,11 +214,14 @@ class ServingSLO:
         others = [f"{m} from {self.sources[m]}" for m in TARGET_METRICS
                   if self.sources.get(m) not in (None, "calibrated")]
         notes += others
-        return head + (f" ({'; '.join(notes)})" if notes else "")
+        text = head + (f" ({'; '.join(notes)})" if notes else "")
+        return text + (f"; admission: {self.regime} ({self.regime_reason})"
+                       if self.regime_reason else "")
 
     def as_dict(self) -> dict:
         """JSON for ``GET /carpool/policy``."""
         return {"ttft_target": self.ttft, "tpot_target": self.tpot, "sources": dict(self.sources),
                 "ttft_unloaded": self.ttft_unloaded, "tpot_unloaded": self.tpot_unloaded,
                 "calibration_seconds": self.calibration_seconds, "rule": self.rule(),
+                "regime": self.regime, "regime_reason": self.regime_reason,
                 "class_shares": dict(CLASS_SHARES)}

@@ -57,9 +57,13 @@ def test_serve_turns_the_controller_on_with_floored_calibrated_targets(loaded):
     # is very busy) its multiples are below the floors.
     assert slo.ttft == max(MIN_TTFT_TARGET, TTFT_MULTIPLE * slo.ttft_unloaded)
     assert slo.tpot == max(MIN_TPOT_TARGET, TPOT_MULTIPLE * slo.tpot_unloaded)
-    assert serving.scheduler.admission.ttft_target == slo.ttft
+    # Measured targets steer the controller but shed nothing and cap no batch
+    # (issue 42): without an operator's SLO arrivals queue up to the bounds.
+    assert serving.scheduler.admission.ttft_target is None
     assert serving.scheduler.controller.config.tpot_target == slo.tpot
-    assert "measured at start-up" in slo.describe()
+    assert serving.scheduler.controller.config.batch_limit_by_tpot is False
+    assert slo.regime == "queue" and "no operator SLO" in slo.regime_reason
+    assert "measured at start-up" in slo.describe() and "admission: queue" in slo.describe()
     stats = serving.stats()
     assert stats.adaptive and stats.slo["ttft_target"] == slo.ttft
     assert stats.slo["sources"]["tpot"] == "calibrated" and "median of 3" in stats.slo["rule"]
@@ -73,6 +77,21 @@ def test_explicit_targets_are_kept_and_only_the_rest_is_measured(loaded):
     both = prepare_serving(fresh(loaded, controller={"ttft_target": 1.5, "tpot_target": 0.3}))
     assert (both.slo.ttft, both.slo.tpot) == (1.5, 0.3)
     assert both.slo.sources == {"ttft": "config", "tpot": "config"}
+    # The operator's targets: admission sheds for the TTFT one, the TPOT one caps the batch.
+    assert both.slo.regime == "slo" and both.scheduler.admission.ttft_target == 1.5
+    assert both.scheduler.controller.config.batch_limit_by_tpot is True
+    # Only a TTFT target: shedding for it; the measured TPOT caps nothing.
+    assert serving.slo.regime == "slo"
+    assert serving.scheduler.admission.ttft_target == pytest.approx(0.7)
+    assert serving.scheduler.controller.config.batch_limit_by_tpot is False
+    # The levers set explicitly win over auto either way.
+    forced = prepare_serving(fresh(loaded, calibrate=False, shed_on_ttft_target=True,
+                                   batch_limit_by_tpot=True))
+    assert forced.slo.regime == "slo" and forced.scheduler.admission.ttft_target == FALLBACK_TTFT
+    off = prepare_serving(fresh(loaded, calibrate=False, slo="ttft=1s",
+                                shed_on_ttft_target=False))
+    assert off.slo.regime == "queue" and off.scheduler.admission.ttft_target is None
+    assert "shed_on_ttft_target is false" in off.slo.regime_reason
     # Still measured: the serving cost model starts from the probe's steps, a
     # batch of up to 16 sequences among them (a fresh fit on small batches alone
     # overpriced bigger ones and kept the limit small).

@@ -89,7 +89,7 @@ def _stats(t: float, computed: int, busy: float, added: int, long: int, rejected
     return EngineStats(time=t, num_running=0, num_waiting=0, waiting_tokens=0, kv_num_blocks=1,
                        kv_used_blocks=0, prefix_queries=0, prefix_hits=0, num_preemptions=0,
                        counters=counters, rejections={"queue_full": rejected}, sessions={},
-                       knobs={})
+                       knobs={}, arrivals=added + rejected)
 
 
 def test_rate_window_rates_over_the_window():

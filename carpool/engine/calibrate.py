@@ -197,6 +197,7 @@ def _measure_if_auto(engine: LLMEngine, log=None) -> Calibration | None:
 
 def _resolve(controller, measured: Calibration | None, sources: dict[str, str]) -> ServingSLO:
     """Set each target of ``controller`` and say where it came from."""
+    controller.resolve_levers()  # before measured targets replace "auto"
     calibrated = (calibrated_targets(measured.ttft, measured.tpot)
                   if measured is not None else None)
     fallback = {"ttft": FALLBACK_TTFT, "tpot": FALLBACK_TPOT}
@@ -213,7 +214,22 @@ def _resolve(controller, measured: Calibration | None, sources: dict[str, str]) 
             origin[metric] = "fallback"
     return ServingSLO(controller.ttft_target, controller.tpot_target, origin,
                       measured.ttft if measured else None, measured.tpot if measured else None,
-                      measured.seconds if measured else None)
+                      measured.seconds if measured else None,
+                      regime=controller.regime, regime_reason=_regime_reason(controller, origin))
+
+
+def _regime_reason(controller, origin: dict[str, str]) -> str:
+    """Why admission sheds or only queues (the start-up line, /carpool/policy)."""
+    if controller.regime == "slo":
+        return (f"the TTFT target is the operator's ({origin.get('ttft', 'config')}): "
+                "the controller keeps the targets and arrivals predicted to miss the TTFT "
+                "target are answered 429 + Retry-After")
+    if controller.shed_on_ttft_target is False and controller.ttft_target is not None \
+            and origin.get("ttft") in ("flag", "config"):
+        return "shed_on_ttft_target is false: nothing is shed for the TTFT target"
+    return ("no operator SLO: the controller steers the batching by these targets, "
+            "arrivals queue up to the queue bounds and nothing is shed for a target "
+            "(--slo sets one)")
 
 
 def print_log(message: str) -> None:

@@ -72,6 +72,8 @@ class EngineStats:
     # The shared KV store's counters and transfer-time histograms
     # (``StoreConnector.metrics``); empty without a store.
     kv_store: dict = field(default_factory=dict)
+    # Arrivals that reached admission, admitted or rejected for any reason.
+    arrivals: int = 0
 
     @property
     def kv_usage(self) -> float:
@@ -148,6 +150,7 @@ def engine_stats(scheduler: Scheduler, counters: EngineCounters, now: float,
         adaptive=scheduler.controller is not None,
         slo=slo.as_dict() if slo is not None else None,
         predictions=_predictions(scheduler), kv_store=_kv_store(scheduler),
+        arrivals=scheduler.admission.arrivals,
         **_decisions(scheduler))
 
 
@@ -181,7 +184,7 @@ def merge_stats(snapshots: list[EngineStats]) -> EngineStats:
     summed = {name: sum(getattr(s, name) for s in snapshots) for name in (
         "num_running", "num_waiting", "waiting_tokens", "kv_num_blocks", "kv_used_blocks",
         "prefix_queries", "prefix_hits", "num_preemptions", "num_priority_preemptions",
-        "batches")}
+        "batches", "arrivals")}
     return dataclasses.replace(
         first, time=max(s.time for s in snapshots), counters=counters,
         rejections=_summed(s.rejections for s in snapshots),

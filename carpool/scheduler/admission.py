@@ -155,6 +155,9 @@ class AdmissionControl:
         self.overload = (OverloadGuard(max(1, int(0.8 * config.max_queue_requests)))
                          if config.emergency_switch else None)
         self.rejections: dict[str, int] = {}  # by reason, at arrival and later (a counter)
+        # Arrivals that reached admission, admitted or not (a counter): the
+        # denominator of a reject rate, whatever the reason.
+        self.arrivals = 0
 
     def count(self, reason: str) -> None:
         self.rejections[reason] = self.rejections.get(reason, 0) + 1

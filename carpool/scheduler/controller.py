@@ -300,6 +300,8 @@ class AdaptiveController:
             terms["by_memory"] = max(1, int(usable // blocks_each))
         target = self.config.tpot_target
         factor = 1.0 if self.request_level else self.correction.factor
+        if not self.config.batch_limit_by_tpot:
+            target = None  # a measured target steers the mode, never caps the batch
         step_limit = None if target is None else target * LIMIT_STEP_SHARE * factor
         if step_limit is not None and self.cost_model.ready:
             ratio = None if self.request_level else s.prefill_ratio

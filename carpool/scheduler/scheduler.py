@@ -127,6 +127,7 @@ class Scheduler:
             raise ValueError(f"the prompt has {request.num_prompt_tokens} tokens, more than "
                              f"the queue admits (max_queue_tokens={limit})")
         now = self.clock()
+        self.admission.arrivals += 1
         if request.session_id is not None:
             self.admission.check_session_room(now, self.sessions.num_unfinished(request.session_id))
         if self.controller is not None:

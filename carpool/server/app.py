@@ -197,6 +197,7 @@ def _add_info_routes(app: FastAPI, serving: OpenAIServing) -> None:
                              "decisions": list(stats.recent_decisions),
                              # the latency targets, their sources and the calibration rule
                              "adaptive": stats.adaptive, "slo": stats.slo,
+                             "admission": _admission(stats),
                              "predictions": stats.predictions, **_routing(ctx.engine)})
 
 
@@ -239,6 +240,15 @@ def _routing(engine) -> dict:
                         "restarts": engine.restarts, "rerouted": engine.rerouted,
                         "causes": dict(router.causes),
                         "decisions": list(router.decisions)[-20:]}}
+
+
+def _admission(stats) -> dict:
+    """Which regime admission runs in, and why (``ServingSLO.regime``)."""
+    if stats.slo is None:
+        return {"regime": "queue", "reason": "the adaptive controller is off: arrivals queue "
+                                             "up to the queue bounds"}
+    return {"regime": stats.slo.get("regime", "queue"),
+            "reason": stats.slo.get("regime_reason", "")}
 
 
 def _step_limit(text: str | None) -> int:

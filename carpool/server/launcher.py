@@ -141,9 +141,7 @@ class _Runner:
                  ctx.model_name, host, port, ctx.max_model_len, stats.kv_num_blocks)
         slo_text = ctx.engine.info.slo_text
         if slo_text is not None:
-            log.info("%s; the adaptive controller keeps them and admission answers 429 + "
-                     "Retry-After for what would miss them (--slo to set, --adaptive false "
-                     "for plain batching)", slo_text)
+            log.info("%s (--adaptive false for plain batching)", slo_text)
         else:
             log.info("adaptive controller off: plain batching at the configured knobs, "
                      "no latency targets")

@@ -70,15 +70,17 @@ class RateWindow:
         a, b = old.counters, new.counters
         arrivals = b.requests_added - a.requests_added
         rejected = sum(new.rejections.values()) - sum(old.rejections.values())
-        offered = arrivals + sum(new.rejections.get(r, 0) - old.rejections.get(r, 0)
-                                 for r in ("queue_full", "queue_tokens"))
+        # Every arrival, admitted or turned away for any reason. A request
+        # admitted before the window and expired in it counts in ``rejected``
+        # only: the rate is capped at 1.
+        offered = new.arrivals - old.arrivals
         slots = b.slot_tokens - a.slot_tokens
         return {
             "effective_tokens_per_second": (b.computed_tokens - a.computed_tokens) / span,
             "generation_tokens_per_second": (b.generation_tokens - a.generation_tokens) / span,
             "engine_busy_fraction": min(1.0, (b.busy_seconds - a.busy_seconds) / span),
             "batch_fill_rate": (b.computed_tokens - a.computed_tokens) / slots if slots else nan,
-            "reject_rate": rejected / offered if offered else nan,
+            "reject_rate": min(1.0, rejected / offered) if offered else nan,
             "long_request_share": ((b.long_requests_added - a.long_requests_added) / arrivals
                                    if arrivals else nan),
             "arrival_rate": offered / span,
