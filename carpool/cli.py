@@ -157,10 +157,11 @@ def add_serve_parser(commands) -> None:
                             "loopback server, else any)")
     add_engine_flags(serve)
     serve.add_argument("--slo", dest="engine_slo", type=slo_arg, default=None,
-                       metavar="ttft=500ms,tpot=100ms",
+                       metavar="ttft=500ms,tpot=100ms,e2e=2s",
                        help="latency targets for admitted requests (p99): the controller keeps "
-                            "them and sheds what would miss them (429); default: measured at "
-                            "start-up, see README 'Adaptive controller'")
+                            "them and sheds what would miss the TTFT one (429); default: "
+                            "measured at start-up, steering the batching without shedding, "
+                            "see README 'Adaptive controller'")
 
 
 def add_sampling_flags(parser: argparse.ArgumentParser) -> None:

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from carpool.config import EngineConfig
+from carpool.config import DESIGN_SECTION, EngineConfig, design_section
 from carpool.slo import parse_target
 
 
@@ -171,6 +171,9 @@ ENGINE_FLAGS: list[Flag] = [
        "start-up); admission sheds predicted misses"),
     _f("--tpot-target", "tpot_target", parse_target, "TIME",
        "adaptive: p99 time-per-output-token target (0.1, 100ms or auto)"),
+    _f("--e2e-target", "e2e_target", parse_target, "TIME",
+       "adaptive: p99 end-to-end target (1.5, 1500ms); caps the batch so the long outputs of "
+       "recent requests finish within it (default: none)"),
     _f("--calibrate", "calibrate", flag_bool, "BOOL",
        "serve: measure the unloaded TTFT/TPOT at start-up for auto targets (false: auto "
        "targets are 2 s / 200 ms)"),
@@ -448,6 +451,12 @@ def file_settings(data: dict[str, Any], source: str) -> dict[str, Any]:
                 server.update(section)
             else:
                 engine.setdefault(key, {}).update(section)
+            continue
+        if key == DESIGN_SECTION:  # the design's template, as written
+            try:
+                engine.update(design_section(value))
+            except ValueError as exc:
+                raise ValueError(f"{source}: {exc}") from None
             continue
         if key == "server":
             raise ValueError(f"{source}: the 'server' section must be a mapping")

@@ -265,6 +265,11 @@ class ControllerConfig:
     controller_mode: str = "auto"  # auto | latency | balanced | throughput (pinned)
     ttft_target: float | str | None = AUTO  # seconds, p99 of admitted requests
     tpot_target: float | str | None = AUTO  # seconds, p99 of admitted requests
+    # Seconds, p99 end-to-end of admitted requests; None: no target. Never
+    # measured (it depends on the output lengths clients ask for): set by an
+    # operator (``--slo e2e=1.5s``), it caps the batch at the step time that
+    # lets the long outputs of recent requests finish within it.
+    e2e_target: float | None = None
     # carpool serve: measure the unloaded TTFT / TPOT at start-up for "auto"
     # targets; false: "auto" means FALLBACK_TTFT / FALLBACK_TPOT.
     calibrate: bool = True
@@ -308,6 +313,9 @@ class ControllerConfig:
                 continue
             if isinstance(value, str) or isinstance(value, bool) or not value > 0:
                 raise ValueError(f"{name} must be > 0 seconds, auto or null, got {value!r}")
+        if self.e2e_target is not None and (isinstance(self.e2e_target, (str, bool))
+                                            or not self.e2e_target > 0):
+            raise ValueError(f"e2e_target must be > 0 seconds or null, got {self.e2e_target!r}")
         for name in ("shed_on_ttft_target", "batch_limit_by_tpot"):
             if getattr(self, name) not in (True, False, AUTO):
                 raise ValueError(f"{name} must be true, false or auto, "
@@ -401,6 +409,9 @@ class EngineConfig:
             if key == "slo":  # shorthand for the controller's targets
                 _set_field(self.controller, key, value, key)
                 continue
+            if key == DESIGN_SECTION:
+                self.update(design_section(value))
+                continue
             owners = [s for s in sections.values() if key in _field_names(s)]
             if not owners:
                 raise ValueError(f"unknown config key {key!r}")
@@ -423,6 +434,27 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
 
 # Other names for knobs: the seeds call the step token budget max_batch_tokens.
 _ALIASES = {"max_batch_tokens": "max_num_batched_tokens"}
+# The design's configuration template loads as written:
+#   dynamic_batching: {max_tokens: 4096, preferred_batch_size: 8,
+#                      max_wait_time: 0.15, emergency_switch: true}
+# Its keys, by carpool's names; the section picks no batching regime (the
+# design's "dynamic batching" is the adaptive system as a whole).
+DESIGN_SECTION = "dynamic_batching"
+_DESIGN_KEYS = {"max_tokens": "max_num_batched_tokens",
+                "preferred_batch_size": "preferred_batch_size",
+                "max_batch_size": "max_batch_size", "max_wait_time": "max_wait",
+                "emergency_switch": "emergency_switch"}
+
+
+def design_section(value: Any) -> dict[str, Any]:
+    """The ``dynamic_batching:`` section as carpool's flat keys."""
+    if not isinstance(value, dict):
+        raise ValueError(f"{DESIGN_SECTION} must be a mapping, got {value!r}")
+    unknown = sorted(set(value) - set(_DESIGN_KEYS))
+    if unknown:
+        raise ValueError(f"unknown config key {DESIGN_SECTION}.{unknown[0]} (known: "
+                         f"{', '.join(sorted(_DESIGN_KEYS))})")
+    return {_DESIGN_KEYS[key]: item for key, item in value.items()}
 
 
 def _field_names(obj: Any) -> set[str]:

@@ -65,8 +65,11 @@ CALIBRATION_RUNS = 3
 
 # The metrics an SLO may limit (per request; a limit holds for its p99).
 SLO_METRICS = ("ttft", "tpot", "e2e")
-# The metrics that are also the adaptive controller's targets.
-TARGET_METRICS = ("ttft", "tpot")
+# The metrics that are also the adaptive controller's targets (``--slo``).
+TARGET_METRICS = ("ttft", "tpot", "e2e")
+# Those a server measures at start-up when "auto" (an E2E target depends on
+# the output lengths clients ask for: only an operator can set one).
+CALIBRATED_METRICS = ("ttft", "tpot")
 _UNITS = {"ms": 1e-3, "s": 1.0}
 
 # Admission: the share of the TTFT target a class may be predicted to use.
@@ -179,6 +182,7 @@ class ServingSLO:
     # predicted TTFT misses, ``queue`` only enforces the queue bounds; and why.
     regime: str = "queue"
     regime_reason: str = ""
+    e2e: float | None = None  # the operator's E2E target, if any (never measured)
 
     def rule(self) -> str:
         """How calibrated targets follow from the measurement (one line)."""
@@ -195,8 +199,10 @@ class ServingSLO:
             return "none" if value is None else f"{value:.{digits}f} s"
 
         head = f"SLO ttft {fmt(self.ttft, 2)}, tpot {fmt(self.tpot, 3)}"
+        if self.e2e is not None:
+            head += f", e2e {fmt(self.e2e, 2)}"
         notes = []
-        measured = [m for m in TARGET_METRICS if self.sources.get(m) == "calibrated"]
+        measured = [m for m in CALIBRATED_METRICS if self.sources.get(m) == "calibrated"]
         if measured:
             multiples = {"ttft": (TTFT_MULTIPLE, self.ttft_unloaded, MIN_TTFT_TARGET),
                          "tpot": (TPOT_MULTIPLE, self.tpot_unloaded, MIN_TPOT_TARGET)}
@@ -220,7 +226,8 @@ class ServingSLO:
 
     def as_dict(self) -> dict:
         """JSON for ``GET /carpool/policy``."""
-        return {"ttft_target": self.ttft, "tpot_target": self.tpot, "sources": dict(self.sources),
+        return {"ttft_target": self.ttft, "tpot_target": self.tpot, "e2e_target": self.e2e,
+                "sources": dict(self.sources),
                 "ttft_unloaded": self.ttft_unloaded, "tpot_unloaded": self.tpot_unloaded,
                 "calibration_seconds": self.calibration_seconds, "rule": self.rule(),
                 "regime": self.regime, "regime_reason": self.regime_reason,

@@ -106,6 +106,21 @@ def test_explicit_targets_are_kept_and_only_the_rest_is_measured(loaded):
     assert cost.num_prior_steps >= PRIOR_BATCH
 
 
+def test_an_e2e_target_is_kept_live_from_finished_requests(loaded):
+    serving = prepare_serving(fresh(loaded, calibrate=False, slo="e2e=2s"))
+    assert serving.slo.e2e == 2.0 and serving.slo.sources["e2e"] == "config"
+    assert "e2e 2.00 s" in serving.slo.describe() and serving.stats().slo["e2e_target"] == 2.0
+    serving.add_request([5, 6, 7, 8], SamplingParams(max_tokens=6, ignore_eos=True))
+    while serving.has_unfinished:
+        serving.step()
+    window = serving.scheduler.controller.window
+    now = serving.scheduler.clock()
+    assert window.outputs.values(now) == [6.0] and 0 < window.e2e.values(now)[0] < 2.0
+    assert serving.scheduler.controller.limit_target(
+        window.signals(now, waiting=0, waiting_tokens=0, running=0, kv_usage=0.0, busy=0.0,
+                       batch_limit=1)) is not None
+
+
 def test_without_calibration_auto_targets_are_the_fallbacks(loaded):
     serving = prepare_serving(fresh(loaded, calibrate=False))
     assert (serving.slo.ttft, serving.slo.tpot) == (FALLBACK_TTFT, FALLBACK_TPOT)

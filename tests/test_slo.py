@@ -31,8 +31,9 @@ def test_server_slo_and_target_flags_parse_with_units():
     assert parse_targets("ttft=500ms,tpot=100ms") == {"ttft_target": 0.5,
                                                       "tpot_target": pytest.approx(0.1)}
     assert parse_targets("tpot=0.1s") == {"tpot_target": 0.1}
-    with pytest.raises(ValueError, match="unknown SLO metric 'e2e'; use ttft, tpot"):
-        parse_targets("e2e=2s")
+    assert parse_targets("e2e=1.5s") == {"e2e_target": 1.5}  # issue 42: a live E2E target
+    with pytest.raises(ValueError, match="unknown SLO metric 'itl'; use ttft, tpot, e2e"):
+        parse_targets("itl=2s")
     assert parse_target("auto") == AUTO and parse_target("250ms") == 0.25
     assert parse_target("0.3") == 0.3
 

@@ -27,12 +27,12 @@ from carpool.engine.llm_engine import LLMEngine
 from carpool.sampling_params import SamplingParams
 from carpool.slo import (
     AUTO,
+    CALIBRATED_METRICS,
     CALIBRATION_DECODE_TOKENS,
     CALIBRATION_PROMPT_TOKENS,
     CALIBRATION_RUNS,
     FALLBACK_TPOT,
     FALLBACK_TTFT,
-    TARGET_METRICS,
     ServingSLO,
     calibrated_targets,
 )
@@ -202,7 +202,7 @@ def _resolve(controller, measured: Calibration | None, sources: dict[str, str]) 
                   if measured is not None else None)
     fallback = {"ttft": FALLBACK_TTFT, "tpot": FALLBACK_TPOT}
     origin = {}
-    for index, metric in enumerate(TARGET_METRICS):
+    for index, metric in enumerate(CALIBRATED_METRICS):
         name = f"{metric}_target"
         if getattr(controller, name) != AUTO:
             origin[metric] = sources.get(metric, "config")
@@ -212,10 +212,13 @@ def _resolve(controller, measured: Calibration | None, sources: dict[str, str]) 
         else:
             setattr(controller, name, fallback[metric])
             origin[metric] = "fallback"
+    if controller.e2e_target is not None:
+        origin["e2e"] = sources.get("e2e", "config")
     return ServingSLO(controller.ttft_target, controller.tpot_target, origin,
                       measured.ttft if measured else None, measured.tpot if measured else None,
                       measured.seconds if measured else None,
-                      regime=controller.regime, regime_reason=_regime_reason(controller, origin))
+                      regime=controller.regime, regime_reason=_regime_reason(controller, origin),
+                      e2e=controller.e2e_target)
 
 
 def _regime_reason(controller, origin: dict[str, str]) -> str:

@@ -14,7 +14,11 @@ windows of metrics (``live_window.Signals``) and decides:
   it, up only after calm ticks under it while demand exceeds the limit;
   alpha (request-level batching) moves after ticks in a row too;
 - the batch limit: continuous batching ``min(cap, by_memory, by_latency)``
-  with by_latency sized to the step target x correction; request-level
+  with by_latency sized to the step target x correction, present only for
+  an operator's TPOT target (``batch_limit_by_tpot``) or E2E target
+  (``limit_target``): a measured target steers the mode and budget but
+  caps no batch, since with requests waiting a smaller batch only drains
+  the queue slower; request-level
   batching ``min(cap, by_memory, by_latency, max(preferred, peak_demand *
   alpha))``. by_memory = sequences whose KV
   (mean prompt + max_tokens of recent arrivals) fits the pool less
@@ -229,7 +233,7 @@ class AdaptiveController:
         # bursts, and growing only after a burst was shed sheds one every
         # time (while tokens were cheap).
         short = s.running + max(1, limit // 8) >= limit
-        cause = self.correction.update(s.recent_tpot, self.config.tpot_target,
+        cause = self.correction.update(s.recent_tpot, self.limit_target(s),
                                        s.running, limit, short, s.step_time)
         if cause is not None:
             self._correction_moved = s.now
@@ -298,10 +302,8 @@ class AdaptiveController:
             blocks_each = max(1, math.ceil(s.mean_request_tokens / self.block_size))
             usable = self.num_blocks * (1.0 - self.config.memory_headroom)
             terms["by_memory"] = max(1, int(usable // blocks_each))
-        target = self.config.tpot_target
+        target = self.limit_target(s)
         factor = 1.0 if self.request_level else self.correction.factor
-        if not self.config.batch_limit_by_tpot:
-            target = None  # a measured target steers the mode, never caps the batch
         step_limit = None if target is None else target * LIMIT_STEP_SHARE * factor
         if step_limit is not None and self.cost_model.ready:
             ratio = None if self.request_level else s.prefill_ratio
@@ -319,6 +321,22 @@ class AdaptiveController:
         knob = (f"alpha {self.alpha:.2f}" if self.request_level
                 else f"correction {self.correction.factor:.2f}")
         return limit, f"min({detail}) ({knob})", reason
+
+    def limit_target(self, s: Signals) -> float | None:
+        """The TPOT the batch limit is sized to, or None (no latency cap):
+        the TPOT target when ``batch_limit_by_tpot`` (an operator's target;
+        a measured one never caps), and the TPOT an E2E target leaves the
+        long outputs of recent requests (their p95 length) once the first
+        token's share (TTFT p95, at most half the target) is spent;
+        whichever is lower."""
+        targets = []
+        if self.config.batch_limit_by_tpot and self.config.tpot_target is not None:
+            targets.append(self.config.tpot_target)
+        e2e, outputs = self.config.e2e_target, s.long_output_tokens
+        if e2e is not None and outputs is not None and outputs > 1:
+            decode = max(e2e - (s.ttft_p95 or 0.0), 0.5 * e2e)
+            targets.append(decode / (outputs - 1))
+        return min(targets, default=None)
 
     def _step_seconds(self, preset: ModePreset) -> float | None:
         target = self.config.tpot_target

@@ -99,6 +99,12 @@ class Signals:
     # (mean running count, mean wall seconds) of the busy steps of the slow
     # window: the batch they show within target (``slo_policy.proven_limit``).
     step_anchor: tuple[float, float] | None = None
+    # The p99 TPOT and end-to-end latency of the requests that finished in
+    # the slow window, and the p95 of their output lengths (what an E2E
+    # target must allow for).
+    tpot_p99: float | None = None
+    e2e_p99: float | None = None
+    long_output_tokens: float | None = None
 
     def describe(self) -> str:
         def fmt(value: float | None, unit: str = "s") -> str:
@@ -127,6 +133,8 @@ class LiveWindow:
         # its TPOT = (E2E - TTFT) / (tokens - 1)).
         self.tpot = SampleWindow(window_s)
         self.fill = SampleWindow(window_s)
+        self.e2e = SampleWindow(window_s)  # finished requests' end-to-end seconds
+        self.outputs = SampleWindow(window_s)  # finished requests' output tokens
         self.steps = SampleWindow(self.fast_s)  # wall seconds between consecutive busy steps
         # The same over the slow window with the step's running count: (n, seconds).
         self.step_sizes = SampleWindow(window_s)
@@ -151,6 +159,11 @@ class LiveWindow:
     def observe_tpot(self, now: float, seconds: float, started: float) -> None:
         """A request finished at ``now``: its TPOT, its first token at ``started``."""
         self.tpot.add(now, (started, seconds))
+
+    def observe_finish(self, now: float, e2e: float, output_tokens: int) -> None:
+        """A request finished at ``now`` after ``e2e`` seconds with ``output_tokens``."""
+        self.e2e.add(now, e2e)
+        self.outputs.add(now, float(output_tokens))
 
     def recent_tpots(self, now: float, since: float = -math.inf) -> list[float]:
         """TPOTs of the requests that finished in the fast window, or of the
@@ -192,11 +205,14 @@ class LiveWindow:
         ratio = None
         if request_mean is not None and prompt_mean is not None and request_mean > prompt_mean:
             ratio = prompt_mean / (request_mean - prompt_mean)
+        tpots = [tpot for _, tpot in self.tpot.values(now)]
         return Signals(
             now=now, arrival_rate=self.rate(now, self.window_s), waiting=waiting,
             waiting_tokens=waiting_tokens, running=running, kv_usage=kv_usage, busy=busy,
             ttft_p95=percentile(self.ttft.values(now), 95),
-            tpot_p95=percentile([tpot for _, tpot in self.tpot.values(now)], 95),
+            tpot_p95=percentile(tpots, 95), tpot_p99=percentile(tpots, 99),
+            e2e_p99=percentile(self.e2e.values(now), 99),
+            long_output_tokens=percentile(self.outputs.values(now), 95),
             fill=mean(self.fill.values(now)), mean_request_tokens=request_mean,
             batch_limit=batch_limit, fast_arrival_rate=self.rate(now, self.fast_s),
             step_time=self.step_time(now), mean_prompt_tokens=prompt_mean, prefill_ratio=ratio,

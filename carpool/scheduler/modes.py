@@ -12,6 +12,11 @@ from carpool.config import ControllerConfig
 from carpool.scheduler.live_window import Signals
 
 MODES = ("latency", "balanced", "throughput")
+# A surge for the mode: arrivals over the fast window at this multiple of
+# the slow window's rate.
+SURGE_QPS_RATIO = 1.5
+# KV usage at or above this is no light load, whatever the busy share says.
+KV_LIGHT = 0.8
 
 
 @dataclass(frozen=True)
@@ -50,7 +55,13 @@ class ModeSelector:
         self._streak = 0
 
     def wanted(self, s: Signals) -> tuple[str, str]:
-        """The mode the signals ask for, and why."""
+        """The mode the signals ask for, and why. Six signals: QPS (the fast
+        window's arrival rate against the slow one's), engine busy share, KV
+        usage, queue depth, TTFT p95, and TPOT / E2E p99. Throughput when
+        first tokens are late or demand outruns the batches (busy with a
+        queue, or a surge with a queue); latency when tokens or whole
+        requests run late with nobody waiting (smaller steps help them, and
+        no queue pays for it), or when the load is light on every signal."""
         ttft_target = self.config.ttft_target
         staying_fast = self.mode == "throughput"
         busy_high = 0.7 if staying_fast else 0.85
@@ -63,12 +74,30 @@ class ModeSelector:
         if s.busy > busy_high and s.waiting >= queue_high:
             return "throughput", (f"busy {s.busy:.0%} > {busy_high:.0%} with {s.waiting} "
                                   f"waiting >= {queue_high}")
+        surge = (s.fast_arrival_rate is not None
+                 and s.fast_arrival_rate > SURGE_QPS_RATIO * max(s.arrival_rate, 1e-9))
+        if surge and s.waiting >= queue_high:
+            return "throughput", (f"arrivals {s.fast_arrival_rate:.1f}/s > {SURGE_QPS_RATIO:g} "
+                                  f"x {s.arrival_rate:.1f}/s with {s.waiting} waiting")
+        late = self._late_decode(s)
+        if late is not None and s.waiting == 0:
+            return "latency", f"{late}, queue empty"
         staying_light = self.mode == "latency"
         busy_low = 0.55 if staying_light else 0.4
         calm_ttft = ttft_target is None or s.ttft_p95 is None or s.ttft_p95 <= 0.5 * ttft_target
-        if s.busy < busy_low and s.waiting == 0 and calm_ttft:
+        if (s.busy < busy_low and s.waiting == 0 and calm_ttft and s.kv_usage < KV_LIGHT
+                and not surge):
             return "latency", f"busy {s.busy:.0%} < {busy_low:.0%}, queue empty"
         return "balanced", f"busy {s.busy:.0%}, {s.waiting} waiting"
+
+    def _late_decode(self, s: Signals) -> str | None:
+        """Why finished requests' TPOT or E2E p99 is over its target, or None."""
+        tpot, e2e = self.config.tpot_target, self.config.e2e_target
+        if tpot is not None and s.tpot_p99 is not None and s.tpot_p99 > tpot:
+            return f"tpot_p99 {s.tpot_p99 * 1000:.0f} ms > {tpot * 1000:.0f} ms"
+        if e2e is not None and s.e2e_p99 is not None and s.e2e_p99 > e2e:
+            return f"e2e_p99 {s.e2e_p99:.2f} s > {e2e:.2f} s"
+        return None
 
     def update(self, s: Signals) -> tuple[str, str] | None:
         """Feed one tick; return (old mode, cause) when the mode changed."""

@@ -179,11 +179,14 @@ class Scheduler:
         request.status = status
         if self.gate is not None:
             self.gate.member_left(request)
-        if self.controller is not None and request.num_output_tokens > 1 and status in (
+        if self.controller is not None and status in (
                 RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
-            self.controller.observe_tpot(now, (request.last_token_time - request.first_token_time)
-                                         / (request.num_output_tokens - 1),
-                                         request.first_token_time)
+            self.controller.window.observe_finish(now, now - request.arrival_time,
+                                                  request.num_output_tokens)
+            if request.num_output_tokens > 1:
+                self.controller.observe_tpot(
+                    now, (request.last_token_time - request.first_token_time)
+                    / (request.num_output_tokens - 1), request.first_token_time)
         self.departures.record(now)
         self.departures.set_busy(now, bool(self.requests))
 
