@@ -153,7 +153,18 @@ ENGINE_FLAGS: list[Flag] = [
     _f("--predictive-shedding", "predictive_shedding", flag_bool, "BOOL",
        "reject at arrival a request predicted to miss its deadline or TTFT target"),
     _f("--emergency-switch", "emergency_switch", flag_bool, "BOOL",
-       "under sustained overload shed the lowest priorities first"),
+       "under sustained overload degrade in steps: shed the lowest priorities first, then "
+       "static batching, then answer repeated deterministic requests from a cache"),
+    _f("--emergency-queue-share", "emergency_queue_share", float, "FRACTION",
+       "emergency switch: a queue at this share of --max-queue-requests is overload"),
+    _f("--emergency-busy", "emergency_busy", float, "FRACTION",
+       "emergency switch: the engine busier than this share of the time is overload"),
+    _f("--emergency-host-cpu", "emergency_host_cpu", float, "FRACTION",
+       "emergency switch: the host's CPUs busier than this is overload (null in a config "
+       "file: no CPU breaker)"),
+    _f("--emergency-sustain", "emergency_sustain", float, "SECONDS",
+       "emergency switch: seconds of overload before degrading, and before each further "
+       "step"),
     _f("--max-batch-tokens", "max_batch_tokens", int, "N", "same as --max-num-batched-tokens"),
     _f("--adaptive", "adaptive", flag_bool, "BOOL",
        "the adaptive controller and SLO admission (default: on for serve, off elsewhere); "

@@ -182,9 +182,18 @@ class SchedulerConfig:
     # Reject at arrival a request with a deadline that the online step-cost
     # model predicts cannot get its first token in time.
     predictive_shedding: bool = True
-    # Emergency switch: after 5 s with the queue at 80% of max_queue_requests
-    # or the engine busy > 90%, degrade mode sheds the lowest priorities first.
+    # Emergency switch (``scheduler.overload``): after emergency_sustain
+    # seconds with any breaker over its threshold (the queue at
+    # emergency_queue_share of max_queue_requests, the engine busier than
+    # emergency_busy, the host CPUs busier than emergency_host_cpu), degrade
+    # mode sheds the lowest priorities first; each further emergency_sustain
+    # of overload goes one step deeper: static batching, then the response
+    # cache for identical deterministic requests.
     emergency_switch: bool = False
+    emergency_queue_share: float = 0.8
+    emergency_busy: float = 0.9
+    emergency_host_cpu: float | None = 0.9  # None: no CPU breaker
+    emergency_sustain: float = 5.0  # seconds
 
     def validate(self) -> None:
         if self.max_num_seqs < 1:
@@ -215,6 +224,7 @@ class SchedulerConfig:
             raise ValueError(f"long_prompt_threshold must be >= 1 token, "
                              f"got {self.long_prompt_threshold}")
         self._validate_batching()
+        self._validate_emergency()
         if not 0.0 < self.long_prefill_share <= 1.0:  # also rejects NaN
             raise ValueError(f"long_prefill_share must be in (0, 1], got {self.long_prefill_share}")
 
@@ -225,6 +235,19 @@ class SchedulerConfig:
         if self.padding is not None:
             return self.padding
         return "none" if self.batching == "continuous" else "right"
+
+    def _validate_emergency(self) -> None:
+        if not 0.0 < self.emergency_queue_share <= 1.0:
+            raise ValueError(f"emergency_queue_share must be in (0, 1], "
+                             f"got {self.emergency_queue_share}")
+        if not 0.0 < self.emergency_busy <= 1.0:
+            raise ValueError(f"emergency_busy must be in (0, 1], got {self.emergency_busy}")
+        if self.emergency_host_cpu is not None and not 0.0 < self.emergency_host_cpu <= 1.0:
+            raise ValueError(f"emergency_host_cpu must be in (0, 1] or null (no CPU breaker), "
+                             f"got {self.emergency_host_cpu}")
+        if not self.emergency_sustain > 0:
+            raise ValueError(f"emergency_sustain must be > 0 seconds, "
+                             f"got {self.emergency_sustain}")
 
     def _validate_batching(self) -> None:
         if self.batching not in ("static", "dynamic", "continuous"):

@@ -38,8 +38,35 @@ def test_a_bad_or_fixed_setting_changes_nothing() -> None:
     with pytest.raises(ValueError, match="max_num_seqs must be >= 1"):
         apply_live_settings(sched, {"max_num_batched_tokens": 64, "max_num_seqs": 0})
     assert sched.config.max_num_batched_tokens == 256 and sched.knobs.max_num_seqs == 16
-    with pytest.raises(ValueError, match="batching cannot change while the server runs"):
-        apply_live_settings(sched, {"batching": "static"})
+    with pytest.raises(ValueError, match="block_size cannot change while the server runs"):
+        apply_live_settings(sched, {"block_size": 32})
+
+
+def test_batching_is_a_live_setting_and_the_running_batch_goes_first() -> None:
+    """Issue 42: a window (or the emergency switch) may change the regime
+    while requests run; what runs then is the first static batch, so no new
+    request starts beside it."""
+    from tests.test_scheduler_properties import run_step
+
+    from carpool.scheduler import Request
+
+    sched = scheduler()
+    for i in range(3):
+        sched.add_request(Request(f"r{i}", [1 + i] * 4, 20, 0.0))
+    run_step(sched)
+    assert len(sched.running) == 3 and sched.gate is None
+    assert apply_live_settings(sched, {"batching": "static", "preferred_batch_size": 2,
+                                       "max_batch_size": 2}) == {
+        "batching": ("continuous", "static"), "preferred_batch_size": (8, 2),
+        "max_batch_size": (32, 2)}
+    assert sched.gate is not None and sched.gate.members == {"r0", "r1", "r2"}
+    sched.add_request(Request("late", [9] * 4, 4, sched.clock()))
+    run_step(sched)
+    assert [r.request_id for r in sched.running] == ["r0", "r1", "r2"]  # late waits
+    apply_live_settings(sched, {"batching": "continuous"})
+    run_step(sched)
+    assert "late" in [r.request_id for r in sched.running] and sched.gate is None
+    sched.check_invariants()
 
 
 def test_with_a_controller_new_settings_are_caps() -> None:

@@ -89,3 +89,61 @@ def test_busy_window_records_a_run_as_step_by_step():
     grouped.record_many(ends[20:], seconds[20:])
     assert grouped._total == one_by_one._total
     assert grouped.fraction(ends[-1]) == one_by_one.fraction(ends[-1])
+
+
+def test_degrade_deepens_in_steps_and_a_cpu_breaker_trips_it():
+    """Issue 42: each sustained interval of overload goes one step deeper
+    (shed low priority, static batching, response cache); host CPU over its
+    threshold is a breaker of its own; calm undoes every step at once."""
+    guard = OverloadGuard(queue_threshold=100, busy_threshold=0.9, sustain_s=5.0,
+                          cpu_threshold=0.9)
+    assert not guard.update(0.0, 0, 0.5, cpu=0.95)
+    assert guard.update(5.0, 0, 0.5, cpu=0.95) and guard.stage == 1
+    assert "host CPU 95% > 90%" in guard.reason
+    assert not guard.update(9.0, 0, 0.5, cpu=0.95) and guard.stage == 1
+    assert guard.update(10.0, 0, 0.5, cpu=0.95) and guard.stage == 2
+    assert guard.update(15.0, 120, 0.5, cpu=0.5) and guard.stage == 3
+    assert not guard.update(30.0, 120, 0.5, cpu=0.5) and guard.stage == 3  # the deepest
+    assert OverloadGuard.STAGES[guard.stage] == "response_cache"
+    # CPU at 0.85 is not calm (threshold less 0.1): stays degraded.
+    assert not guard.update(31.0, 10, 0.5, cpu=0.85) and guard.degraded
+    assert guard.update(32.0, 10, 0.5, cpu=0.7) and guard.stage == 0 and not guard.degraded
+    # Without a CPU threshold the CPU never trips it.
+    plain = OverloadGuard(queue_threshold=100, sustain_s=1.0)
+    assert not plain.update(0.0, 0, 0.5, cpu=1.0) and not plain.update(2.0, 0, 0.5, cpu=1.0)
+
+
+def test_the_scheduler_switches_to_static_batching_at_stage_two_and_back():
+    from test_scheduler_properties import make_scheduler
+
+    from carpool.scheduler import Request
+
+    scheduler = make_scheduler(num_blocks=256, max_seqs=4, budget=64, policy="fcfs",
+                               emergency_switch=True, max_queue_requests=5,
+                               emergency_sustain=2.0, emergency_queue_share=0.6)
+    for i in range(8):  # 4 run, 4 wait: the queue is over 0.6 x 5 = 3
+        scheduler.add_request(Request(f"n{i}", [i + 1] * 4, 200, 0.0))
+        scheduler.schedule()
+    for _ in range(5):
+        scheduler.clock.now += 1.0
+        scheduler.schedule()
+    assert scheduler.overload.stage == 2 and scheduler.gate is not None
+    assert scheduler.gate.regime == "static" and scheduler.config.batching == "continuous"
+    running = {r.request_id for r in scheduler.running}
+    assert scheduler.gate.members == running
+    for request in list(scheduler.waiting):
+        scheduler.abort_request(request.request_id)
+    scheduler.clock.now += 20.0  # the busy window empties: calm
+    scheduler.schedule()
+    assert scheduler.overload.stage == 0 and scheduler.gate is None
+    scheduler.check_invariants()
+
+
+def test_emergency_thresholds_are_checked_settings():
+    from carpool.config import SchedulerConfig
+
+    for bad in ({"emergency_queue_share": 0.0}, {"emergency_busy": 1.5},
+                {"emergency_host_cpu": 0.0}, {"emergency_sustain": 0.0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SchedulerConfig(**bad).validate()
+    SchedulerConfig(emergency_host_cpu=None).validate()

@@ -152,8 +152,10 @@ class AdmissionControl:
         self.departures = DepartureRate()
         self.cost_model = StepCostModel()
         self.busy = BusyWindow()
-        self.overload = (OverloadGuard(max(1, int(0.8 * config.max_queue_requests)))
-                         if config.emergency_switch else None)
+        self.overload = (OverloadGuard(
+            max(1, int(config.emergency_queue_share * config.max_queue_requests)),
+            config.emergency_busy, config.emergency_sustain, config.emergency_host_cpu)
+            if config.emergency_switch else None)
         self.rejections: dict[str, int] = {}  # by reason, at arrival and later (a counter)
         # Arrivals that reached admission, admitted or not (a counter): the
         # denominator of a reject rate, whatever the reason.

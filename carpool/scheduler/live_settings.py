@@ -15,7 +15,7 @@ from carpool.scheduler.controller import LiveKnobs
 LIVE_SETTINGS = frozenset({
     "max_num_seqs", "max_num_batched_tokens", "preferred_batch_size", "max_batch_size",
     "max_wait", "max_queue_requests", "max_queue_tokens", "queue_timeout",
-    "long_prefill_share", "session_ttl", "predictive_shedding",
+    "long_prefill_share", "session_ttl", "predictive_shedding", "batching",
 })
 _KNOBS = {f.name for f in dataclasses.fields(LiveKnobs)}
 
@@ -43,6 +43,8 @@ def apply_live_settings(scheduler, values: dict[str, Any]) -> dict[str, tuple[An
     for name, (_, new) in changed.items():
         setattr(config, name, new)  # the same object admission and the controller read
     scheduler.sessions.ttl = config.session_ttl
+    if "batching" in changed:
+        scheduler.set_batching(config.batching)
     knobs = scheduler.knobs
     if scheduler.controller is None:
         for name in _KNOBS & set(changed):

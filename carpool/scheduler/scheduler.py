@@ -90,21 +90,38 @@ class Scheduler:
         self.cost_model = self.admission.cost_model
         self.overload = self.admission.overload
         self.rejections = self.admission.rejections
-        # static / dynamic batching: which waiting requests form the next batch, and when.
-        self.gate = None if config.batching == "continuous" else BatchGate(
-            config.batching, config.preferred_batch_size, config.max_batch_size,
-            config.max_wait, config.bucket_tolerance)
+        self.gate: BatchGate | None = None
+        self.step_hooks: tuple = ()
+        self.set_batching(config.batching)
+        self.expiries = ExpiryQueue()
+        self.sessions = SessionTracker(self.kv.pool, config.session_ttl)
+        self._rejected: list[Request] = []  # expired, not yet handed out by pop_rejected
+
+    def set_batching(self, regime: str) -> None:
+        """Batch under ``regime`` from the next step on (a live setting: the
+        emergency switch and schedule windows change it while requests run).
+
+        static / dynamic batching: a gate picks which waiting requests form
+        the next batch, and when; the requests running when it takes over
+        are its first batch, so no new one starts beside them. Continuous:
+        no gate; whatever runs keeps running and others join.
+        """
+        config = self.config
+        if regime == "continuous":
+            self.gate = None
+        else:
+            self.gate = BatchGate(regime, self.knobs.preferred_batch_size,
+                                  self.knobs.max_batch_size, self.knobs.max_wait,
+                                  config.bucket_tolerance)
+            self.gate.members = {r.request_id for r in (*self.running, *self.loading)}
         # Everything that acts at the start of every step besides picking
         # spans, in order. ``schedule`` runs exactly these, and fast-forward
         # (which applies decode steps without ``schedule``) refuses to run
         # while there is any: a new per-step feature joins this tuple, or it
         # does not act at all, so fast-forward cannot skip it unawares.
-        self.step_hooks: tuple = tuple(hook for hook in (
+        self.step_hooks = tuple(hook for hook in (
             self.overload, self.controller,
             GateHook(self.gate) if self.gate is not None else None) if hook is not None)
-        self.expiries = ExpiryQueue()
-        self.sessions = SessionTracker(self.kv.pool, config.session_ttl)
-        self._rejected: list[Request] = []  # expired, not yet handed out by pop_rejected
 
     # -- requests in and out -------------------------------------------------
 
