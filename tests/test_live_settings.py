@@ -46,9 +46,8 @@ def test_batching_is_a_live_setting_and_the_running_batch_goes_first() -> None:
     """Issue 42: a window (or the emergency switch) may change the regime
     while requests run; what runs then is the first static batch, so no new
     request starts beside it."""
-    from tests.test_scheduler_properties import run_step
-
     from carpool.scheduler import Request
+    from tests.test_scheduler_properties import run_step
 
     sched = scheduler()
     for i in range(3):
