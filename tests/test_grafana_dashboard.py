@@ -169,7 +169,8 @@ def test_dashboard_covers_the_main_metric_families(dashboard, exported):
         "carpool:kv_cache_usage_perc", "carpool:effective_tokens_per_second",
         "carpool:engine_busy_fraction", "carpool:batch_fill_rate", "carpool:reject_rate",
         "carpool:arrival_rate", "carpool:controller_mode", "carpool:scheduler_knob",
-        "carpool:sessions",
+        "carpool:sessions", "carpool:token_budget_fill", "carpool:seq_slot_fill",
+        "carpool:host_cpu_utilization",
     }
     assert expected <= set(types), sorted(expected - set(types))
     assert expected <= families, sorted(expected - families)

@@ -85,6 +85,8 @@ def test_tokenize_detokenize_round_trip(tiny_async_engine):
 def _stats(t: float, computed: int, busy: float, added: int, long: int, rejected: int):
     counters = EngineCounters(requests_added=added, long_requests_added=long,
                               computed_tokens=computed, slot_tokens=computed,
+                              budget_tokens=computed * 2, seq_slots=computed // 10,
+                              slot_seqs=computed // 40,
                               generation_tokens=computed // 2, busy_seconds=busy)
     return EngineStats(time=t, num_running=0, num_waiting=0, waiting_tokens=0, kv_num_blocks=1,
                        kv_used_blocks=0, prefix_queries=0, prefix_hits=0, num_preemptions=0,
@@ -101,7 +103,9 @@ def test_rate_window_rates_over_the_window():
     assert rates["effective_tokens_per_second"] == pytest.approx(200.0)
     assert rates["generation_tokens_per_second"] == pytest.approx(100.0)
     assert rates["engine_busy_fraction"] == pytest.approx(0.8)
-    assert rates["batch_fill_rate"] == 1.0
+    # Continuous batching never pads: its fill is the token budget's occupancy.
+    assert rates["batch_fill_rate"] == rates["token_budget_fill"] == pytest.approx(0.5)
+    assert rates["seq_slot_fill"] == pytest.approx(0.25)
     assert rates["reject_rate"] == pytest.approx(2 / 10)
     assert rates["long_request_share"] == pytest.approx(2 / 8)
     # 30 s later with no new work: the old samples leave the window, rates fall to zero

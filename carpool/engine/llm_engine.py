@@ -22,7 +22,13 @@ from carpool.config import CacheConfig, EngineConfig
 from carpool.engine.detokenizer import IncrementalDetokenizer, token_pieces
 from carpool.engine.output_stage import OutputStage, RequestState
 from carpool.engine.outputs import RequestOutput
-from carpool.engine.stats import LONG_PROMPT_TOKENS, EngineCounters, EngineStats, engine_stats
+from carpool.engine.stats import (
+    LONG_PROMPT_TOKENS,
+    EngineCounters,
+    EngineStats,
+    StepOffer,
+    engine_stats,
+)
 from carpool.engine.step_log import StepLog, StepPhases
 from carpool.engine.wire import EngineInfo, Handoff
 from carpool.executor.base import BatchItem, Executor, resolve_overlap, step_padding
@@ -318,6 +324,7 @@ class LLMEngine:
                 outputs += self._make_outputs(self._pending)
                 self._pending = None
             return outputs
+        offered = StepOffer.of(self.scheduler)  # the live budget and slots it ran under
         started = clock()
         items = self._batch_items(schedule.spans)
         padding = step_padding(schedule.pad_rows, self.config.scheduler.padding_mode)
@@ -350,6 +357,7 @@ class LLMEngine:
         counters.steps += 1
         counters.generation_tokens += len(progressed)  # the stop check saw each of them
         counters.busy_seconds += elapsed
+        counters.count_offer(offered)
         if padding is None:  # a padded step costs its rectangle, not its ragged shape
             shape = StepShape.of(items)
             counters.computed_tokens += shape.prefill_tokens + shape.decode_seqs

@@ -30,11 +30,42 @@ class EngineCounters:
     # Token slots the model computed, padding included; equals computed_tokens
     # under continuous batching, which never pads.
     slot_tokens: int = 0
+    # Occupancy under continuous batching, summed over steps: the live step
+    # token budget (``max_num_batched_tokens``) and sequence slots
+    # (``max_num_seqs``) each step was offered, and the sequences holding a
+    # slot in it (running or loading). ``computed_tokens / budget_tokens`` is
+    # the token budget's fill, ``slot_seqs / seq_slots`` the slots'.
+    budget_tokens: int = 0
+    seq_slots: int = 0
+    slot_seqs: int = 0
     busy_seconds: float = 0.0
     finished: dict[str, int] = field(default_factory=dict)  # by finish reason
 
     def copy(self) -> "EngineCounters":
         return EngineCounters(**{**self.__dict__, "finished": dict(self.finished)})
+
+    def count_offer(self, offer: "StepOffer") -> None:
+        """Add one step's offered token budget and slots, and its slot holders."""
+        self.budget_tokens += offer.budget_tokens
+        self.seq_slots += offer.seq_slots
+        self.slot_seqs += offer.slot_seqs
+
+
+@dataclass(frozen=True)
+class StepOffer:
+    """What one step was offered: the live step token budget and sequence
+    slots it was scheduled under, and the sequences holding a slot in it."""
+
+    budget_tokens: int
+    seq_slots: int
+    slot_seqs: int
+
+    @classmethod
+    def of(cls, scheduler: Scheduler) -> "StepOffer":
+        """Read after the scheduler picked the step (the knobs it used)."""
+        knobs = scheduler.knobs
+        return cls(knobs.max_num_batched_tokens, knobs.max_num_seqs,
+                   len(scheduler.running) + len(scheduler.loading))
 
 
 @dataclass(frozen=True)
@@ -178,7 +209,8 @@ def merge_stats(snapshots: list[EngineStats]) -> EngineStats:
     for snapshot in snapshots:
         c = snapshot.counters
         for name in ("steps", "requests_added", "long_requests_added", "prompt_tokens",
-                     "generation_tokens", "computed_tokens", "slot_tokens", "busy_seconds"):
+                     "generation_tokens", "computed_tokens", "slot_tokens", "budget_tokens",
+                     "seq_slots", "slot_seqs", "busy_seconds"):
             setattr(counters, name, getattr(counters, name) + getattr(c, name))
     counters.finished = _summed(s.counters.finished for s in snapshots)
     summed = {name: sum(getattr(s, name) for s in snapshots) for name in (

@@ -12,9 +12,11 @@ server's clock; queue, prefill, decode and inference (prefill + decode) time
 from the engine's timestamps on each request's final output, as vLLM does.
 Engine gauges and counters are read from the engine's published
 ``EngineStats`` snapshot when Prometheus scrapes (``metrics_engine``);
-windowed rates (tokens/s, busy fraction, fill rate, reject rate, long
-share) come from ``RateWindow`` over the last ``WINDOW_S`` seconds; tokens
-per engine step from the engine's step log.
+windowed rates (tokens/s, busy fraction, fill: the token budget's and the
+sequence slots' occupancy, or padding under request-level batching, reject
+rate, long share) come from ``RateWindow`` over the last ``WINDOW_S``
+seconds; tokens per engine step from the engine's step log; the host's CPU
+and, on CUDA, the GPUs' NVML readings from ``host_metrics``.
 """
 from __future__ import annotations
 
@@ -28,8 +30,15 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import Metric
 
 from carpool.engine.outputs import RequestOutput
-from carpool.engine.stats import EngineStats
-from carpool.server.metrics_engine import engine_families, replica_families
+from carpool.engine.stats import EngineCounters, EngineStats
+from carpool.server.host_metrics import (
+    HostCpu,
+    NvmlDevices,
+    device_metrics,
+    host_families,
+    load_pynvml,
+)
+from carpool.server.metrics_engine import RATE_HELP, engine_families, replica_families
 
 WINDOW_S = 10.0
 # The series' prefixes for each ``metrics_prefix`` setting.
@@ -62,9 +71,7 @@ class RateWindow:
         """Windowed rates; NaN where undefined (no time elapsed, no traffic)."""
         nan = math.nan
         if len(self._samples) < 2:
-            return dict.fromkeys(("effective_tokens_per_second", "generation_tokens_per_second",
-                                  "engine_busy_fraction", "batch_fill_rate", "reject_rate",
-                                  "long_request_share", "arrival_rate"), nan)
+            return dict.fromkeys(RATE_HELP, nan)
         (t0, old), (t1, new) = self._samples[0], self._samples[-1]
         span = max(t1 - t0, 1e-9)
         a, b = old.counters, new.counters
@@ -74,17 +81,34 @@ class RateWindow:
         # admitted before the window and expired in it counts in ``rejected``
         # only: the rate is capped at 1.
         offered = new.arrivals - old.arrivals
-        slots = b.slot_tokens - a.slot_tokens
+        computed = b.computed_tokens - a.computed_tokens
+        fills = _occupancy(a, b)
+        padding_fill = _share(computed, b.slot_tokens - a.slot_tokens)
         return {
-            "effective_tokens_per_second": (b.computed_tokens - a.computed_tokens) / span,
+            "effective_tokens_per_second": computed / span,
             "generation_tokens_per_second": (b.generation_tokens - a.generation_tokens) / span,
             "engine_busy_fraction": min(1.0, (b.busy_seconds - a.busy_seconds) / span),
-            "batch_fill_rate": (b.computed_tokens - a.computed_tokens) / slots if slots else nan,
+            "batch_fill_rate": (fills["token_budget_fill"] if new.batching == "continuous"
+                                else padding_fill),
+            **fills,
             "reject_rate": min(1.0, rejected / offered) if offered else nan,
             "long_request_share": ((b.long_requests_added - a.long_requests_added) / arrivals
                                    if arrivals else nan),
             "arrival_rate": offered / span,
         }
+
+
+def _share(part: float, whole: float) -> float:
+    """``part / whole`` capped at 1; NaN when ``whole`` is 0 (no step ran)."""
+    return min(1.0, part / whole) if whole else math.nan
+
+
+def _occupancy(a: EngineCounters, b: EngineCounters) -> dict[str, float]:
+    """The token budget's and the sequence slots' fill over the steps
+    between two counter snapshots, each step weighted by what it was offered."""
+    return {"token_budget_fill": _share(b.computed_tokens - a.computed_tokens,
+                                        b.budget_tokens - a.budget_tokens),
+            "seq_slot_fill": _share(b.slot_seqs - a.slot_seqs, b.seq_slots - a.seq_slots)}
 
 
 class Metrics:
@@ -104,6 +128,8 @@ class Metrics:
         self._steps_seen = 0  # steps of the log already observed
         self._cache: dict[str, str] | None = None
         self.replica_stats = None  # a fleet's () -> {replica: EngineStats}, once bound
+        self.host_cpu = HostCpu()
+        self.devices: NvmlDevices | None = None  # NVML's GPU readings, on CUDA
         self._lock = threading.Lock()  # guards the step-log cursor
         self._live = CollectorRegistry(auto_describe=False)  # unprefixed families
         labels = ["model_name"]
@@ -156,12 +182,17 @@ class Metrics:
                              f"got {value!r}")
         self._prefix = value
 
-    def bind_engine(self, step_log, cache: dict[str, str]) -> None:
+    def bind_engine(self, step_log, cache: dict[str, str], step_facts: dict | None = None,
+                    load_nvml=load_pynvml) -> None:
         """Read what only the engine knows: the tokens of each step (its
-        ``StepLog``, for ``iteration_tokens_total``) and its KV cache
-        settings (``EngineInfo.cache_info``, for ``cache_config_info``)."""
+        ``StepLog``, for ``iteration_tokens_total``), its KV cache settings
+        (``EngineInfo.cache_info``, for ``cache_config_info``) and its device
+        (``EngineInfo.step_facts``: on CUDA, the GPUs' NVML readings too;
+        ``load_nvml``: what imports NVML)."""
         self._step_log = step_log
         self._cache = cache
+        device = str(((step_facts or {}).get("machine") or {}).get("device", "cpu"))
+        self.devices = device_metrics(device, load_nvml)
 
     def outcome(self, outcome: str) -> None:
         self.outcomes.labels(self.model_name, outcome).inc()
@@ -185,6 +216,9 @@ class Metrics:
         yield from engine_families(stats, rates, self.model_name, WINDOW_S, self._cache)
         if self.replica_stats is not None:
             yield from replica_families(self.replica_stats(), self.model_name)
+        yield from host_families(self.host_cpu, self.model_name)
+        if self.devices is not None:
+            yield from self.devices.families(self.model_name)
 
     def _observe_new_steps(self) -> None:
         """Observe the steps logged since the last scrape. Steps that left

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from carpool.engine.stats import EngineStats
+from carpool.engine.stats import LONG_PROMPT_TOKENS, EngineStats
 
 # vLLM creates these finish reasons' series at start (at 0), so a rate over
 # the first requests has a base sample; "rejected" is not one: a request
@@ -21,6 +21,25 @@ SUCCESS_REASONS = ("stop", "length", "abort")
 SESSION_COUNTERS = {
     "session_requests": "Requests accepted with a session id.",
     "session_prefix_hit_tokens": "Prompt tokens of session requests served from the prefix cache.",
+}
+
+
+# The windowed rates (``RateWindow.rates``), in their order on /metrics, with their help.
+RATE_HELP = {
+    "effective_tokens_per_second": "Tokens computed per second, padding excluded.",
+    "generation_tokens_per_second": "Tokens generated per second.",
+    "engine_busy_fraction": "Share of wall time the engine spent running steps (0-1).",
+    "batch_fill_rate": "Batch fill (0-1). Continuous batching: the step token budget's "
+                       "occupancy (as token_budget_fill). Static / dynamic batching: real "
+                       "tokens / computed token slots (1 - the padding's share).",
+    "token_budget_fill": "Tokens per step / the live step token budget "
+                         "(max_num_batched_tokens), over the steps that ran (0-1).",
+    "seq_slot_fill": "Sequences holding a slot (running or loading) / the live sequence "
+                     "slots (max_num_seqs), over the steps that ran (0-1).",
+    "reject_rate": "Share of arrivals rejected, for any reason (0-1).",
+    "long_request_share": "Share of admitted requests whose prompt is long "
+                          f"(> {LONG_PROMPT_TOKENS} tokens).",
+    "arrival_rate": "Arrivals per second, admitted or rejected.",
 }
 
 
@@ -75,8 +94,7 @@ def engine_families(stats: EngineStats, rates: dict[str, float], model_name: str
         rejected.add_metric(model + [reason], count)
     yield rejected
     for name, value in rates.items():
-        yield _gauge(name, f"{name.replace('_', ' ')} over the last {window_s:g} s.", model,
-                     value)
+        yield _gauge(name, f"{RATE_HELP[name]} Over the last {window_s:g} s.", model, value)
     if cache is not None:
         info = GaugeMetricFamily("cache_config_info", "The KV cache's settings (always 1).",
                                  labels=["model_name", *cache])

@@ -71,7 +71,8 @@ class ServerContext:
             self.prep = PrepPool(self.config.prep_workers)
         # The metrics take this server's prefix and read what only the engine knows.
         self.metrics.prefix = self.config.metrics_prefix
-        self.metrics.bind_engine(self.engine.step_log, self.engine.info.cache_info)
+        info = self.engine.info
+        self.metrics.bind_engine(self.engine.step_log, info.cache_info, info.step_facts)
         if hasattr(self.engine, "replica_stats"):  # a fleet: per-replica series too
             self.metrics.replica_stats = self.engine.replica_stats
 
