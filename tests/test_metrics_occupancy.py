@@ -117,3 +117,15 @@ def test_the_counters_cross_the_process_boundary():
         del old[name]
     decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(old), type=EngineCounters)
     assert (decoded.steps, decoded.budget_tokens, decoded.slot_seqs) == (3, 0, 0)
+
+
+def test_the_snapshot_names_the_live_batching_regime(tiny_model_dir):
+    """The emergency switch moves a continuous server to static batching:
+    the snapshot says so, and batch_fill_rate takes the padding meaning."""
+    engine = _engine(tiny_model_dir)
+    assert engine.stats().batching == "continuous"
+    assert "preferred_batch_size" not in engine.stats().knobs
+    engine.scheduler.set_batching("static")
+    stats = engine.stats()
+    assert stats.batching == "static" and "preferred_batch_size" in stats.knobs
+    assert engine.config.scheduler.batching == "continuous"  # the configured one stays

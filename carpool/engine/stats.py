@@ -134,13 +134,19 @@ def _knobs(scheduler: Scheduler) -> dict[str, float]:
              "aging_interval"]
     values = {name: getattr(config, name) for name in names}
     values.update({name: live.get(name) for name in ("max_num_seqs", "max_num_batched_tokens")})
-    if config.batching != "continuous":
+    if _batching(scheduler) != "continuous":
         values.update({name: live.get(name) for name in
                        ("preferred_batch_size", "max_batch_size", "max_wait")})
     if scheduler.controller is not None:
         values["controller_alpha"] = scheduler.controller.alpha
         values["controller_latency_correction"] = scheduler.controller.correction.factor
     return {name: float(value) for name, value in values.items() if value is not None}
+
+
+def _batching(scheduler: Scheduler) -> str:
+    """The regime batches form under now: the emergency switch and schedule
+    windows change it while the configured one stays (``set_batching``)."""
+    return scheduler.gate.regime if scheduler.gate is not None else "continuous"
 
 
 def _mode(scheduler: Scheduler) -> str:
@@ -164,7 +170,9 @@ def _decisions(scheduler: Scheduler, latest: int = 20) -> dict:
 def engine_stats(scheduler: Scheduler, counters: EngineCounters, now: float,
                  config: SchedulerConfig, slo=None) -> EngineStats:
     """The engine's snapshot: its scheduler's state, a copy of its counters,
-    ``now`` on its clock, the SLO it serves (a ``ServingSLO``) if any."""
+    ``now`` on its clock, the SLO it serves (a ``ServingSLO``) if any.
+    ``config`` is the configuration it started with; the batching regime is
+    read live from the scheduler."""
     kv = scheduler.kv.stats()
     return EngineStats(
         time=now, num_running=len(scheduler.running),
@@ -175,7 +183,7 @@ def engine_stats(scheduler: Scheduler, counters: EngineCounters, now: float,
         num_preemptions=scheduler.num_preemptions, counters=counters.copy(),
         rejections=dict(scheduler.rejections),
         sessions=dict(scheduler.session_stats().__dict__),
-        knobs=_knobs(scheduler), batching=config.batching, mode=_mode(scheduler),
+        knobs=_knobs(scheduler), batching=_batching(scheduler), mode=_mode(scheduler),
         num_priority_preemptions=scheduler.num_priority_preemptions,
         batches=scheduler.gate.stats.batches if scheduler.gate else 0,
         adaptive=scheduler.controller is not None,
