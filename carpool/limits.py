@@ -50,14 +50,21 @@ def _number(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else f"{value:g}"
 
 
+# Every integer a client sends is bounded: one beyond 64 bits cannot even
+# reach the engine (its wire format is msgpack), and none needs more than 31.
+MAX_INT32 = 2**31 - 1
+# A token id (prompts, stop_token_ids, logit_bias keys, /detokenize); the
+# model's vocabulary bounds prompt ids further.
+TOKEN_ID = Bound(0, MAX_INT32)
+
 # Sampling (OpenAI's ranges where OpenAI has one).
-MAX_TOKENS = Bound(1)
+MAX_TOKENS = Bound(1, MAX_INT32)  # the context length caps it further
 # The engine takes more than OpenAI's 2, as vLLM does (some users sample
 # very flat on purpose); the OpenAI-compatible API keeps OpenAI's range.
 TEMPERATURE = Bound(0.0, 100.0)
 API_TEMPERATURE = Bound(0.0, 2.0)
 TOP_P = Bound(0.0, 1.0, lo_open=True)
-TOP_K = Bound(-1)  # -1 and 0: off
+TOP_K = Bound(-1, MAX_INT32)  # -1 and 0: off; more than the vocabulary: all of it
 MIN_P = Bound(0.0, 1.0)
 # Dividing logits by a smaller repetition penalty could overflow float32.
 REPETITION_PENALTY = Bound(0.01, 10.0)
@@ -67,10 +74,15 @@ SEED = Bound(-(2**63), 2**63, hi_open=True)
 LOGPROBS = Bound(0, 20)  # the chosen token's logprob plus the top N
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
+# logit_bias: OpenAI's range and count (carpool refuses a non-empty one, but
+# checks it first, so a bad key is named).
+LOGIT_BIAS = Bound(-100.0, 100.0)
+MAX_LOGIT_BIAS = 300
 
 # carpool's extensions.
 MAX_SESSION_ID_CHARS = 256
 MAX_CACHE_SALT_CHARS = 256
 DEADLINE_MS = Bound(0, 86_400_000, lo_open=True)  # up to a day
 MAX_WAIT_MS = Bound(0, 60_000)
-N = Bound(1)  # the server's max_n caps it further
+N = Bound(1, MAX_INT32)  # the server's max_n caps it further (also best_of)

@@ -3,6 +3,7 @@ bodies shaped by an OpenAPI schema (used by ``test_server_fuzz.py``)."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 from hypothesis import strategies as st
@@ -237,3 +238,83 @@ class SchemaStrategies:
             return body
 
         return build()
+
+
+# -- out-of-range numbers -------------------------------------------------------------------
+
+# Beyond 32 and 64 bits (a JSON integer of over 4300 digits is invalid JSON,
+# a 400 naming no field: these stay far below), and floats JSON can carry.
+HUGE_INTS = [10**30, -(10**30), 2**63, -(2**63) - 1, 2**64, 2**31, -(2**31) - 1, 10**300]
+NON_FINITE = [math.inf, -math.inf, math.nan, 1e308, -1e308]
+
+
+@dataclass(frozen=True)
+class NumericSlot:
+    """Where a number goes in a body: ``field`` itself, an item of it (``[5, x]``),
+    an item of its second list (``[[5], [5, x]]``), a value of it
+    (``{"5": x}``) or a key of it (``{"x": 1.0}``)."""
+
+    field: str
+    schema: dict  # the integer or number schema (a key's: the token ids')
+    shape: str = "value"
+
+    def put(self, body: dict, value: Any) -> dict:
+        body[self.field] = {"value": value, "item": [5, value], "nested": [[5], [5, value]],
+                            "dict-value": {"5": value}, "dict-key": {str(value): 1.0}}[self.shape]
+        return body
+
+    def bounds(self) -> tuple[float | None, float | None]:
+        lo = self.schema.get("minimum", self.schema.get("exclusiveMinimum"))
+        hi = self.schema.get("maximum", self.schema.get("exclusiveMaximum"))
+        return lo, hi
+
+    def out_of_range(self):
+        """Values the API must refuse here: below or above the range (none
+        declared: 64 bits), beyond 64 bits, non-finite or huge floats."""
+        lo, hi = self.bounds()
+        lo = -(2**63) if lo is None else lo
+        hi = 2**63 - 1 if hi is None else hi
+        outside = [st.sampled_from([v for v in HUGE_INTS + NON_FINITE if not lo <= v <= hi])]
+        if self.schema.get("type") == "integer":
+            outside += [st.integers(-(2**200), math.ceil(lo) - 1),
+                        st.integers(math.floor(hi) + 1, 2**200)]
+        else:
+            outside += [st.floats(max_value=lo, exclude_max="minimum" in self.schema),
+                        st.floats(min_value=hi, exclude_min="maximum" in self.schema)]
+        return st.one_of(outside)
+
+
+def numeric_slots(strategies: SchemaStrategies, schema: dict) -> list[NumericSlot]:
+    """Every place a body of ``schema`` takes a number, from its properties."""
+    slots = []
+    for name, prop in strategies.resolve(schema).get("properties", {}).items():
+        for member in _members(strategies, prop):
+            kind = member.get("type")
+            if kind in ("integer", "number"):
+                slots.append(NumericSlot(name, member))
+            elif kind == "array":
+                items = _members(strategies, member.get("items", {}))
+                for item in items:
+                    if item.get("type") in ("integer", "number"):
+                        slots.append(NumericSlot(name, item, "item"))
+                    elif item.get("type") == "array":
+                        slots += [NumericSlot(name, inner, "nested")
+                                  for inner in _members(strategies, item.get("items", {}))
+                                  if inner.get("type") in ("integer", "number")]
+            elif kind == "object" and isinstance(member.get("additionalProperties"), dict):
+                values = member["additionalProperties"]
+                if values.get("type") in ("integer", "number"):
+                    slots.append(NumericSlot(name, values, "dict-value"))
+                if "propertyNames" in member:  # token ids as keys
+                    slots.append(NumericSlot(name, TOKEN_ID_KEY, "dict-key"))
+    return slots
+
+
+# A logit_bias key's range (JSON Schema states keys as strings, by a pattern).
+TOKEN_ID_KEY = {"type": "integer", "minimum": 0, "maximum": 2**31 - 1}
+
+
+def _members(strategies: SchemaStrategies, schema: dict) -> list[dict]:
+    schema = strategies.resolve(schema)
+    members = schema.get("anyOf") or schema.get("oneOf") or [schema]
+    return [strategies.resolve(m) for m in members]

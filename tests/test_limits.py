@@ -18,8 +18,8 @@ SAMPLING = [
     ("repetition_penalty", limits.REPETITION_PENALTY, 1.1, [0.001, 11.0]),
     ("presence_penalty", limits.PRESENCE_PENALTY, 1.0, [-2.5, 2.5]),
     ("frequency_penalty", limits.FREQUENCY_PENALTY, -1.0, [-2.5, 2.5]),
-    ("top_k", limits.TOP_K, 5, [-2]),
-    ("max_tokens", limits.MAX_TOKENS, 3, [0]),
+    ("top_k", limits.TOP_K, 5, [-2, 2**31, 10**30]),
+    ("max_tokens", limits.MAX_TOKENS, 3, [0, 2**31]),
     ("logprobs", limits.LOGPROBS, 20, [-1, 21]),
 ]
 
@@ -87,7 +87,8 @@ def test_sampling_params_are_checked_once_and_immutable():
 
 
 @pytest.mark.parametrize("bound,text", [
-    (limits.TEMPERATURE, "[0, 100]"), (limits.TOP_P, "(0, 1]"), (limits.MAX_TOKENS, ">= 1"),
+    (limits.TEMPERATURE, "[0, 100]"), (limits.TOP_P, "(0, 1]"), (limits.Bound(1), ">= 1"),
+    (limits.MAX_TOKENS, "[1, 2147483647]"),
     (limits.DEADLINE_MS, "(0, 86400000]"), (limits.REPETITION_PENALTY, "[0.01, 10]"),
 ])
 def test_bounds_describe_themselves(bound, text):

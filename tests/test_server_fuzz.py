@@ -6,6 +6,8 @@ malformed, gets a 5xx, and every refusal is OpenAI's error JSON.
    typed, null, missing required fields or carrying unknown ones.
 2. Raw bytes: garbage, truncated JSON, invalid UTF-8, JSON that is no object.
 3. The ``x-priority`` / ``x-session-id`` / ``x-deadline-ms`` extension headers.
+4. Every number a body takes, out of its range (beyond 64 bits, inf, nan,
+   1e308 included): always a 400 naming the field.
 
 The last test checks the engine survived it all and nothing logged a traceback.
 """
@@ -17,7 +19,7 @@ from typing import Any
 
 import httpx
 import pytest
-from fuzz_strategies import _TEXT, MAX_TOKENS_CAP, SchemaStrategies
+from fuzz_strategies import _TEXT, MAX_TOKENS_CAP, SchemaStrategies, numeric_slots
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from server_utils import ServerProcess
@@ -273,6 +275,60 @@ def test_extension_headers_never_5xx(server, client, headers, extra):
     response = _post(server, client, "/v1/completions", _encode(body), headers=headers)
     _check_response("/v1/completions", {"headers": headers, "body": body}, response, server,
                     streaming=body.get("stream") is True)
+
+
+# -- 4. numbers out of range ---------------------------------------------------------------
+
+NUMERIC_ROUTES = ["/v1/completions", "/v1/chat/completions", "/detokenize"]
+
+
+@pytest.fixture(scope="module")
+def slots(openapi, model_name) -> dict[str, list]:
+    builder = SchemaStrategies(openapi, model_name)
+    return {path: numeric_slots(builder, openapi["paths"][path]["post"]["requestBody"]
+                                ["content"]["application/json"]["schema"])
+            for path in NUMERIC_ROUTES}
+
+
+def test_every_number_a_body_takes_has_a_range(slots):
+    fields = {path: {slot.field for slot in found} for path, found in slots.items()}
+    assert {"top_k", "stop_token_ids", "logit_bias", "seed", "n", "max_tokens", "prompt",
+            "best_of", "temperature"} <= fields["/v1/completions"]
+    assert {"max_completion_tokens", "top_logprobs"} <= fields["/v1/chat/completions"]
+    assert fields["/detokenize"] == {"tokens"}
+    unbounded = [(path, slot.field) for path, found in slots.items() for slot in found
+                 if None in slot.bounds()]
+    assert not unbounded
+
+
+def _assert_400_naming(response: httpx.Response, field: str, why: str) -> None:
+    assert response.status_code == 400, why
+    _assert_error_json(response, why)
+    param = response.json()["error"]["param"] or ""
+    assert param == field or param.startswith(field + "."), why
+
+
+@pytest.mark.parametrize("path", NUMERIC_ROUTES)
+@settings(FUZZ, max_examples=80)
+@given(data=st.data())
+def test_out_of_range_numbers_are_a_400_naming_the_field(server, client, slots, path, data):
+    slot = data.draw(st.sampled_from(slots[path]), label="slot")
+    value = data.draw(slot.out_of_range(), label=f"{slot.field} ({slot.shape})")
+    body = slot.put(json.loads(json.dumps(_VALID_BODIES[path])), value)
+    response = _post(server, client, path, _encode(body))
+    _assert_400_naming(response, slot.field, _describe(body, response, server))
+
+
+@pytest.mark.parametrize("path", GENERATION_ROUTES)
+@pytest.mark.parametrize("field, value", [("top_k", 10**30), ("stop_token_ids", [10**30]),
+                                          ("max_tokens", 10**30), ("seed", 2**64),
+                                          ("n", 10**30), ("logit_bias", {str(10**30): 1})])
+def test_huge_integers_are_a_400_not_a_500(server, client, path, field, value):
+    """The issue's cases: top_k and stop_token_ids of 10**30 reached the
+    engine's wire format and came back as 500 internal_error."""
+    body = {**_VALID_BODIES[path], field: value}
+    response = _post(server, client, path, _encode(body))
+    _assert_400_naming(response, field, _describe(body, response, server))
 
 
 # -- afterwards -------------------------------------------------------------------------------

@@ -5,6 +5,11 @@ Fields OpenAI defines but carpool does not implement (``tools``,
 ``tool_calls``...) are accepted only at their neutral value; anything else
 is a 400 naming the field, never a silently ignored knob. Unknown fields
 are ignored, as OpenAI clients send extras (``user``, ``metadata``...).
+
+Every number has a range (``carpool.limits``): no integer a client sends
+reaches the engine unbounded. Lists stop at their first bad element
+(``fail_fast``): a body of a million bad elements would otherwise build a
+million error objects (seconds of CPU and ~1 GB for a 2 MiB body).
 """
 from __future__ import annotations
 
@@ -26,6 +31,36 @@ from carpool import limits
 # Any integer (clamped to the classes and to the key's privilege) or a class name.
 Priority = (Annotated[int, Field(strict=True, gt=-10**9, lt=10**9)]
             | Literal["high", "normal", "low"])
+TokenId = Annotated[int, Field(strict=True, **limits.TOKEN_ID.field())]
+
+
+def _validate_logit_bias(value: Any) -> dict[str, float] | None:
+    """``{"token id": bias}`` within OpenAI's count and range, checked
+    before the entries are read one by one (a dict's errors are per key)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError("logit_bias must be an object mapping token ids to biases")
+    if len(value) > limits.MAX_LOGIT_BIAS:
+        raise ValueError(f"logit_bias has {len(value)} entries; at most {limits.MAX_LOGIT_BIAS}")
+    for key, bias in value.items():
+        if not (key.isascii() and key.isdigit() and len(key) <= 10
+                and limits.TOKEN_ID.contains(int(key))):
+            raise ValueError(f"logit_bias keys must be token ids in "
+                             f"{limits.TOKEN_ID.describe()}, got {key[:40]!r}")
+        if (isinstance(bias, bool) or not isinstance(bias, (int, float))
+                or not limits.LOGIT_BIAS.contains(bias)):
+            raise ValueError(f"logit_bias values must be numbers in "
+                             f"{limits.LOGIT_BIAS.describe()}, got {str(bias)[:40]} for {key!r}")
+    return value
+
+
+LogitBias = Annotated[Any, PlainValidator(_validate_logit_bias), WithJsonSchema({
+    "anyOf": [{"type": "object", "maxProperties": limits.MAX_LOGIT_BIAS,
+               "propertyNames": {"pattern": "^[0-9]{1,10}$"},
+               "additionalProperties": {"type": "number", "minimum": limits.LOGIT_BIAS.lo,
+                                        "maximum": limits.LOGIT_BIAS.hi}},
+              {"type": "null"}]})]
 
 
 class StreamOptions(BaseModel):
@@ -40,7 +75,8 @@ class _SamplingFields(BaseModel):
     model: str | None = None
     n: StrictInt = Field(1, **limits.N.field())
     seed: StrictInt | None = Field(None, **limits.SEED.field())
-    stop: str | list[str] | None = None
+    stop: str | Annotated[list[str], Field(max_length=limits.MAX_STOP_STRINGS,
+                                           fail_fast=True)] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     temperature: float = Field(1.0, **limits.API_TEMPERATURE.field())
@@ -51,11 +87,12 @@ class _SamplingFields(BaseModel):
     frequency_penalty: float = Field(0.0, **limits.FREQUENCY_PENALTY.field())
     repetition_penalty: float = Field(1.0, **limits.REPETITION_PENALTY.field())
     ignore_eos: StrictBool = False
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=limits.MAX_STOP_TOKEN_IDS,
+                                                   fail_fast=True)] | None = None
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
-    best_of: StrictInt | None = None
-    logit_bias: dict[str, float] | None = None
+    best_of: StrictInt | None = Field(None, **limits.N.field())
+    logit_bias: LogitBias = None
     # carpool extensions (also accepted as x-priority / x-session-id / x-deadline-ms headers)
     priority: Priority | None = None
     session_id: str | None = Field(None, min_length=1, max_length=limits.MAX_SESSION_ID_CHARS)
@@ -83,9 +120,16 @@ _PROMPT_SHAPES = "a string, a list of strings, a list of token ids or a list of 
 
 
 def _is_token_ids(value: Any) -> bool:
-    # One C-level pass (set of types), not a Python loop: a maximal body holds
-    # about a million ids, and a Python loop would hog the GIL for ~0.1 s.
-    return isinstance(value, list) and set(map(type, value)) <= {int}
+    # C-level passes (set of types, min, max), not a Python loop: a maximal
+    # body holds about a million ids, and a Python loop would hog the GIL for
+    # ~0.1 s. The ids must fit the engine's int32 tensors (the vocabulary
+    # bounds them further, once the prompt is known to fit the context).
+    if not isinstance(value, list) or not set(map(type, value)) <= {int}:
+        return False
+    if value and not (limits.TOKEN_ID.contains(min(value))
+                      and limits.TOKEN_ID.contains(max(value))):
+        raise ValueError(f"prompt token ids must be in {limits.TOKEN_ID.describe()}")
+    return True
 
 
 def _validate_prompt(value: Any) -> Any:
@@ -107,10 +151,12 @@ def _validate_prompt(value: Any) -> Any:
     raise ValueError(f"prompt must be {_PROMPT_SHAPES}")
 
 
+_TOKEN_ID_SCHEMA = {"type": "integer", "minimum": limits.TOKEN_ID.lo,
+                    "maximum": limits.TOKEN_ID.hi}
 Prompt = Annotated[Any, PlainValidator(_validate_prompt), WithJsonSchema({"anyOf": [
     {"type": "string"}, {"type": "array", "items": {"type": "string"}},
-    {"type": "array", "items": {"type": "integer"}},
-    {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}}]})]
+    {"type": "array", "items": _TOKEN_ID_SCHEMA},
+    {"type": "array", "items": {"type": "array", "items": _TOKEN_ID_SCHEMA}}]})]
 
 
 class CompletionRequest(_SamplingFields):
@@ -140,7 +186,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | Annotated[list[TextPart], Field(fail_fast=True)] | None = None
     name: str | None = None
     # Tool calling is not supported: a past call in the history is refused
     # (a 400 naming it), never silently dropped from what the model sees.
@@ -173,7 +219,7 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
 class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions``."""
 
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, fail_fast=True)
     max_tokens: StrictInt | None = Field(None, **limits.MAX_TOKENS.field())
     max_completion_tokens: StrictInt | None = Field(None, **limits.MAX_TOKENS.field())
     logprobs: StrictBool = False
@@ -211,7 +257,7 @@ class TokenizeRequest(BaseModel):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Annotated[list[ChatMessage], Field(fail_fast=True)] | None = None
     add_generation_prompt: StrictBool = True
 
     @model_validator(mode="after")
@@ -227,4 +273,4 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    tokens: list[StrictInt]
+    tokens: list[TokenId] = Field(fail_fast=True)
