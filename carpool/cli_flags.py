@@ -218,6 +218,16 @@ SERVER_FLAGS: list[Flag] = [
        "seconds a connection may take to send a request head"),
     _f("--keep-alive-timeout", "keep_alive_timeout", float, "SECONDS",
        "seconds an idle keep-alive connection stays open"),
+    _f("--body-timeout", "body_timeout", float, "SECONDS",
+       "seconds a request body may take to arrive after its head (HTTP 408)"),
+    _f("--body-min-rate", "body_min_rate", float, "BYTES_PER_S",
+       "slowest average rate a request body may arrive at after its first second, HTTP 408 "
+       "(0: no minimum)"),
+    _f("--max-connections", "max_connections", int, "N",
+       "open connections in all; more are answered 503 (0: no cap)"),
+    _f("--max-connections-per-client", "max_connections_per_client", int, "N",
+       "open connections from one client address; more are answered 429 (0: no cap; behind "
+       "a proxy every client has the proxy's address)"),
     _f("--special-tokens-in-content", "special_tokens_in_content", flag_bool, "BOOL",
        "parse special-token text (<|im_start|>...) inside chat message content (false: it "
        "is plain text)"),

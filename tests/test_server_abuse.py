@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import select
 import socket
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import pytest
 from server_utils import ServerProcess
 
 from carpool.server.config import ServerConfig
+from carpool.server.middleware import BODY_BYTES_PER_UNIT, json_cost
 
 KEYS = {"ops": "sk-ops-0123456789", "alice": "sk-alice-0123456789",
         "bob": "sk-bob-0123456789", "team1": "sk-team1-0123456789",
@@ -141,9 +143,13 @@ def test_clients_leaving_right_after_sending_are_aborted(server, ops):
 # -- 6. the event loop stays free --------------------------------------------------------
 
 def _maximal_bodies(limit: int) -> list[bytes]:
-    ids = json.dumps({"prompt": [7] * (limit // 3 - 100), "max_tokens": 1}).encode()
+    """The largest bodies the guards let through: at the byte limit, and
+    (ids, many strings) at the JSON cost limit too (one unit per 6 bytes)."""
+    units = limit // BODY_BYTES_PER_UNIT
+    ids = json.dumps({"prompt": [12345] * (units - 100), "max_tokens": 1},
+                     separators=(",", ":")).encode()
     text = json.dumps({"prompt": "x" * (limit - 64), "max_tokens": 1}).encode()
-    many = json.dumps({"prompt": ["a"] * (limit // 5 - 100)}).encode()
+    many = json.dumps({"prompt": ["a"] * (units // 3 - 100)}).encode()
     chat = json.dumps({"messages": [{"role": "user", "content": "y" * 8000}] * 1,
                        "max_tokens": 1}).encode()
     return [b for b in (ids, text, many, chat) if len(b) <= limit]
@@ -196,8 +202,10 @@ def _health_under_flood(url: str, body_files: list[str]) -> list[float]:
 
 
 def test_health_stays_fast_while_flooded_with_maximal_bodies(server, tmp_path):
-    bodies = _maximal_bodies(ServerConfig().max_body_bytes)  # the default limit
+    limit = ServerConfig().max_body_bytes  # the default
+    bodies = _maximal_bodies(limit)
     assert len(bodies) == 4
+    assert all(json_cost(b) <= limit // BODY_BYTES_PER_UNIT for b in bodies)
     files = []
     for index, body in enumerate(bodies):
         files.append(tmp_path / (f"{index}-chat" if b'"messages"' in body else f"{index}"))
@@ -334,14 +342,16 @@ def test_chat_content_cannot_forge_control_tokens(ops):
     assert counted.json()["tokens"].count(start_id) == plain.json()["tokens"].count(start_id)
 
 
-def _closed_within(conn: socket.socket, seconds: float) -> bool:
+def _raw_reply(conn: socket.socket, seconds: float) -> tuple[bytes, bool]:
+    """What the server sent, and whether it closed the connection, within ``seconds``."""
     conn.settimeout(seconds)
+    data = b""
     try:
-        while conn.recv(65536):
-            pass
-        return True  # the server closed the connection
+        while chunk := conn.recv(65536):
+            data += chunk
+        return data, True
     except (TimeoutError, socket.timeout):
-        return False
+        return data, False
 
 
 def test_slow_request_heads_and_idle_connections_time_out(server):
@@ -349,12 +359,47 @@ def test_slow_request_heads_and_idle_connections_time_out(server):
     with socket.create_connection((host, int(port))) as slow:
         slow.sendall(b"GET /health HTTP/1.1\r\n")
         slow.sendall(b"Host: 127.0.0.1\r\n")  # ...and never the blank line
-        assert _closed_within(slow, 3.0)  # --header-timeout 1
+        assert _raw_reply(slow, 3.0)[1]  # --header-timeout 1
     with socket.create_connection((host, int(port))) as idle:
         idle.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         idle.settimeout(3.0)
         assert idle.recv(65536).startswith(b"HTTP/1.1 200")
-        assert _closed_within(idle, 3.0)  # --keep-alive-timeout 1
+        assert _raw_reply(idle, 3.0)[1]  # --keep-alive-timeout 1
+
+
+def test_bodies_that_stall_or_trickle_are_answered_408_and_closed(server):
+    """The default --body-min-rate (1024 bytes/s after a second) closes both
+    within about a second; before, neither was closed at all."""
+    host, port = server.url.removeprefix("http://").split(":")
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer "
+            f"{KEYS['alice']}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: 4000\r\n\r\n").encode()
+    with socket.create_connection((host, int(port))) as stalled, \
+            socket.create_connection((host, int(port))) as trickle:
+        stalled.sendall(head + b'{"prompt": "par')  # ...and nothing more
+        trickle.sendall(head)
+        started = time.monotonic()
+        while time.monotonic() - started < 3.0:
+            if select.select([trickle], [], [], 0.25)[0]:
+                break  # answered: stop writing (a write after the close would reset)
+            trickle.sendall(b" ")  # 4 bytes/s
+        for conn in (stalled, trickle):
+            data, closed = _raw_reply(conn, 3.0)
+            assert closed and data.startswith(b"HTTP/1.1 408"), data
+            assert b'"body_timeout"' in data
+        assert time.monotonic() - started < 4.0
+
+
+@pytest.mark.parametrize("keys", [["sk-wrong-0123456789", KEYS["ops"]],
+                                  [KEYS["ops"], "sk-wrong-0123456789"]], ids=["bad-good", "good-bad"])
+def test_two_authorization_headers_are_a_400(server, keys):
+    """Before, the last one won: a bad key then a good one got 200."""
+    headers = httpx.Headers([("Authorization", f"Bearer {key}") for key in keys])
+    reply = httpx.get(server.url + "/v1/models", headers=headers)
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == "authorization"
+    with server.client(KEYS["ops"]) as c:  # one good key alone is fine
+        assert c.get("/v1/models").status_code == 200
 
 
 def test_keyless_loopback_server_checks_the_host_header(tiny_model_dir):

@@ -98,6 +98,16 @@ class ServerConfig:
     scale_in_after: float = 300.0  # ... for this many seconds
     scale_in_window: float = 300.0  # and the highest want of this window is lower
     header_timeout: float = 10.0  # seconds a connection may take to send its request head
+    # A request body must arrive within body_timeout seconds of its head, at
+    # body_min_rate bytes/s on average after its first second (0: no
+    # minimum); otherwise the answer is 408 and the connection is closed.
+    body_timeout: float = 60.0
+    body_min_rate: float = 1024.0
+    # Open connections in all (more are answered 503) and from one client
+    # address (429); 0 = no cap. Behind a proxy, every client has the
+    # proxy's address: raise or drop the per-client cap there.
+    max_connections: int = 1024
+    max_connections_per_client: int = 256
     keep_alive_timeout: float = 5.0  # seconds an idle keep-alive connection stays open
     shutdown_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
     status_interval: float = 5.0  # seconds between status lines while busy
@@ -110,6 +120,14 @@ class ServerConfig:
     # Python logging's %-style fields; asctime is local time to the second
     # (LOG_DATE_FORMAT), e.g. "2026-12-04 19:30:01 carpool: serving ...".
     log_format: str = "%(asctime)s carpool: %(message)s"
+
+    def _validate_connections(self) -> None:
+        if not 0 < self.body_timeout < float("inf") or not self.body_min_rate >= 0:
+            raise ValueError(f"body_timeout must be > 0 seconds and body_min_rate >= 0 bytes/s, "
+                             f"got {self.body_timeout} and {self.body_min_rate}")
+        for name in ("max_connections", "max_connections_per_client"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0: no cap), got {getattr(self, name)}")
 
     def _validate_pd(self) -> None:
         from carpool.cluster.pd import PD_MODES
@@ -153,6 +171,7 @@ class ServerConfig:
                              "stall_timeout > 0")
         if not self.header_timeout > 0 or not self.keep_alive_timeout > 0:
             raise ValueError("header_timeout and keep_alive_timeout must be > 0 seconds")
+        self._validate_connections()
         if self.replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {self.replicas}")
         if (self.replicas > 1 or self.autoscale) and not self.engine_process:
