@@ -12,14 +12,13 @@ import pytest
 from prometheus_client import generate_latest
 
 from carpool.engine.stats import EngineCounters, EngineStats
+from carpool.host_cpu import HostCpu, read_proc_stat
 from carpool.server.host_metrics import (
     ALL_LINKS,
     NVLINK_DATA_RX,
     NVLINK_DATA_TX,
-    HostCpu,
     NvmlDevices,
     device_metrics,
-    read_proc_stat,
     visible_gpus,
 )
 from carpool.server.metrics import Metrics

@@ -147,3 +147,23 @@ def test_emergency_thresholds_are_checked_settings():
         with pytest.raises(ValueError, match=next(iter(bad))):
             SchedulerConfig(**bad).validate()
     SchedulerConfig(emergency_host_cpu=None).validate()
+
+
+def test_the_engine_feeds_the_cpu_breaker_from_the_host(tiny_model_dir):
+    from carpool.config import EngineConfig
+    from carpool.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine.from_config(EngineConfig.from_dict({
+        "model": str(tiny_model_dir), "attention_backend": "torch", "kv_cache_memory": "16MiB",
+        "emergency_switch": True}))
+    source = engine.scheduler.overload.cpu_source
+    assert source is not None
+    import time
+
+    time.sleep(0.6)  # past the reader's min_interval: a real reading
+    value = source()
+    assert value is None or 0.0 <= value <= 1.0  # None only without /proc/stat
+    # A reading of NaN (none yet) is no reading: it neither trips nor blocks calm.
+    engine.scheduler.overload.cpu_source = lambda: float("nan")
+    engine.scheduler.schedule()
+    assert not engine.scheduler.overload.degraded

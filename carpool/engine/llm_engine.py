@@ -33,6 +33,7 @@ from carpool.engine.step_log import StepLog, StepPhases
 from carpool.engine.wire import EngineInfo, Handoff
 from carpool.executor.base import BatchItem, Executor, resolve_overlap, step_padding
 from carpool.executor.shapes import StepShape
+from carpool.host_cpu import HostCpu
 from carpool.model.kernel_switch import SwitchingCpuAttention
 from carpool.model.sampler import SamplingRow
 from carpool.sampling_params import SamplingParams
@@ -86,6 +87,8 @@ class LLMEngine:
                                    config.controller,
                                    block_hash_key=config.cache.block_hash_secret(),
                                    external_kv=kv_connector)
+        if self.scheduler.overload is not None:  # the emergency switch's CPU breaker
+            self.scheduler.overload.cpu_source = HostCpu().utilization
         self.kv_connector = kv_connector
         if kv_connector is not None:
             kv_connector.bind(self.scheduler)

@@ -94,6 +94,8 @@ class OverloadGuard:
         length, the busy fraction of the window and the host CPU; switch the
         batching regime when the stage asks for it."""
         cpu = self.cpu_source() if self.cpu_source is not None else None
+        if cpu is not None and cpu != cpu:  # NaN: no reading yet
+            cpu = None
         before = self.stage
         self.update(now, len(scheduler.waiting), scheduler.admission.busy.fraction(now), cpu)
         static = self.stage >= 2

@@ -35,7 +35,7 @@ from carpool.scheduler.invariants import check_invariants
 from carpool.scheduler.kv_connector import ExternalKV, PendingLoads
 from carpool.scheduler.kv_manager import KVCacheManager
 from carpool.scheduler.queues import ExpiryQueue, make_queue
-from carpool.scheduler.regimes import BatchGate, GateHook
+from carpool.scheduler.regimes import BatchGate, GateHook, GateStats
 from carpool.scheduler.request import Request, RequestStatus
 from carpool.scheduler.sessions import SessionStats, SessionTracker
 from carpool.scheduler.step import (
@@ -91,6 +91,7 @@ class Scheduler:
         self.overload = self.admission.overload
         self.rejections = self.admission.rejections
         self.gate: BatchGate | None = None
+        self.gate_stats = GateStats()  # kept across regime changes (set_batching)
         self.step_hooks: tuple = ()
         self.set_batching(config.batching)
         self.expiries = ExpiryQueue()
@@ -114,6 +115,7 @@ class Scheduler:
                                   self.knobs.max_batch_size, self.knobs.max_wait,
                                   config.bucket_tolerance)
             self.gate.members = {r.request_id for r in (*self.running, *self.loading)}
+            self.gate.stats = self.gate_stats
         # Everything that acts at the start of every step besides picking
         # spans, in order. ``schedule`` runs exactly these, and fast-forward
         # (which applies decode steps without ``schedule``) refuses to run

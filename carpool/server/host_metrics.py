@@ -1,10 +1,9 @@
 """The host's CPU and the GPUs' NVML readings, as metric families.
 
-``HostCpu``: the share of the host's CPU time (every CPU, every process)
-spent busy between two readings of ``/proc/stat``: each scrape reads the
-time since the one before (at least ``min_interval`` apart; the first covers
-the time since the server started). Linux only; elsewhere the family is left
-out. No dependency.
+``host_families``: the share of the host's CPU time (every CPU, every
+process) spent busy between two scrapes (``carpool.host_cpu.HostCpu``: the
+first covers the time since the server started). Linux only; elsewhere the
+family is left out. No dependency.
 
 ``NvmlDevices``: utilisation, memory and PCIe / NVLink traffic of the GPUs
 this process sees, through NVML (``nvidia-ml-py``: ``pip install
@@ -19,69 +18,20 @@ Every family is unprefixed and labelled ``model_name`` like the rest
 from __future__ import annotations
 
 import logging
-import math
 import os
-import threading
-import time
 from collections.abc import Callable, Iterator, Mapping
-from pathlib import Path
 from types import ModuleType
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from carpool.host_cpu import HostCpu
+
 log = logging.getLogger("carpool.metrics")
 
-PROC_STAT = Path("/proc/stat")
 # NVML's NVLink throughput fields (nvml.h), KiB since the driver loaded; the
 # scope UINT_MAX sums every link of the GPU.
 NVLINK_DATA_TX, NVLINK_DATA_RX = 138, 139
 ALL_LINKS = 0xFFFFFFFF
-
-
-def read_proc_stat(path: Path = PROC_STAT) -> tuple[int, int] | None:
-    """(busy, total) CPU time of every CPU since boot, in clock ticks;
-    None where there is no ``/proc/stat``."""
-    try:
-        with path.open(encoding="ascii") as f:
-            line = f.readline()
-    except OSError:
-        return None
-    # cpu user nice system idle iowait irq softirq steal (guest time is in user)
-    ticks = [int(v) for v in line.split()[1:9]]
-    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)
-    return sum(ticks) - idle, sum(ticks)
-
-
-class HostCpu:
-    """Host CPU utilisation (0-1) between consecutive readings."""
-
-    def __init__(self, read: Callable[[], tuple[int, int] | None] = read_proc_stat,
-                 clock: Callable[[], float] = time.monotonic, min_interval: float = 0.5) -> None:
-        self._read = read
-        self._clock = clock
-        self.min_interval = min_interval
-        self._lock = threading.Lock()  # scrapes may come on several threads
-        self._base = read()  # the first scrape covers the time since here
-        self._base_at = clock()
-        self._value = math.nan
-
-    def utilization(self) -> float | None:
-        """Busy share since the previous reading; the previous value when
-        readings come closer than ``min_interval``; None without /proc/stat."""
-        with self._lock:
-            if self._base is None:
-                return None
-            now = self._clock()
-            if now - self._base_at < self.min_interval and not math.isnan(self._value):
-                return self._value
-            current = self._read()
-            if current is None:
-                return None
-            busy, total = current[0] - self._base[0], current[1] - self._base[1]
-            if total > 0:  # else no tick elapsed: keep the base and the last value
-                self._value = min(1.0, max(0.0, busy / total))
-                self._base, self._base_at = current, now
-            return self._value
 
 
 def host_families(cpu: HostCpu, model_name: str) -> Iterator[Metric]:

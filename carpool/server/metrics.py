@@ -31,8 +31,8 @@ from prometheus_client.core import Metric
 
 from carpool.engine.outputs import RequestOutput
 from carpool.engine.stats import EngineCounters, EngineStats
+from carpool.host_cpu import HostCpu
 from carpool.server.host_metrics import (
-    HostCpu,
     NvmlDevices,
     device_metrics,
     host_families,
