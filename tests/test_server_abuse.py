@@ -415,3 +415,28 @@ def test_keyless_loopback_server_checks_the_host_header(tiny_model_dir):
         plain = c.post("/tokenize", json={"messages": [{"role": "user", "content": "x"}]})
         start_id = plain.json()["tokens"][0]
         assert forged.json()["tokens"].count(start_id) == plain.json()["tokens"].count(start_id) + 1
+
+
+def test_the_body_and_connection_flags_reach_the_server(tiny_model_dir):
+    """``--body-min-rate 0 --body-timeout 30``: a stalled body is not closed
+    at the default rate's ~1 s; ``--max-connections-per-client 2``: a third
+    connection from this address is answered 429."""
+    flags = [str(tiny_model_dir), "--attention-backend", "torch", "--adaptive", "false",
+             "--body-min-rate", "0", "--body-timeout", "30",
+             "--max-connections-per-client", "2"]
+    with ServerProcess(flags) as server:
+        host, port = server.url.removeprefix("http://").split(":")
+        head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\n"
+                f"Content-Type: application/json\r\nContent-Length: 4000\r\n\r\n").encode()
+        with socket.create_connection((host, int(port))) as stalled, \
+                socket.create_connection((host, int(port))) as second:
+            stalled.sendall(head + b'{"prompt": "par')
+            data, closed = _raw_reply(stalled, 2.5)
+            assert not closed and data == b""  # the default would have closed it by now
+            second.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            second.settimeout(3.0)
+            assert second.recv(65536).startswith(b"HTTP/1.1 200")
+            with socket.create_connection((host, int(port))) as third:
+                third.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+                data, _ = _raw_reply(third, 3.0)
+                assert data.startswith(b"HTTP/1.1 429"), data

@@ -44,7 +44,9 @@ def build_app(ctx: ServerContext) -> FastAPI:
     keyring = KeyRing.from_config(ctx.config.api_key, ctx.config.api_keys)
     app.add_middleware(GuardMiddleware, max_body_bytes=ctx.config.max_body_bytes,
                        max_header_bytes=ctx.config.max_header_bytes, keyring=keyring,
-                       allowed_hosts=ctx.config.host_allow_list(keyring.enabled))
+                       allowed_hosts=ctx.config.host_allow_list(keyring.enabled),
+                       body_timeout=ctx.config.body_timeout,
+                       body_min_rate=ctx.config.body_min_rate)
     if ctx.config.cors_origins:  # outermost, so preflights are answered without a key
         from fastapi.middleware.cors import CORSMiddleware
 
@@ -254,7 +256,8 @@ def _admission(stats) -> dict:
 def _step_limit(text: str | None) -> int:
     if text is None:
         return STEP_LOG_CAPACITY
-    if not text.isdigit() or not 1 <= int(text) <= STEP_LOG_CAPACITY:
+    # Length first: int() refuses strings of over 4300 digits (a 500 before).
+    if not (text.isdigit() and len(text) <= 9) or not 1 <= int(text) <= STEP_LOG_CAPACITY:
         raise bad_request(f"limit must be an integer from 1 to {STEP_LOG_CAPACITY}", "limit")
     return int(text)
 

@@ -90,7 +90,8 @@ class _Runner:
             build_app(ctx), host=config.host, port=config.port,
             log_level=config.uvicorn_log_level,
             access_log=False, lifespan="off", timeout_graceful_shutdown=5,
-            http=with_head_timeout(config.header_timeout),
+            http=with_head_timeout(config.header_timeout, config.max_connections,
+                                   config.max_connections_per_client),
             timeout_keep_alive=config.keep_alive_timeout,
             h11_max_incomplete_event_size=config.max_header_bytes + 4096)
         self.server = _Server(uv_config, self)
