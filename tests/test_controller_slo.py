@@ -49,17 +49,19 @@ def test_token_budget_keeps_a_step_within_the_mode_share_of_the_tpot_target() ->
     ctl = controller(cost=linear_cost(per_token=0.0005, fixed=0.01), tpot_target=0.1,
                      controller_mode="latency", transition_steps=1)
     ctl.observe_step(9.0, None, demand=4)
-    tick(ctl, signals(tpot=0.05))  # within 60 ms: the full budget stays
+    tick(ctl, signals(tpot=0.05, waiting=0))  # within 60 ms: the full budget stays
     assert ctl.knobs.max_num_batched_tokens == 512
-    tick(ctl, signals(tpot=0.07))
+    tick(ctl, signals(tpot=0.07, waiting=2))  # requests waiting: a cut only delays them
+    assert ctl.knobs.max_num_batched_tokens == 512
+    tick(ctl, signals(tpot=0.07, waiting=0))
     # Over 0.6 * 0.1 s = 60 ms: (0.06 - 0.01) / 0.0005 = 100 tokens.
     assert 95 <= ctl.knobs.max_num_batched_tokens <= 100  # the fit's ridge bias
     assert ctl.knobs.max_num_seqs == 50  # by_memory: demand no longer sizes the batch
     cut = ctl.knobs.max_num_batched_tokens
-    tick(ctl, signals(tpot=0.055))  # within 60 ms but not well within (70%): held
+    tick(ctl, signals(tpot=0.055, waiting=0))  # within 60 ms but not well within (70%): held
     assert ctl.knobs.max_num_batched_tokens == cut
-    tick(ctl, signals(tpot=0.03))
-    tick(ctl, signals(tpot=0.03))  # two calm ticks in a row: back to the full budget
+    tick(ctl, signals(tpot=0.03, waiting=0))
+    tick(ctl, signals(tpot=0.03, waiting=0))  # two calm ticks in a row: the full budget
     assert ctl.knobs.max_num_batched_tokens == 512
 
 

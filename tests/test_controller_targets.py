@@ -61,8 +61,10 @@ def _selector(**targets) -> ModeSelector:
 
 
 def test_late_tokens_or_requests_with_nobody_waiting_ask_for_latency():
-    selector = _selector(tpot_target=0.1, e2e_target=2.0)
+    selector = _selector(tpot_target=0.1, e2e_target=2.0)  # the operator's: it counts
     busy = dict(busy=0.9, waiting=0, ttft=0.2)
+    measured = _selector(e2e_target=2.0)  # tpot auto: a measured target does not
+    assert measured.wanted(dataclasses.replace(signals(**busy), tpot_p99=0.5))[0] != "latency"
     slow = dataclasses.replace(signals(**busy), tpot_p99=0.15)
     assert selector.wanted(slow) == ("latency", "tpot_p99 150 ms > 100 ms, queue empty")
     late = dataclasses.replace(signals(**busy), e2e_p99=2.5)

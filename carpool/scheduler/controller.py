@@ -355,6 +355,11 @@ class AdaptiveController:
         full = self.base.max_num_batched_tokens
         if self.mode != "latency":
             return full, "mode_" + self.mode, f"mode {self.mode} prefills at the full budget"
+        if s.waiting:
+            # A burst arriving in latency mode: a cut would only stretch the
+            # prefill of the requests it brings (the next burst after a
+            # latency-mode lull took longer than on the plain server).
+            return full, "queue", f"{s.waiting} waiting: prefill at the full budget"
         step_limit = self._step_seconds(preset)
         observed = s.step_time if s.step_time is not None else s.tpot_p95
         if step_limit is None or observed is None or observed <= step_limit:
