@@ -218,6 +218,13 @@ SERVER_FLAGS: list[Flag] = [
        "seconds a connection may take to send a request head"),
     _f("--keep-alive-timeout", "keep_alive_timeout", float, "SECONDS",
        "seconds an idle keep-alive connection stays open"),
+    _f("--response-cache-entries", "response_cache_entries", int, "N",
+       "--emergency-switch's last step: responses kept to answer identical deterministic "
+       "requests of a tenant (0: none)"),
+    _f("--response-cache-bytes", "response_cache_bytes", int, "BYTES",
+       "the response cache's size bound (JSON bytes)"),
+    _f("--response-cache-ttl", "response_cache_ttl", float, "SECONDS",
+       "seconds a cached response may be served"),
     _f("--body-timeout", "body_timeout", float, "SECONDS",
        "seconds a request body may take to arrive after its head (HTTP 408)"),
     _f("--body-min-rate", "body_min_rate", float, "BYTES_PER_S",

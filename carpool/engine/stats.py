@@ -105,6 +105,8 @@ class EngineStats:
     kv_store: dict = field(default_factory=dict)
     # Arrivals that reached admission, admitted or rejected for any reason.
     arrivals: int = 0
+    # The emergency switch's depth (``OverloadGuard.STAGES``; 0: normal).
+    degrade_stage: int = 0
 
     @property
     def kv_usage(self) -> float:
@@ -190,6 +192,7 @@ def engine_stats(scheduler: Scheduler, counters: EngineCounters, now: float,
         slo=slo.as_dict() if slo is not None else None,
         predictions=_predictions(scheduler), kv_store=_kv_store(scheduler),
         arrivals=scheduler.admission.arrivals,
+        degrade_stage=scheduler.overload.stage if scheduler.overload is not None else 0,
         **_decisions(scheduler))
 
 
@@ -230,7 +233,8 @@ def merge_stats(snapshots: list[EngineStats]) -> EngineStats:
         rejections=_summed(s.rejections for s in snapshots),
         sessions=_summed(s.sessions for s in snapshots),
         decision_counts=_summed(s.decision_counts for s in snapshots),
-        kv_store=_summed_store(s.kv_store for s in snapshots), **summed)
+        kv_store=_summed_store(s.kv_store for s in snapshots),
+        degrade_stage=max(s.degrade_stage for s in snapshots), **summed)
 
 
 def _summed_store(stores) -> dict:

@@ -13,6 +13,7 @@ from starlette.responses import JSONResponse, Response
 
 import carpool
 from carpool.engine.step_log import STEP_LOG_CAPACITY, steps_document
+from carpool.scheduler.overload import OverloadGuard
 from carpool.server.auth import ANONYMOUS, KeyRing
 from carpool.server.errors import APIError, bad_request
 from carpool.server.middleware import GuardMiddleware
@@ -245,12 +246,14 @@ def _routing(engine) -> dict:
 
 
 def _admission(stats) -> dict:
-    """Which regime admission runs in, and why (``ServingSLO.regime``)."""
+    """Which regime admission runs in, and why (``ServingSLO.regime``), and
+    the emergency switch's step (``OverloadGuard.STAGES``)."""
+    emergency = OverloadGuard.STAGES[stats.degrade_stage]
     if stats.slo is None:
         return {"regime": "queue", "reason": "the adaptive controller is off: arrivals queue "
-                                             "up to the queue bounds"}
+                                             "up to the queue bounds", "emergency": emergency}
     return {"regime": stats.slo.get("regime", "queue"),
-            "reason": stats.slo.get("regime_reason", "")}
+            "reason": stats.slo.get("regime_reason", ""), "emergency": emergency}
 
 
 def _step_limit(text: str | None) -> int:

@@ -109,6 +109,12 @@ class ServerConfig:
     max_connections: int = 1024
     max_connections_per_client: int = 256
     keep_alive_timeout: float = 5.0  # seconds an idle keep-alive connection stays open
+    # The emergency switch's last step (--emergency-switch): identical
+    # deterministic non-streamed requests of one tenant answered from a
+    # cache of at most this many responses and bytes, each for ttl seconds.
+    response_cache_entries: int = 1024
+    response_cache_bytes: int = 64 * 2**20
+    response_cache_ttl: float = 60.0
     shutdown_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
     status_interval: float = 5.0  # seconds between status lines while busy
     stall_timeout: float = 120.0  # /health turns 503 if busy with no step for this long
@@ -128,6 +134,13 @@ class ServerConfig:
         for name in ("max_connections", "max_connections_per_client"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0: no cap), got {getattr(self, name)}")
+        for name in ("response_cache_entries", "response_cache_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0: no response cache), "
+                                 f"got {getattr(self, name)}")
+        if not self.response_cache_ttl > 0:
+            raise ValueError(f"response_cache_ttl must be > 0 seconds, "
+                             f"got {self.response_cache_ttl}")
 
     def _validate_pd(self) -> None:
         from carpool.cluster.pd import PD_MODES

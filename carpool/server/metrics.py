@@ -168,6 +168,9 @@ class Metrics:
         self.outcomes = Counter("request_outcomes", "Finished requests by outcome: "
                                 "stop, length, abort, error, rejected:<reason>.",
                                 labels + ["outcome"], registry=self._live)
+        self.response_cache_hits = Counter(
+            "response_cache_hits", "Requests answered from the response cache (the emergency "
+            "switch's last step), by endpoint.", labels + ["endpoint"], registry=self._live)
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_Exporter(self))
 
@@ -193,6 +196,10 @@ class Metrics:
         self._cache = cache
         device = str(((step_facts or {}).get("machine") or {}).get("device", "cpu"))
         self.devices = device_metrics(device, load_nvml)
+
+    def engine_stats(self) -> EngineStats:
+        """The engine's latest published snapshot (no rates)."""
+        return self._stats_source()
 
     def outcome(self, outcome: str) -> None:
         self.outcomes.labels(self.model_name, outcome).inc()

@@ -30,6 +30,7 @@ from carpool.engine.outputs import RequestOutput
 from carpool.engine.streams import EngineDeadError, RequestStream
 from carpool.sampling_params import SamplingParams
 from carpool.scheduler import RejectedError
+from carpool.scheduler.overload import OverloadGuard
 from carpool.server.auth import ANONYMOUS, Principal
 from carpool.server.config import ServerConfig
 from carpool.server.errors import APIError, bad_request
@@ -47,8 +48,11 @@ from carpool.server.protocol import (
     CompletionRequest,
     _SamplingFields,
 )
+from carpool.server.response_cache import ResponseCache, cache_key, is_deterministic
 from carpool.server.responses import SSE_DONE, ResponseBuilder, sse, usage_of
 
+# The emergency switch's step that answers from the response cache.
+RESPONSE_CACHE_STAGE = OverloadGuard.STAGES.index("response_cache")
 _SEED_STRIDE = 0x9E3779B97F4A7C15  # odd: distinct seeds for the n samples of one seed
 
 
@@ -69,6 +73,9 @@ class ServerContext:
     def __post_init__(self) -> None:
         if self.prep is None:
             self.prep = PrepPool(self.config.prep_workers)
+        self.response_cache = ResponseCache(self.config.response_cache_entries,
+                                            self.config.response_cache_bytes,
+                                            self.config.response_cache_ttl)
         # The metrics take this server's prefix and read what only the engine knows.
         self.metrics.prefix = self.config.metrics_prefix
         info = self.engine.info
@@ -200,11 +207,18 @@ class OpenAIServing:
         if self.ctx.draining:
             raise APIError(503, "the server is shutting down", code="draining")
         ext = extensions(body, headers, principal)
+        builder = call.builder
+        key = None
+        if not body.stream and is_deterministic(call.params):
+            key = cache_key(principal.tenant, "chat" if builder.chat else "completions",
+                            call.prompts, call.params, body.n)
+            cached = self._from_cache(key, builder)
+            if cached is not None:
+                return JSONResponse(cached)
         streams = await self._start(call.prompts, call.params, body.n, ext, call.builder.id,
                                     received_at)
         trackers = self.ctx.metrics.trackers(len(call.prompts), body.n, received_at)
         merged = _merge(streams, trackers)
-        builder = call.builder
         try:
             first = await anext(merged)
             _raise_if_rejected(first[1])
@@ -217,7 +231,21 @@ class OpenAIServing:
             events = _stream_events(first, merged, builder, len(streams), body.n, include_usage)
             return StreamingResponse(events, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        return JSONResponse(await _collect(first, merged, builder, len(streams), body.n))
+        result = await _collect(first, merged, builder, len(streams), body.n)
+        if key is not None:
+            self.ctx.response_cache.put(key, result)
+        return JSONResponse(result)
+
+    def _from_cache(self, key: str, builder: ResponseBuilder) -> dict[str, Any] | None:
+        """A stored answer, only while the emergency switch is at its last
+        step (``OverloadGuard.STAGES``): otherwise the engine answers."""
+        if self.ctx.metrics.engine_stats().degrade_stage < RESPONSE_CACHE_STAGE:
+            return None
+        cached = self.ctx.response_cache.get(key, builder.id)
+        if cached is not None:
+            self.ctx.metrics.response_cache_hits.labels(
+                self.ctx.model_name, "chat" if builder.chat else "completions").inc()
+        return cached
 
     async def _start(self, prompts: list[list[int]], params: list[SamplingParams], n: int,
                      ext: Extensions, base_id: str, received_at: float | None = None,
