@@ -190,6 +190,10 @@ ENGINE_FLAGS: list[Flag] = [
        "targets are 2 s / 200 ms)"),
     _f("--memory-headroom", "memory_headroom", float, "FRACTION",
        "adaptive: share of the KV pool the batch limit keeps free"),
+    _f("--alpha-policy", "alpha_policy", str, "POLICY",
+       "adaptive, static/dynamic batching: how alpha (the batch limit's headroom over peak "
+       "demand) moves: rule (x1.25 / x0.8 by which target is missed) | bandit (learned online "
+       "from the goodput each move earned)"),
     _f("--transition-steps", "transition_steps", int, "N",
        "adaptive: scheduler steps a knob change is spread over (1..3)"),
     _f("--hysteresis-ticks", "hysteresis_ticks", int, "N",

@@ -298,6 +298,11 @@ class ControllerConfig:
     calibrate: bool = True
     # Share of the KV pool the batch limit leaves free for growth (the by_memory term).
     memory_headroom: float = 0.2
+    # Static / dynamic batching: how alpha (the batch limit's headroom over
+    # peak demand) moves: rule (x1.25 for late first tokens, x0.8 for late
+    # tokens) or bandit (``scheduler.alpha_policy``: learned online from the
+    # goodput each move earned).
+    alpha_policy: str = "rule"
     transition_steps: int = 3  # scheduler steps a knob change is spread over (1..3)
     hysteresis_ticks: int = 2  # ticks in a row wanting a new mode before it switches
     # Adaptive only: reject at arrival a request the cost model predicts
@@ -343,6 +348,8 @@ class ControllerConfig:
             if getattr(self, name) not in (True, False, AUTO):
                 raise ValueError(f"{name} must be true, false or auto, "
                                  f"got {getattr(self, name)!r}")
+        if self.alpha_policy not in ("rule", "bandit"):
+            raise ValueError(f"alpha_policy must be rule or bandit, got {self.alpha_policy!r}")
         if not 0.0 <= self.memory_headroom < 1.0:
             raise ValueError(f"memory_headroom must be in [0, 1), got {self.memory_headroom}")
         if not 1 <= self.transition_steps <= 3:

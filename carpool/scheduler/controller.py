@@ -54,6 +54,7 @@ import math
 from collections import Counter, deque
 
 from carpool.config import ControllerConfig, SchedulerConfig
+from carpool.scheduler.alpha_policy import AlphaControl
 from carpool.scheduler.cost_model import StepCostModel
 from carpool.scheduler.knobs import Decision, KnobRamp, LiveKnobs
 from carpool.scheduler.live_window import LiveWindow, SampleWindow, Signals
@@ -69,8 +70,6 @@ from carpool.scheduler.slo_policy import (
 
 logger = logging.getLogger(__name__)
 MIN_WAIT = 0.005  # seconds: the timeout rules never take max_wait below this
-ALPHA_RANGE = (1.0, 4.0)
-ALPHA_START = 2.0
 # A knob target within this share of the current value is left alone, so
 # the noise of the fitted cost model does not move the knobs every tick.
 DEADBAND = 0.1
@@ -98,8 +97,9 @@ class AdaptiveController:
         self.ramp = KnobRamp(config.transition_steps)
         self.window = LiveWindow(config.controller_window, config.controller_fast_window)
         self.demand = SampleWindow(config.controller_window)  # waiting + running per step
-        self.alpha = ALPHA_START  # request-level batching only
-        self._alpha_streak = (0, 0)  # (direction +1 / -1, ticks in a row asking for it)
+        # Request-level batching: alpha, by the fixed rule or the bandit.
+        self.alpha_control = AlphaControl(self.config.alpha_policy,
+                                          self.config.hysteresis_ticks)
         self._budget_calm = 0  # ticks in a row with steps well within target (a cut budget)
         self.correction = StepCorrection(config.hysteresis_ticks)  # continuous only
         self.decisions: deque[Decision] = deque(maxlen=200)
@@ -121,11 +121,25 @@ class AdaptiveController:
     def mode(self) -> str:
         return self.selector.mode
 
+    @property
+    def alpha(self) -> float:
+        return self.alpha_control.value
+
     # -- events from the scheduler ------------------------------------------------
 
     def observe_arrival(self, now: float, request_tokens: int,
                         prompt_tokens: int | None = None) -> None:
         self.window.observe_arrival(now, request_tokens, prompt_tokens)
+        self.alpha_control.arrivals += 1
+
+    def observe_finish(self, now: float, e2e: float, output_tokens: int, ttft: float | None,
+                       tpot: float | None) -> None:
+        """A request finished: its end-to-end seconds, output tokens, TTFT and TPOT."""
+        self.window.observe_finish(now, e2e, output_tokens)
+        config = self.config
+        good = ((config.ttft_target is None or (ttft is not None and ttft <= config.ttft_target))
+                and (config.tpot_target is None or tpot is None or tpot <= config.tpot_target))
+        self.alpha_control.good += good
 
     def observe_ttft(self, now: float, seconds: float) -> None:
         self.window.ttft.add(now, seconds)
@@ -241,33 +255,10 @@ class AdaptiveController:
             self._log(s.now, "latency_correction", old, self.correction.factor, reason, cause)
 
     def _adapt_alpha(self, s: Signals) -> None:
-        ttft_over = _over(s.ttft_p95, self.config.ttft_target)
-        tpot_over = _over(s.tpot_p95, self.config.tpot_target)
-        if ttft_over == tpot_over:
-            self._alpha_streak = (0, 0)  # no signal which way: a streak must be unbroken
-        if ttft_over and not tpot_over:
-            factor, reason, cause = 1.25, "ttft_over_target", (
-                f"ttft_p95 {s.ttft_p95:.2f} s > target {self.config.ttft_target:.2f} s, "
-                "tpot within target")
-        elif tpot_over and not ttft_over:
-            factor, reason, cause = 0.8, "tpot_over_target", (
-                f"tpot_p95 {s.tpot_p95:.3f} s > target {self.config.tpot_target:.3f} s, "
-                "ttft within target")
-        else:
-            return
-        # Hysteresis: a move needs hysteresis_ticks ticks in a row asking for
-        # the same direction, so alternating misses never flap the batch size.
-        direction = 1 if factor > 1 else -1
-        streak = self._alpha_streak[1] + 1 if self._alpha_streak[0] == direction else 1
-        self._alpha_streak = (direction, streak)
-        if streak < self.config.hysteresis_ticks:
-            return
-        self._alpha_streak = (0, 0)
-        cause += f" ({streak} ticks)"
-        new = min(max(self.alpha * factor, ALPHA_RANGE[0]), ALPHA_RANGE[1])
-        if new != self.alpha:
-            self._log(s.now, "alpha", self.alpha, new, reason, cause)
-            self.alpha = new
+        change = self.alpha_control.update(s, self.config.ttft_target, self.config.tpot_target,
+                                           self.knobs.preferred_batch_size)
+        if change is not None:
+            self._log(s.now, "alpha", *change)
 
     def _targets(self, s: Signals) -> dict[str, float]:
         """Knob targets for this tick; logs each one that changes."""
@@ -410,7 +401,3 @@ class AdaptiveController:
         self.decisions.append(decision)
         self.decision_counts[(knob, reason)] += 1
         logger.info("controller: %s", decision.describe())
-
-
-def _over(value: float | None, target: float | None) -> bool:
-    return value is not None and target is not None and value > target

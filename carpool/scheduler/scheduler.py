@@ -200,12 +200,15 @@ class Scheduler:
             self.gate.member_left(request)
         if self.controller is not None and status in (
                 RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
-            self.controller.window.observe_finish(now, now - request.arrival_time,
-                                                  request.num_output_tokens)
+            tpot = None
             if request.num_output_tokens > 1:
-                self.controller.observe_tpot(
-                    now, (request.last_token_time - request.first_token_time)
-                    / (request.num_output_tokens - 1), request.first_token_time)
+                tpot = ((request.last_token_time - request.first_token_time)
+                        / (request.num_output_tokens - 1))
+                self.controller.observe_tpot(now, tpot, request.first_token_time)
+            ttft = (None if request.first_token_time is None
+                    else request.first_token_time - request.arrival_time)
+            self.controller.observe_finish(now, now - request.arrival_time,
+                                           request.num_output_tokens, ttft, tpot)
         self.departures.record(now)
         self.departures.set_busy(now, bool(self.requests))
 
