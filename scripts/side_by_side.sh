@@ -39,7 +39,10 @@ start() {  # server name -> starts it in the background, sets $pid
         carpool-*)
             quant=${1#carpool-}; flags=()
             [ "$quant" = bf16 ] || flags=(--quantization "$quant")
-            carpool serve --port $port --adaptive false "${flags[@]}" >"$out/$1.log" 2>&1 &
+            # The default server, as users run it (CARPOOL_FLAGS: extra flags,
+            # e.g. "--adaptive false" for the plain rows of earlier tables).
+            # shellcheck disable=SC2086
+            carpool serve --port $port "${flags[@]}" ${CARPOOL_FLAGS:-} >"$out/$1.log" 2>&1 &
             pid=$! ;;
         *) echo "unknown server $1" >&2; exit 2 ;;
     esac
