@@ -148,6 +148,11 @@ ENGINE_FLAGS: list[Flag] = [
        "static/dynamic: seconds the oldest request waits before a partial batch goes"),
     _f("--padding", "padding", str, "MODE", "static/dynamic: pad each step to a rectangle: "
        "none | left | right | center (default: right under static/dynamic, else none)"),
+    _f("--long-batch-size", "long_batch_size", int, "N",
+       "static/dynamic: prompts over --long-prompt-threshold form their own batches of at "
+       "most this many (null in a config file: one queue for all)"),
+    _f("--long-max-wait", "long_max_wait", float, "SECONDS",
+       "static/dynamic: seconds the oldest long prompt waits before a partial long batch goes"),
     _f("--bucket-tolerance", "bucket_tolerance", float, "FRACTION",
        "dynamic: a length bucket holds prompts within this fraction of its length"),
     _f("--predictive-shedding", "predictive_shedding", flag_bool, "BOOL",

@@ -171,6 +171,13 @@ class SchedulerConfig:
     max_batch_size: int = 32
     max_wait: float | None = 0.05  # seconds; None = wait for a full batch
     bucket_tolerance: float = 0.1
+    # static / dynamic: the dual queue's long lane. Prompts over
+    # long_prompt_threshold tokens form their own batches of at most
+    # long_batch_size (sooner once the oldest waited long_max_wait), so a
+    # long prompt never pads or holds back a batch of short ones; short ones
+    # keep preferred_batch_size / max_wait. None: one queue for all.
+    long_batch_size: int | None = 2
+    long_max_wait: float | None = 0.2  # seconds; None: wait for a full batch
     # static / dynamic: run each step of a batch as a padded rectangle, as a
     # real request-level batcher does: rows = the batch's size at dispatch
     # (finished members keep their row), cols = the step's longest span;
@@ -262,6 +269,12 @@ class SchedulerConfig:
                              f"<= max_batch_size ({self.max_batch_size})")
         if self.max_wait is not None and not self.max_wait >= 0:
             raise ValueError(f"max_wait must be >= 0 seconds or null, got {self.max_wait}")
+        if self.long_batch_size is not None and self.long_batch_size < 1:
+            raise ValueError(f"long_batch_size must be >= 1 or null (one queue), "
+                             f"got {self.long_batch_size}")
+        if self.long_max_wait is not None and not self.long_max_wait >= 0:
+            raise ValueError(f"long_max_wait must be >= 0 seconds or null, "
+                             f"got {self.long_max_wait}")
         if not 0.0 < self.bucket_tolerance < 1.0:
             raise ValueError(f"bucket_tolerance must be in (0, 1), got {self.bucket_tolerance}")
 

@@ -126,3 +126,46 @@ def test_predictive_shedding_rejects_a_deadline_the_cost_model_says_is_missed():
     assert info.value.reason == "predicted_deadline_miss"
     assert scheduler.rejections["predicted_deadline_miss"] == 1
     scheduler.add_request(Request("fine", [1] * 10, 4, 0.0, deadline=2.0))  # room enough
+
+
+def test_the_dual_queue_gives_long_prompts_their_own_small_batches():
+    """Issue 42: prompts over the threshold batch among themselves (2, or
+    fewer after their wait); short ones keep the gate's own size and wait;
+    the lane whose batch holds the oldest request goes first."""
+    from carpool.scheduler.regimes import LongLane
+
+    lane = LongLane(threshold=512, batch_size=2, max_wait=0.2)
+    gate = BatchGate("static", preferred_batch_size=3, max_batch_size=8, max_wait=0.5,
+                     long_lane=lane)
+    short = [_req(i, 0.01 * (i + 1)) for i in range(3)]
+    long = [_req(10, 0.0, 600), _req(11, 0.05, 700)]
+    first = gate.next_batch([long[0], *short, long[1]], now=0.06)
+    assert [r.request_id for r in first] == ["r10", "r11"]  # the oldest is long
+    for r in first:
+        gate.member_left(r)
+    assert [r.request_id for r in gate.next_batch(short, now=0.07)] == ["r0", "r1", "r2"]
+    for r in short:
+        gate.member_left(r)
+    lone = [_req(12, 1.0, 900)]
+    assert gate.next_batch(lone, now=1.1) == []  # one long prompt waits for a partner...
+    assert [r.request_id for r in gate.next_batch(lone, now=1.25)] == ["r12"]  # ...0.2 s
+    # Without the lane, long and short share one queue (batches of 3).
+    plain = BatchGate("static", preferred_batch_size=3, max_batch_size=8, max_wait=0.5)
+    assert len(plain.next_batch([long[0], *short, long[1]], now=0.06)) == 3
+
+
+def test_the_scheduler_builds_the_long_lane_from_its_settings():
+    from test_scheduler_properties import make_scheduler
+
+    from carpool.config import SchedulerConfig
+
+    sched = make_scheduler(num_blocks=256, max_seqs=8, budget=4096, policy="fcfs",
+                           batching="static", long_batch_size=3, long_max_wait=0.1,
+                           long_prompt_threshold=100)
+    lane = sched.gate.long_lane
+    assert (lane.threshold, lane.batch_size, lane.max_wait) == (100, 3, 0.1)
+    off = make_scheduler(num_blocks=256, max_seqs=8, budget=4096, policy="fcfs",
+                         batching="dynamic", long_batch_size=None)
+    assert off.gate.long_lane is None
+    with pytest.raises(ValueError, match="long_batch_size"):
+        SchedulerConfig(long_batch_size=0).validate()

@@ -27,6 +27,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from carpool.scheduler.queues import is_long_prompt
 from carpool.scheduler.request import Request
 
 REGIMES = ("static", "dynamic", "continuous")
@@ -57,10 +58,12 @@ class BatchGate:
     """
 
     def __init__(self, regime: str, preferred_batch_size: int, max_batch_size: int,
-                 max_wait: float | None, bucket_tolerance: float = 0.1) -> None:
+                 max_wait: float | None, bucket_tolerance: float = 0.1,
+                 long_lane: "LongLane | None" = None) -> None:
         if regime not in ("static", "dynamic"):
             raise ValueError(f"a batch gate is for static or dynamic batching, not {regime!r}")
         self.regime = regime
+        self.long_lane = long_lane
         self.preferred = preferred_batch_size
         self.max_size = max_batch_size if regime == "dynamic" else preferred_batch_size
         self.max_wait = max_wait
@@ -91,10 +94,15 @@ class BatchGate:
         queue = list(waiting)
         if not queue:
             return []
-        if self.regime == "static":
-            batch = self._static(queue, now)
+        lane = self.long_lane
+        long = [r for r in queue if lane.is_long(r)] if lane is not None else []
+        if long:  # the dual queue: long prompts batch among themselves
+            short = [r for r in queue if not lane.is_long(r)]
+            batches = [b for b in (self._short_batch(short, now), lane.batch(long, now)) if b]
+            # The lane whose batch holds the oldest request goes first.
+            batch = min(batches, key=lambda b: min(r.arrival_time for r in b), default=[])
         else:
-            batch = self._dynamic(queue, now)
+            batch = self._short_batch(queue, now)
         if batch:
             self.members = {r.request_id for r in batch}
             self.batch_rows = len(batch)
@@ -102,6 +110,11 @@ class BatchGate:
             self.stats.batched_requests += len(batch)
             self.stats.formation_wait_s += now - min(r.arrival_time for r in batch)
         return batch
+
+    def _short_batch(self, queue: list[Request], now: float) -> list[Request]:
+        if not queue:
+            return []
+        return self._static(queue, now) if self.regime == "static" else self._dynamic(queue, now)
 
     def set_limits(self, preferred: int, max_size: int, max_wait: float | None) -> None:
         """Live knobs from the adaptive controller; they shape the next batch."""
@@ -134,6 +147,32 @@ class BatchGate:
             if len(bucket) >= self.preferred or any(self._overdue(r, now) for r in bucket):
                 return bucket[:self.max_size]
         return []
+
+
+@dataclass(frozen=True)
+class LongLane:
+    """The dual queue under request-level batching: prompts longer than
+    ``threshold`` tokens form their own small batches (``batch_size``, or
+    fewer once the oldest waited ``max_wait``), so a long prompt never pads
+    or holds back a batch of short ones, and short ones keep the live knobs."""
+
+    threshold: int
+    batch_size: int
+    max_wait: float | None
+
+    def is_long(self, request: Request) -> bool:
+        return not request.kv_handoff and is_long_prompt(request, self.threshold)
+
+    def batch(self, queue: list[Request], now: float) -> list[Request]:
+        """The first ``batch_size`` long requests once that many wait or one
+        of them waited its wait (the lane's, or its own if lower); else []."""
+        head = queue[:self.batch_size]
+
+        def overdue(request: Request) -> bool:
+            waits = [w for w in (self.max_wait, request.max_wait) if w is not None]
+            return bool(waits) and now - request.arrival_time >= min(waits)
+
+        return head if len(queue) >= self.batch_size or any(map(overdue, head)) else []
 
 
 class GateHook:

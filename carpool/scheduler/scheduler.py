@@ -35,7 +35,7 @@ from carpool.scheduler.invariants import check_invariants
 from carpool.scheduler.kv_connector import ExternalKV, PendingLoads
 from carpool.scheduler.kv_manager import KVCacheManager
 from carpool.scheduler.queues import ExpiryQueue, make_queue
-from carpool.scheduler.regimes import BatchGate, GateHook, GateStats
+from carpool.scheduler.regimes import BatchGate, GateHook, GateStats, LongLane
 from carpool.scheduler.request import Request, RequestStatus
 from carpool.scheduler.sessions import SessionStats, SessionTracker
 from carpool.scheduler.step import (
@@ -111,9 +111,12 @@ class Scheduler:
         if regime == "continuous":
             self.gate = None
         else:
+            lane = (None if config.long_batch_size is None else
+                    LongLane(config.long_prompt_threshold, config.long_batch_size,
+                             config.long_max_wait))
             self.gate = BatchGate(regime, self.knobs.preferred_batch_size,
                                   self.knobs.max_batch_size, self.knobs.max_wait,
-                                  config.bucket_tolerance)
+                                  config.bucket_tolerance, lane)
             self.gate.members = {r.request_id for r in (*self.running, *self.loading)}
             self.gate.stats = self.gate_stats
         # Everything that acts at the start of every step besides picking

@@ -210,7 +210,10 @@ class OpenAIServing:
         builder = call.builder
         key = None
         if not body.stream and is_deterministic(call.params):
-            key = cache_key(principal.tenant, "chat" if builder.chat else "completions",
+            # The tenant, and the client's cache_salt: a client that splits its
+            # prefix cache off splits its cached answers off too.
+            key = cache_key(f"{principal.tenant}\0{ext.cache_salt or ''}",
+                            "chat" if builder.chat else "completions",
                             call.prompts, call.params, body.n)
             cached = self._from_cache(key, builder)
             if cached is not None:
