@@ -168,7 +168,7 @@ class SchedulerConfig:
     # max_wait); a static or dynamic batch runs to completion, nobody joins.
     batching: str = "continuous"
     preferred_batch_size: int = 8
-    max_batch_size: int = 32
+    max_batch_size: int = 16
     max_wait: float | None = 0.05  # seconds; None = wait for a full batch
     bucket_tolerance: float = 0.1
     # static / dynamic: the dual queue's long lane. Prompts over

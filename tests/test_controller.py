@@ -175,12 +175,13 @@ def test_batch_limit_is_the_smallest_term() -> None:
     ctl.observe_step(9.0, None, demand=100)
     limit, cause, reason = ctl.batch_limit(signals(tokens=256.0), PRESETS["throughput"])
     # by_latency: 0.01 + 0.002 n <= LIMIT_STEP_SHARE (0.8) * 0.05 -> n = 15 (the fit's
-    # small ridge bias may make it 14), in every mode; by_memory: 800 // 16 = 50; cap 64.
-    # Demand plays no part.
+    # small ridge bias may make it 14), in every mode; by_memory: 800 // 16 = 50; cap 64
+    # (latency mode's a quarter of it, 16); peak demand x alpha: 100 x 2 = 200.
     assert reason == "by_latency" and limit in (14, 15)
     for mode in ("latency", "balanced"):
         assert ctl.batch_limit(signals(tokens=256.0), PRESETS[mode])[0] == limit
-    assert "by_memory 50" in cause and "by_demand" not in cause and "correction 1.00" in cause
+    assert "cap 16," in ctl.batch_limit(signals(tokens=256.0), PRESETS["latency"])[1]
+    assert "by_memory 50" in cause and "by_demand 200" in cause and "correction 1.00" in cause
     limit, _, reason = ctl.batch_limit(signals(tokens=16000.0), PRESETS["throughput"])
     assert (limit, reason) == (1, "by_memory")
 
@@ -210,9 +211,9 @@ def test_alpha_adapts_to_which_target_is_missed() -> None:
     assert ctl.alpha == 2.0
     for _ in range(20):
         tick(ctl, signals(ttft=0.5, tpot=0.2))
-    assert ctl.alpha == 1.0  # bounded: never below the peak demand
+    assert ctl.alpha == 0.5  # bounded: at least half the peak demand
     tick(ctl, signals(ttft=2.0, tpot=0.2))  # both missed: no signal which way
-    assert ctl.alpha == 1.0
+    assert ctl.alpha == 0.5
     for _ in range(20):
         tick(ctl, signals(ttft=2.0, tpot=0.05))
     assert ctl.alpha == 4.0

@@ -24,12 +24,12 @@ def test_batch_limit_counts_the_prefill_that_comes_with_each_decode() -> None:
     replace finished ones; a limit sized on decode steps alone (as before)
     lets a surge of arrivals push TPOT over its target."""
     cost = linear_cost(per_token=0.001, fixed=0.01)
-    ctl = controller(cost=cost, controller_mode="balanced", tpot_target=0.1)
+    ctl = controller(cost=cost, controller_mode="throughput", tpot_target=0.1)
     base = signals(tokens=148.0)  # no prompt sizes known: decode steps only
-    decode_only, _, _ = ctl.batch_limit(base, PRESETS["balanced"])
+    decode_only, _, _ = ctl.batch_limit(base, PRESETS["throughput"])
     assert decode_only == pytest.approx(64, abs=1)  # 0.01 + 0.001 n <= 0.08 -> 70, cap 64
     with_prefill = replace(base, prefill_ratio=100 / 48)  # 100-token prompts, 48 out
-    limit, cause, reason = ctl.batch_limit(with_prefill, PRESETS["balanced"])
+    limit, cause, reason = ctl.batch_limit(with_prefill, PRESETS["throughput"])
     # 0.01 + 0.001 * n * (1 + 100 / 48) <= 0.08 -> n = 22
     assert reason == "by_latency" and limit in (21, 22)
     step = cost.predict(round(limit * (1 + 100 / 48)), limit)
@@ -49,20 +49,22 @@ def test_token_budget_keeps_a_step_within_the_mode_share_of_the_tpot_target() ->
     ctl = controller(cost=linear_cost(per_token=0.0005, fixed=0.01), tpot_target=0.1,
                      controller_mode="latency", transition_steps=1)
     ctl.observe_step(9.0, None, demand=4)
-    tick(ctl, signals(tpot=0.05, waiting=0))  # within 60 ms: the full budget stays
-    assert ctl.knobs.max_num_batched_tokens == 512
+    # Latency mode's caps: a quarter of the configured ones (16 sequences, 128 tokens).
+    tick(ctl, signals(tpot=0.05, waiting=0))  # within 60 ms: the mode's budget stays
+    assert ctl.knobs.max_num_batched_tokens == 128
     tick(ctl, signals(tpot=0.07, waiting=2))  # requests waiting: a cut only delays them
-    assert ctl.knobs.max_num_batched_tokens == 512
+    assert ctl.knobs.max_num_batched_tokens == 128
     tick(ctl, signals(tpot=0.07, waiting=0))
     # Over 0.6 * 0.1 s = 60 ms: (0.06 - 0.01) / 0.0005 = 100 tokens.
     assert 95 <= ctl.knobs.max_num_batched_tokens <= 100  # the fit's ridge bias
-    assert ctl.knobs.max_num_seqs == 50  # by_memory: demand no longer sizes the batch
+    # The mode's preferred batch (4 < peak demand 4 x alpha 2 = 8) under cap 16, by_memory 50.
+    assert ctl.knobs.max_num_seqs == 8
     cut = ctl.knobs.max_num_batched_tokens
     tick(ctl, signals(tpot=0.055, waiting=0))  # within 60 ms but not well within (70%): held
     assert ctl.knobs.max_num_batched_tokens == cut
     tick(ctl, signals(tpot=0.03, waiting=0))
-    tick(ctl, signals(tpot=0.03, waiting=0))  # two calm ticks in a row: the full budget
-    assert ctl.knobs.max_num_batched_tokens == 512
+    tick(ctl, signals(tpot=0.03, waiting=0))  # two calm ticks in a row: the mode's budget
+    assert ctl.knobs.max_num_batched_tokens == 128
 
 
 def test_a_queue_beyond_the_batch_limit_brings_the_tick_forward() -> None:
@@ -82,7 +84,7 @@ def test_a_queue_beyond_the_batch_limit_brings_the_tick_forward() -> None:
 
 def test_slow_tokens_cut_the_limit_once_per_cut_that_took_effect() -> None:
     cost = linear_cost(per_token=0.001, fixed=0.01)
-    ctl = controller(cost=cost, controller_mode="balanced", tpot_target=0.1, transition_steps=1)
+    ctl = controller(cost=cost, controller_mode="throughput", tpot_target=0.1, transition_steps=1)
     tick(ctl, signals(tokens=148.0))
     assert ctl.knobs.max_num_seqs == 64 and ctl.correction.factor == 1.0
     # Requests finish at 110 ms a token (> the 100 ms target): the model is optimistic.
@@ -128,7 +130,7 @@ def test_the_limit_settles_where_felt_tokens_meet_the_target(overhead: float,
     limit settles in the band and stays there. ``model_bias``: the cost
     model prices steps that many times what they take, so the floor binds."""
     cost = linear_cost(per_token=0.001 * model_bias, fixed=0.01 * model_bias)
-    ctl = controller(cost=cost, controller_mode="balanced", tpot_target=0.1,
+    ctl = controller(cost=cost, controller_mode="throughput", tpot_target=0.1,
                      transition_steps=1)
     limits, tpots = [], []
     for i in range(60):
@@ -152,7 +154,7 @@ def test_tokens_within_the_target_never_cut_the_limit() -> None:
     server of slots while its TPOT was fine, and the queue then cost first
     tokens."""
     cost = linear_cost(per_token=0.001, fixed=0.01)
-    ctl = controller(cost=cost, controller_mode="balanced", tpot_target=0.1, transition_steps=1)
+    ctl = controller(cost=cost, controller_mode="throughput", tpot_target=0.1, transition_steps=1)
     tick(ctl, signals(tokens=148.0))
     busy = replace(signals(tokens=148.0, running=64, waiting=10), recent_tpot=0.085)
     for _ in range(6):
@@ -164,7 +166,7 @@ def test_alternating_signals_do_not_make_the_knobs_oscillate() -> None:
     """Signals flipping every tick (step time over / under target, TTFT and
     TPOT misses taking turns) leave every knob moving one way at most."""
     cost = linear_cost(per_token=0.001, fixed=0.01)
-    ctl = controller(cost=cost, controller_mode="balanced", tpot_target=0.1,
+    ctl = controller(cost=cost, controller_mode="throughput", tpot_target=0.1,
                      ttft_target=0.5, transition_steps=1)
     seen = {"max_num_seqs": [], "max_num_batched_tokens": []}
     for i in range(40):
@@ -247,7 +249,7 @@ def test_the_limit_grows_while_tokens_are_cheap_and_the_batch_leaves_little_room
     queued and the limit of a calm server stayed where it shed every burst.
     Now thin headroom (under an eighth of the limit free) is demand enough."""
     cost = linear_cost(per_token=0.001, fixed=0.01)
-    ctl = controller(cost=cost, controller_mode="balanced", tpot_target=0.1, transition_steps=1)
+    ctl = controller(cost=cost, controller_mode="throughput", tpot_target=0.1, transition_steps=1)
     tick(ctl, signals(tokens=148.0))
     limit = ctl.knobs.max_num_seqs
     roomy = replace(signals(tokens=148.0, running=limit // 2, waiting=0), recent_tpot=0.04)

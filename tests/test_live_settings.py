@@ -57,7 +57,7 @@ def test_batching_is_a_live_setting_and_the_running_batch_goes_first() -> None:
     assert apply_live_settings(sched, {"batching": "static", "preferred_batch_size": 2,
                                        "max_batch_size": 2}) == {
         "batching": ("continuous", "static"), "preferred_batch_size": (8, 2),
-        "max_batch_size": (32, 2)}
+        "max_batch_size": (16, 2)}
     assert sched.gate is not None and sched.gate.members == {"r0", "r1", "r2"}
     sched.add_request(Request("late", [9] * 4, 4, sched.clock()))
     run_step(sched)

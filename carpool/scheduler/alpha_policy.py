@@ -1,7 +1,9 @@
-"""How alpha moves under request-level batching: a contextual bandit.
+"""How alpha moves: the fixed rule or a contextual bandit.
 
 Alpha is the headroom of the batch limit over peak demand (``controller``:
-``max_batch_size`` follows peak waiting + running x alpha). The fixed rule
+the by_demand term, peak waiting + running x alpha, under request-level
+batching, and under continuous batching with an operator's TPOT or E2E
+target). The fixed rule
 (``AdaptiveController._adapt_alpha``) moves it x1.25 when TTFT is over its
 target and TPOT within, x0.8 the other way round. ``AlphaBandit`` learns the
 move instead, online, from what each move earned:
@@ -26,7 +28,7 @@ import math
 
 from carpool.scheduler.live_window import Signals
 
-ALPHA_RANGE = (1.0, 4.0)
+ALPHA_RANGE = (0.5, 4.0)
 ALPHA_START = 2.0
 ARMS = (0.8, 1.0, 1.25)
 # The prior: every arm starts as if it had earned PRIOR_REWARD PRIOR_PULLS

@@ -12,34 +12,38 @@ windows of metrics (``live_window.Signals``) and decides:
   requests really got (those finished in the fast window), moved in
   proportion to their distance from the target band: down after ticks over
   it, up only after calm ticks under it while demand exceeds the limit;
-  alpha (request-level batching) moves after ticks in a row too;
-- the batch limit: continuous batching ``min(cap, by_memory, by_latency)``
-  with by_latency sized to the step target x correction, present only for
-  an operator's TPOT target (``batch_limit_by_tpot``) or E2E target
-  (``limit_target``): a measured target steers the mode and budget but
-  caps no batch, since with requests waiting a smaller batch only drains
-  the queue slower; request-level
-  batching ``min(cap, by_memory, by_latency, max(preferred, peak_demand *
-  alpha))``. by_memory = sequences whose KV
-  (mean prompt + max_tokens of recent arrivals) fits the pool less
-  ``memory_headroom``; by_latency = the largest decode batch whose step,
-  with its steady-state share of prefill tokens, the online cost model
-  (``StepCostModel``) predicts within ``LIMIT_STEP_SHARE`` of the TPOT
-  target in every mode (``slo_policy.latency_limit``). The batch never grows with demand beyond
-  that: a surge is met by shedding at arrival, not by slower tokens for
-  everyone. Under request-level batching peak_demand = the most requests
-  waiting + running in the window and alpha is the headroom over that
-  peak (1..4, starts at 2): TTFT over target with TPOT within it means
-  requests queue while batches have room, so alpha x1.25; TPOT over target
-  with TTFT within it means batches are too big, so alpha x0.8.
+  alpha moves after ticks in a row too;
+- the batch limit: ``min(cap, by_memory, by_latency, by_demand)``. cap is
+  the mode's share of the configured cap (``modes.mode_caps``: latency a
+  quarter, balanced half, throughput all; a queue that outgrows the mode's
+  caps moves it up at once). by_memory = sequences whose KV (mean prompt +
+  max_tokens of recent arrivals) fits the pool less ``memory_headroom``.
+  by_latency = the largest decode batch whose step, with its steady-state
+  share of prefill tokens, the online cost model (``StepCostModel``)
+  predicts within ``LIMIT_STEP_SHARE`` of the TPOT target x the latency
+  correction (continuous batching), present only for an operator's TPOT
+  target (``batch_limit_by_tpot``) or E2E target (``limit_target``): a
+  measured target steers the mode and budget but caps no batch, since with
+  requests waiting a smaller batch only drains the queue slower.
+  by_demand = peak demand (the most requests waiting + running in the
+  window) x alpha, at least the mode's preferred batch: under request-level
+  batching always, under continuous batching with an operator's TPOT or
+  E2E target. A surge is met by shedding at arrival, not by slower tokens
+  for everyone. Alpha (0.5..4, starts at 2; ``alpha_policy``: the fixed
+  rule or a bandit) is the headroom over that peak: TTFT over target with
+  TPOT within it means requests queue while batches have room, so alpha
+  x1.25; TPOT over target with TTFT within it means batches are too big, so
+  alpha x0.8 (below 1 it holds part of the queue back).
   Targets within ``DEADBAND`` (10%) of the current value are left alone;
-- the step token budget (continuous batching): in latency mode, while the
-  step time is over the mode's share of the TPOT target, the most tokens a
-  step with that many sequences takes within that share (back to the
-  configured budget after calm ticks); in the other modes the configured
-  budget, since with a queue a cut only delays first tokens.
+- the step token budget (continuous batching): the mode's (latency mode a
+  quarter of the configured one); in latency mode, while the step time is
+  over the mode's share of the TPOT target, the most tokens a step with
+  that many sequences takes within that share (back to the mode's budget
+  after calm ticks); in the other modes the configured budget, since with
+  a queue a cut only delays first tokens.
 
-Ticks come every ``controller_interval`` (1 s) and earlier, at most every
+Ticks come every ``controller_interval`` (1 s; as often as every 100 ms when
+asked) and earlier, at most every
 ``EARLY_TICK``, on events (``slo_policy.early_tick_cause``): the queue
 growing past the free slots, arrivals surging in the fast window, steps
 slower than the target. New knob values never land at once: ``KnobRamp``
@@ -58,15 +62,15 @@ from carpool.scheduler.alpha_policy import AlphaControl
 from carpool.scheduler.cost_model import StepCostModel
 from carpool.scheduler.knobs import Decision, KnobRamp, LiveKnobs
 from carpool.scheduler.live_window import LiveWindow, SampleWindow, Signals
-from carpool.scheduler.modes import PRESETS, ModePreset, ModeSelector
+from carpool.scheduler.modes import PRESETS, ModePreset, ModeSelector, mode_caps
 from carpool.scheduler.slo_policy import (
-    CALM_SHARE,
     LIMIT_STEP_SHARE,
     StepCorrection,
     early_tick_cause,
     latency_limit,
     proven_limit,
 )
+from carpool.scheduler.step_budget import StepBudget
 
 logger = logging.getLogger(__name__)
 MIN_WAIT = 0.005  # seconds: the timeout rules never take max_wait below this
@@ -97,10 +101,14 @@ class AdaptiveController:
         self.ramp = KnobRamp(config.transition_steps)
         self.window = LiveWindow(config.controller_window, config.controller_fast_window)
         self.demand = SampleWindow(config.controller_window)  # waiting + running per step
-        # Request-level batching: alpha, by the fixed rule or the bandit.
+        # Alpha, by the fixed rule or the bandit: under request-level
+        # batching always, under continuous batching with an operator's
+        # TPOT or E2E target (a measured one caps no batch).
         self.alpha_control = AlphaControl(self.config.alpha_policy,
                                           self.config.hysteresis_ticks)
-        self._budget_calm = 0  # ticks in a row with steps well within target (a cut budget)
+        self.alpha_binds = request_level or bool(
+            self.config.batch_limit_by_tpot is True or self.config.e2e_target is not None)
+        self.budget = StepBudget(cost_model, config.hysteresis_ticks)  # continuous only
         self.correction = StepCorrection(config.hysteresis_ticks)  # continuous only
         self.decisions: deque[Decision] = deque(maxlen=200)
         self.decision_counts: Counter[tuple[str, str]] = Counter()
@@ -191,7 +199,7 @@ class AdaptiveController:
         if self._last_tick is None:
             self._last_tick = now
         elapsed = now - self._last_tick
-        due = elapsed >= self.config.controller_interval
+        due = elapsed >= self.config.controller_interval - 1e-9  # clock rounding
         if not due and elapsed >= EARLY_TICK:
             cause = self._early_cause(now, num_waiting, num_running)
             if cause is not None:
@@ -222,17 +230,32 @@ class AdaptiveController:
         """Decide mode, alpha / correction and knob targets from ``s``; start the ramp."""
         self.ticks += 1
         self.last_signals = s
-        changed = self.selector.update(s)
+        changed = self.selector.update(s, lambda mode: self._fits(mode, s))
         if changed is not None:
             old, cause = changed
             self._log(s.now, "mode", old, self.mode, "mode_" + self.mode, cause)
-        if self.request_level:
+        if self.alpha_binds:
             self._adapt_alpha(s)
-        else:
+        if not self.request_level:
             self._adapt_correction(s)
         targets = self._targets(s)
         if targets:
             self.ramp.retarget(self.knobs, targets)
+
+    def mode_caps(self, mode: str) -> tuple[int, int]:
+        """(batch cap, step token budget) of ``mode``: its shares of the
+        configured cap (``max_batch_size`` or ``max_num_seqs``) and budget."""
+        cap = self.base.max_batch_size if self.request_level else self.base.max_num_seqs
+        return mode_caps(PRESETS[mode], cap, self.base.max_num_batched_tokens)
+
+    def _fits(self, mode: str, s: Signals) -> bool:
+        """Whether the present demand is within ``mode``'s caps: waiting plus
+        running requests within its batch cap, and (continuous) the waiting
+        prompt tokens within its step budget."""
+        cap, budget = self.mode_caps(mode)
+        full = self.base.max_num_batched_tokens  # no mode has more: no escape for it
+        return (s.waiting + s.running <= cap
+                and (self.request_level or budget >= full or s.waiting_tokens <= budget))
 
     def _adapt_correction(self, s: Signals) -> None:
         """The feedback on the batch limit aims at the TPOT target itself: the
@@ -287,7 +310,8 @@ class AdaptiveController:
     def batch_limit(self, s: Signals, preset: ModePreset) -> tuple[int, str, str]:
         """The smallest of the terms (see the module docstring) within the
         configured cap; returns (limit, cause, reason of the binding term)."""
-        cap = self.base.max_batch_size if self.request_level else self.base.max_num_seqs
+        configured = self.base.max_batch_size if self.request_level else self.base.max_num_seqs
+        cap, _ = mode_caps(preset, configured, self.base.max_num_batched_tokens)
         terms = {"cap": cap}
         if s.mean_request_tokens:
             blocks_each = max(1, math.ceil(s.mean_request_tokens / self.block_size))
@@ -303,14 +327,20 @@ class AdaptiveController:
             if not self.request_level:
                 feed = max(feed, proven_limit(s.step_anchor, step_limit))
             terms["by_latency"] = max(1, feed)
-        if self.request_level:
-            peak = max(self.demand.values(s.now), default=0.0)
-            terms["by_demand"] = max(preset.preferred_batch_size, math.ceil(peak * self.alpha))
+        if self.alpha_binds:
+            # Peak demand x alpha, never below the mode's preferred batch:
+            # alpha > 1 leaves batches room to grow; alpha < 1 holds part of
+            # the queue back so the running requests' tokens come faster.
+            demand = self.demand.values(s.now)
+            if demand:  # none measured yet: no evidence to hold anyone back
+                terms["by_demand"] = max(preset.preferred_batch_size,
+                                         math.ceil(max(demand) * self.alpha))
         reason = min(terms, key=lambda name: terms[name])
         limit = max(1, int(terms[reason]))
         detail = ", ".join(f"{name} {value}" for name, value in terms.items())
         knob = (f"alpha {self.alpha:.2f}" if self.request_level
-                else f"correction {self.correction.factor:.2f}")
+                else f"correction {self.correction.factor:.2f}"
+                + (f", alpha {self.alpha:.2f}" if self.alpha_binds else ""))
         return limit, f"min({detail}) ({knob})", reason
 
     def limit_target(self, s: Signals) -> float | None:
@@ -335,49 +365,9 @@ class AdaptiveController:
 
     def _token_budget(self, s: Signals, limit: int, preset: ModePreset,
                       ) -> tuple[int, str, str]:
-        """Latency mode (light load, nobody waiting): the full budget while
-        the step time (else TPOT p95) is within the mode's share of the TPOT
-        target; over it, the most tokens a step of ``limit`` sequences takes
-        within that share (long prefill chunks are what stretch a step).
-        Other modes: the full budget. With requests queueing a cut only
-        delays their first tokens: the same prefill work still lands in
-        the decodes' lifetime, spread over more steps that each pay the
-        fixed step cost again, so their mean TPOT gains nothing."""
-        full = self.base.max_num_batched_tokens
-        if self.mode != "latency":
-            return full, "mode_" + self.mode, f"mode {self.mode} prefills at the full budget"
-        if s.waiting:
-            # A burst arriving in latency mode: a cut would only stretch the
-            # prefill of the requests it brings (the next burst after a
-            # latency-mode lull took longer than on the plain server).
-            return full, "queue", f"{s.waiting} waiting: prefill at the full budget"
-        step_limit = self._step_seconds(preset)
-        observed = s.step_time if s.step_time is not None else s.tpot_p95
-        if step_limit is None or observed is None or observed <= step_limit:
-            return self._restored_budget(observed, step_limit)
-        self._budget_calm = 0
-        within = self.cost_model.max_tokens_within(step_limit, limit)
-        if within is None or within >= full:
-            return full, "cap", f"the configured budget {full} fits the step target"
-        # Never below a typical prompt beside the decodes: a prompt split over
-        # steps pays each step's fixed cost again and its first token waits.
-        prompt = int(s.mean_prompt_tokens or 0)
-        budget = min(full, max(within, limit + max(16, prompt), 64))
-        return budget, "by_latency", (f"a step of {limit} sequences stays within "
-                                      f"{step_limit * 1000:.0f} ms at {budget} tokens")
-
-    def _restored_budget(self, observed: float | None, step_limit: float | None,
-                         ) -> tuple[int, str, str]:
-        """Steps within target: a cut budget goes back to the configured one
-        only after hysteresis_ticks ticks in a row well within (CALM_SHARE),
-        so steps hovering at the target do not flap it."""
-        full, current = self.base.max_num_batched_tokens, self.knobs.max_num_batched_tokens
-        calm = step_limit is None or observed is None or observed < CALM_SHARE * step_limit
-        self._budget_calm = self._budget_calm + 1 if calm else 0
-        if current >= full or self._budget_calm >= self.config.hysteresis_ticks:
-            self._budget_calm = 0
-            return full, "cap", "tpot within the mode's share of its target"
-        return current, "hold", "steps near the target: the cut budget stays"
+        _, full = self.mode_caps(self.mode)
+        return self.budget.target(s, self.mode, full, limit, self._step_seconds(preset),
+                                  self.knobs.max_num_batched_tokens)
 
     def _tuned_wait(self, s: Signals, preset: ModePreset) -> tuple[float, str, str] | None:
         """The timeout rules (request-level batching only)."""

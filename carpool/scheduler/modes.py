@@ -6,6 +6,7 @@ Pure Python.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from carpool.config import ControllerConfig
@@ -28,18 +29,42 @@ class ModePreset:
     Below 1 in every mode: the target holds for the p99 of requests' TPOT,
     and a request's TPOT is the mean of its steps, some of which carry
     prefill chunks.
+
+    ``cap_share``: the mode's batch cap as a share of the configured one
+    (``max_batch_size`` under request-level batching, ``max_num_seqs``
+    under continuous); ``budget_share``: its step token budget as a share of
+    ``max_num_batched_tokens`` (continuous). With the default caps (16
+    requests) latency mode batches at most 4 and waits at most 50 ms,
+    throughput mode 16 and 200 ms. Only latency mode cuts the budget: it is
+    the mode of an empty queue, where small steps are what running decodes
+    feel; with a queue a cut only delays first tokens.
     """
 
     preferred_batch_size: int
     max_wait: float  # ceiling of the request-level batching wait
     step_share: float
+    cap_share: float
+    budget_share: float
 
 
 PRESETS = {
-    "latency": ModePreset(preferred_batch_size=4, max_wait=0.05, step_share=0.6),
-    "balanced": ModePreset(preferred_batch_size=8, max_wait=0.1, step_share=0.8),
-    "throughput": ModePreset(preferred_batch_size=16, max_wait=0.2, step_share=0.9),
+    "latency": ModePreset(preferred_batch_size=4, max_wait=0.05, step_share=0.6,
+                          cap_share=0.25, budget_share=0.25),
+    "balanced": ModePreset(preferred_batch_size=8, max_wait=0.1, step_share=0.8,
+                           cap_share=0.5, budget_share=1.0),
+    "throughput": ModePreset(preferred_batch_size=16, max_wait=0.2, step_share=0.9,
+                             cap_share=1.0, budget_share=1.0),
 }
+# The smallest step token budget a mode's share cuts to: a prompt split
+# finer pays each step's fixed cost again.
+MIN_MODE_BUDGET = 64
+
+
+def mode_caps(preset: ModePreset, batch_cap: int, token_budget: int) -> tuple[int, int]:
+    """(batch cap, step token budget) of a mode, from the configured ones."""
+    return (max(1, math.ceil(batch_cap * preset.cap_share)),
+            min(token_budget, max(MIN_MODE_BUDGET, math.ceil(token_budget
+                                                             * preset.budget_share))))
 
 
 class ModeSelector:
@@ -104,11 +129,31 @@ class ModeSelector:
             return f"e2e_p99 {s.e2e_p99:.2f} s > {e2e:.2f} s"
         return None
 
-    def update(self, s: Signals) -> tuple[str, str] | None:
-        """Feed one tick; return (old mode, cause) when the mode changed."""
+    def update(self, s: Signals, fits: Callable[[str], bool] | None = None,
+               ) -> tuple[str, str] | None:
+        """Feed one tick; return (old mode, cause) when the mode changed.
+
+        ``fits(mode)``: whether the present demand (waiting + running
+        requests, waiting prompt tokens) is within that mode's caps. A queue
+        that outgrows the current mode's caps moves it up at once, to the
+        first mode that fits (else throughput): the caps are real, and a
+        burst must not wait out the hysteresis behind them. A move down
+        only goes to a mode that fits.
+        """
         if self.pinned:
             return None
+        if fits is not None and s.waiting and not fits(self.mode):
+            above = MODES[MODES.index(self.mode) + 1:]
+            if above:
+                old = self.mode
+                self.mode = next((mode for mode in above if fits(mode)), MODES[-1])
+                self._candidate, self._streak = None, 0
+                return old, (f"{s.waiting} waiting + {s.running} running outgrow mode "
+                             f"{old}'s caps")
         mode, cause = self.wanted(s)
+        if (fits is not None and MODES.index(mode) < MODES.index(self.mode)
+                and not fits(mode)):
+            mode = self.mode  # the demand is over the lower mode's caps
         if mode == self.mode:
             self._candidate, self._streak = None, 0
             return None
