@@ -117,6 +117,11 @@ ENGINE_FLAGS: list[Flag] = [
        "reuse cached KV blocks of shared prefixes", "--prefix-caching"),
     _f("--watermark", "watermark", float, "FRACTION",
        "fraction of blocks kept free when admitting"),
+    _f("--pinned-prefix-share", "pinned_prefix_share", float, "FRACTION",
+       "share of the KV pool all operator-pinned prefixes (POST /carpool/prefixes) may hold "
+       "together (0: pinning off)"),
+    _f("--max-pinned-prefixes", "max_pinned_prefixes", int, "N",
+       "most prefixes pinned at once (each one a label of the pinned_prefix_* metrics)"),
     _f("--max-num-seqs", "max_num_seqs", int, "N", "most requests running at once"),
     _f("--max-num-batched-tokens", "max_num_batched_tokens", int, "N",
        "token budget of one step"),

@@ -59,6 +59,11 @@ class CacheConfig:
     # Free blocks kept back when admitting new requests, as a fraction of the
     # pool: admitting into the last few blocks only to preempt next step thrashes.
     watermark: float = 0.01
+    # Operator-pinned prefixes (POST /carpool/prefixes): the share of the
+    # pool all of them may hold together, and how many there may be (each
+    # is a metric label: this bounds the label set).
+    pinned_prefix_share: float = 0.25
+    max_pinned_prefixes: int = 32
     # Secret key, hex (16 to 64 bytes), of the KV blocks' chained hashes
     # (keyed blake2b): every replica and router of a fleet given the same key
     # names the same prefix by the same hashes, and clients, who do not know
@@ -111,6 +116,12 @@ class CacheConfig:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if not 0.0 <= self.watermark < 0.5:
             raise ValueError(f"watermark must be in [0, 0.5), got {self.watermark}")
+        if not 0.0 <= self.pinned_prefix_share <= 0.9:  # also rejects NaN
+            raise ValueError(f"pinned_prefix_share must be in [0, 0.9], got "
+                             f"{self.pinned_prefix_share}")
+        if not 0 <= self.max_pinned_prefixes <= 1024:
+            raise ValueError(f"max_pinned_prefixes must be in [0, 1024], got "
+                             f"{self.max_pinned_prefixes}")
         fraction = self.gpu_memory_utilization
         if fraction is not None and (isinstance(fraction, bool) or
                                      not isinstance(fraction, (int, float)) or

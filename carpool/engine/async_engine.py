@@ -25,11 +25,20 @@ from dataclasses import dataclass
 
 from carpool.engine.llm_engine import LLMEngine, check_prompt
 from carpool.engine.outputs import RequestOutput
+from carpool.engine.pins import (
+    PIN_PARAMS,
+    PIN_PRIORITY,
+    PinFront,
+    PinRegistry,
+    finish_pin,
+    pin_request_id,
+)
 from carpool.engine.stats import EngineStats
 from carpool.engine.streams import DeliveryLag, EngineDeadError, RequestStream
 from carpool.engine.wire import EngineInfo, Handoff
 from carpool.sampling_params import SamplingParams
 from carpool.scheduler import RejectedError
+from carpool.scheduler.pinned_prefixes import PinSpec
 
 # How often the engine thread publishes a stats snapshot while busy.
 STATS_INTERVAL_S = 0.25
@@ -53,16 +62,17 @@ class _Add:
     cache_salt: str | None = None
     arrival_time: float | None = None  # engine clock, when the caller handed it over
     handoff: Handoff | None = None  # its P/D part, if split (``wire.Handoff``)
+    pin: PinSpec | None = None  # the prefill of this pinned prefix (``LLMEngine.pin_prefix``)
 
 
-class AsyncEngine:
+class AsyncEngine(PinFront):
     """Thread-safe front of an ``LLMEngine``.
 
     ``add_request(...)`` returns a ``RequestStream`` of incremental
     ``RequestOutput``s ending with one whose ``finished`` is true. Leaving
     it early (``aclose``, or cancelling the task) aborts the request, whose
     blocks are freed before the next step. ``abort(request_id)`` does the
-    same from anywhere.
+    same from anywhere. Pinned prefixes: ``PinFront``'s calls.
 
     ``stats`` is a snapshot refreshed by the engine thread (at most every
     ``STATS_INTERVAL_S`` while busy, and whenever it goes idle);
@@ -80,6 +90,9 @@ class AsyncEngine:
         self._adds: list[_Add] = []
         # Appended from any thread (see RequestStream.__del__); drained by the engine.
         self._aborts: deque[str] = deque()
+        self._unpins: deque[str] = deque()
+        self.pins = PinRegistry()
+        self._pin_runs = 0
         self._streams: dict[str, _Stream] = {}
         self._stopping = False
         self.error: BaseException | None = None
@@ -140,6 +153,27 @@ class AsyncEngine:
             raise EngineDeadError(f"engine loop failed: {self.error!r}")
         params = params or SamplingParams()  # checked when made, and immutable
         request_id = request_id or self.engine.new_request_id()
+        return await self._submit(_Add(request_id, prompt, params, priority, session_id,
+                                       deadline, max_wait, cache_salt, None, handoff),
+                                  received_at)
+
+    async def run_pin(self, spec: PinSpec) -> None:
+        """Have the engine compute and hold ``spec``'s prefix (``PinFront``)."""
+        self._pin_runs += 1
+        add = _Add(pin_request_id(spec, self._pin_runs), list(spec.token_ids), PIN_PARAMS,
+                   PIN_PRIORITY, None, None, cache_salt=spec.cache_salt, pin=spec)
+        await finish_pin(await self._submit(add, None))
+
+    def drop_pin(self, pin_id: str) -> None:
+        with self._wake:
+            self._unpins.append(pin_id)
+            self._wake.notify()
+
+    async def _submit(self, add: _Add, received_at: float | None) -> RequestStream:
+        """Queue ``add`` for the engine thread; its stream once accepted."""
+        if self.error is not None:
+            raise EngineDeadError(f"engine loop failed: {self.error!r}")
+        request_id = add.request_id
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._wake:
             if self._stopping or not self._thread.is_alive():
@@ -154,8 +188,8 @@ class AsyncEngine:
             arrival = self.engine.clock()
             if received_at is not None:
                 arrival -= max(0.0, time.monotonic() - received_at)
-            self._adds.append(_Add(request_id, prompt, params, priority, session_id, deadline,
-                                   max_wait, cache_salt, arrival, handoff))
+            add.arrival_time = arrival
+            self._adds.append(add)
             self._wake.notify()
         try:
             accepted = await stream.queue.get()  # None, or why it was refused
@@ -200,10 +234,10 @@ class AsyncEngine:
             published = 0.0
             while True:
                 with self._wake:
-                    if not (self._adds or self._aborts or self._stopping
+                    if not (self._adds or self._aborts or self._unpins or self._stopping
                             or self.engine.has_unfinished):
                         self._publish_stats()
-                        while not (self._adds or self._aborts or self._stopping
+                        while not (self._adds or self._aborts or self._unpins or self._stopping
                                    or self.engine.has_unfinished):
                             self._wake.wait(timeout=1.0)
                             self.last_progress = time.monotonic()
@@ -211,8 +245,13 @@ class AsyncEngine:
                         break
                     adds, self._adds = self._adds, []
                     aborts = [self._aborts.popleft() for _ in range(len(self._aborts))]
+                    unpins = [self._unpins.popleft() for _ in range(len(self._unpins))]
                 self.engine.scheduler.admission.delivery_lag = self.delivery.seconds
                 self._admit(adds)
+                for pin_id in unpins:
+                    self.engine.unpin_prefix(pin_id)
+                if unpins:
+                    self._publish_stats()
                 for request_id in aborts:
                     output = self.engine.abort_request(request_id)
                     if output is not None:
@@ -238,11 +277,14 @@ class AsyncEngine:
     def _admit(self, adds: list[_Add]) -> None:
         for add in adds:
             try:
-                self.engine.add_request(add.prompt, add.params, request_id=add.request_id,
-                                        priority=add.priority, session_id=add.session_id,
-                                        deadline=add.deadline, max_wait=add.max_wait,
-                                        cache_salt=add.cache_salt,
-                                        arrival_time=add.arrival_time, handoff=add.handoff)
+                if add.pin is not None:
+                    self.engine.pin_prefix(add.pin, add.request_id, add.arrival_time)
+                else:
+                    self.engine.add_request(
+                        add.prompt, add.params, request_id=add.request_id,
+                        priority=add.priority, session_id=add.session_id, deadline=add.deadline,
+                        max_wait=add.max_wait, cache_salt=add.cache_salt,
+                        arrival_time=add.arrival_time, handoff=add.handoff)
             except (ValueError, RejectedError) as exc:
                 self._send(add.request_id, exc, final=True)
             else:

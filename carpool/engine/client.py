@@ -31,6 +31,14 @@ import zmq.asyncio
 from carpool.config import EngineConfig
 from carpool.engine.llm_engine import ContextLengthError, check_prompt
 from carpool.engine.outputs import RequestOutput, TokenLogprob
+from carpool.engine.pins import (
+    PIN_PARAMS,
+    PIN_PRIORITY,
+    PinFront,
+    PinRegistry,
+    finish_pin,
+    pin_request_id,
+)
 from carpool.engine.stats import EngineStats
 from carpool.engine.step_log import StepLog
 from carpool.engine.streams import DeliveryLag, EngineDeadError, RequestStream
@@ -49,11 +57,13 @@ from carpool.engine.wire import (
     Ready,
     Refusal,
     Shutdown,
+    Unpin,
     to_front_decoder,
 )
 from carpool.sampling_params import SamplingParams
 from carpool.scheduler import RejectedError
 from carpool.scheduler.kv_events import KvEventBatch
+from carpool.scheduler.pinned_prefixes import PinSpec
 
 log = logging.getLogger("carpool.server")
 
@@ -86,7 +96,7 @@ class _Live:
     swallow_accept: bool = False
 
 
-class EngineClient:
+class EngineClient(PinFront):
     """Front of one engine worker process (see the module docstring).
 
     Built with ``await EngineClient.start(config, ...)``, which returns once
@@ -96,7 +106,8 @@ class EngineClient:
     worker's latest snapshot, at most ``STATS_INTERVAL_S`` old while busy);
     ``last_progress`` (when the worker last spoke: each step, or its idle
     heartbeat); ``on_failure`` (called on the event loop when the worker
-    dies or its loop fails); ``shutdown()`` and ``wait_closed()``.
+    dies or its loop fails); ``shutdown()`` and ``wait_closed()``; pinned
+    prefixes (``PinFront``): its ``run_pin`` is an ``Add`` carrying the pin.
     """
 
     def __init__(self, process: asyncio.subprocess.Process, socket: zmq.asyncio.Socket,
@@ -137,6 +148,8 @@ class EngineClient:
         self._lag_sent = 0.0
         self._stopping = False
         self._next_id = 0
+        self.pins = PinRegistry()
+        self._pin_runs = 0
         self._reader = asyncio.ensure_future(self._read())
         self._watcher = asyncio.ensure_future(self._watch())
 
@@ -226,6 +239,24 @@ class EngineClient:
             live.text_parts.append(delivered_text)
             if live.logprobs is not None:
                 live.logprobs += handoff.logprobs or ()
+        return await self._submit(add, live)
+
+    async def run_pin(self, spec: PinSpec) -> None:
+        """Have the worker compute and hold ``spec``'s prefix (``PinFront``)."""
+        if self.error is not None or self._stopping:
+            raise EngineDeadError("the engine is not running")
+        self._pin_runs += 1
+        ids = list(spec.token_ids)
+        add = Add(pin_request_id(spec, self._pin_runs), ids, PIN_PARAMS, PIN_PRIORITY,
+                  cache_salt=spec.cache_salt, arrival_time=time.monotonic(), pin=spec)
+        await finish_pin(await self._submit(add, _Live(asyncio.Queue(), ids, list(ids), add)))
+
+    def drop_pin(self, pin_id: str) -> None:
+        self._send_now(Unpin([pin_id]))
+
+    async def _submit(self, add: Add, live: _Live) -> RequestStream:
+        """Send ``add``; its stream once the worker accepted it."""
+        request_id = add.request_id
         self._live[request_id] = live
         await self._socket.send(self._encoder.encode(add))
         try:

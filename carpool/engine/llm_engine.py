@@ -22,6 +22,7 @@ from carpool.config import CacheConfig, EngineConfig
 from carpool.engine.detokenizer import IncrementalDetokenizer, token_pieces
 from carpool.engine.output_stage import OutputStage, RequestState
 from carpool.engine.outputs import RequestOutput
+from carpool.engine.pins import PIN_PARAMS, PIN_PRIORITY
 from carpool.engine.stats import (
     LONG_PROMPT_TOKENS,
     EngineCounters,
@@ -40,6 +41,7 @@ from carpool.sampling_params import SamplingParams
 from carpool.scheduler import Request, RequestStatus, Scheduler
 from carpool.scheduler.core import EngineCore
 from carpool.scheduler.live_settings import apply_live_settings
+from carpool.scheduler.pinned_prefixes import PinLimits, PinSpec
 from carpool.scheduler.step import ScheduledSpan
 
 logger = logging.getLogger(__name__)
@@ -216,6 +218,24 @@ class LLMEngine:
         self.counters.long_requests_added += len(token_ids) > LONG_PROMPT_TOKENS
         return request_id
 
+    def pin_prefix(self, spec: PinSpec, request_id: str | None = None,
+                   arrival_time: float | None = None) -> str:
+        """Queue the prefill of a pinned prefix: ``spec``'s tokens as the
+        prompt in its namespace, one greedy token, best priority; when it
+        ends the scheduler holds the prefix's blocks until ``unpin_prefix``
+        (``carpool.scheduler.pinned_prefixes``). Pinning a held prefix
+        again costs that one-token prefill and holds nothing new. Raises as
+        ``add_request``; returns the prefill's request id."""
+        request_id = self.add_request(list(spec.token_ids), PIN_PARAMS, request_id,
+                                      priority=PIN_PRIORITY, arrival_time=arrival_time,
+                                      cache_salt=spec.cache_salt)
+        self.scheduler.pins.expect(request_id, spec)
+        return request_id
+
+    def unpin_prefix(self, pin_id: str) -> bool:
+        """Let a pinned prefix's blocks go (cached still, evictable again)."""
+        return self.scheduler.pins.unpin(pin_id)
+
     def _take_handoff(self, request: Request, handoff: Handoff) -> None:
         """Set up a P/D part: a prefill's prompt blocks are exported; a
         decode part starts after the prefill's output tokens, as a request
@@ -255,12 +275,17 @@ class LLMEngine:
                  if k not in CacheConfig.SECRET_FIELDS}  # never a secret on /metrics
         cache["num_gpu_blocks"] = str(self.executor.num_blocks)  # vLLM's name, any device
         cache["cache_dtype"] = str(self.executor.dtype).removeprefix("torch.")
+        settings = self.config.cache
+        pin_limits = PinLimits.of(settings.block_size, self.executor.num_blocks,
+                                  settings.pinned_prefix_share, settings.max_pinned_prefixes,
+                                  self.max_model_len, settings.enable_prefix_caching)
         return EngineInfo(self.max_model_len, self.model_config.vocab_size,
                           self.tokenizer.describe(), cache, step_facts(self),
                           self.executor.num_blocks,
                           self.slo.describe() if self.slo is not None else None,
                           (self.model_config.num_layers, self.model_config.num_kv_heads,
-                           self.model_config.head_dim, self.executor.dtype.itemsize))
+                           self.model_config.head_dim, self.executor.dtype.itemsize),
+                          pin_limits)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Abort now (between steps): its blocks return to the pool at once."""

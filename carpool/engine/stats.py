@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from carpool.config import SchedulerConfig
 from carpool.scheduler import Scheduler
+from carpool.scheduler.pinned_prefixes import PinStats
 
 # Prompts longer than this count as "long" in the share-of-long-requests metric.
 LONG_PROMPT_TOKENS = 512
@@ -107,6 +108,10 @@ class EngineStats:
     arrivals: int = 0
     # The emergency switch's depth (``OverloadGuard.STAGES``; 0: normal).
     degrade_stage: int = 0
+    # Pinned prefixes' counters (``scheduler.pinned_prefixes``), by pin id,
+    # and the first admissions checked against them (the hit rate's base).
+    pinned: tuple[PinStats, ...] = ()
+    pinned_lookups: int = 0
 
     @property
     def kv_usage(self) -> float:
@@ -193,6 +198,7 @@ def engine_stats(scheduler: Scheduler, counters: EngineCounters, now: float,
         predictions=_predictions(scheduler), kv_store=_kv_store(scheduler),
         arrivals=scheduler.admission.arrivals,
         degrade_stage=scheduler.overload.stage if scheduler.overload is not None else 0,
+        pinned=scheduler.pins.stats(), pinned_lookups=scheduler.pins.lookups,
         **_decisions(scheduler))
 
 
@@ -227,14 +233,27 @@ def merge_stats(snapshots: list[EngineStats]) -> EngineStats:
     summed = {name: sum(getattr(s, name) for s in snapshots) for name in (
         "num_running", "num_waiting", "waiting_tokens", "kv_num_blocks", "kv_used_blocks",
         "prefix_queries", "prefix_hits", "num_preemptions", "num_priority_preemptions",
-        "batches", "arrivals")}
+        "batches", "arrivals", "pinned_lookups")}
     return dataclasses.replace(
         first, time=max(s.time for s in snapshots), counters=counters,
         rejections=_summed(s.rejections for s in snapshots),
         sessions=_summed(s.sessions for s in snapshots),
         decision_counts=_summed(s.decision_counts for s in snapshots),
         kv_store=_summed_store(s.kv_store for s in snapshots),
-        degrade_stage=max(s.degrade_stage for s in snapshots), **summed)
+        degrade_stage=max(s.degrade_stage for s in snapshots),
+        pinned=merge_pin_stats(s.pinned for s in snapshots), **summed)
+
+
+def merge_pin_stats(groups) -> tuple[PinStats, ...]:
+    """Several engines' pin counters, summed by pin id (a fleet's replicas')."""
+    total: dict[str, PinStats] = {}
+    for stats in groups:
+        for s in stats:
+            old = total.get(s.pin_id)
+            total[s.pin_id] = s if old is None else PinStats(
+                s.pin_id, s.name, old.blocks + s.blocks, old.hits + s.hits,
+                old.hit_tokens + s.hit_tokens)
+    return tuple(total[k] for k in sorted(total))
 
 
 def _summed_store(stores) -> dict:

@@ -22,6 +22,7 @@ from carpool.engine.stats import EngineStats
 from carpool.engine.step_log import LoggedStep
 from carpool.sampling_params import SamplingParams
 from carpool.scheduler.kv_events import KvEventBatch
+from carpool.scheduler.pinned_prefixes import PinLimits, PinSpec
 
 # A frame larger than this is refused by the decoder's reader (ZeroMQ's
 # maxmsgsize): a prompt is at most max_model_len ints, stats a few KB.
@@ -42,6 +43,8 @@ class EngineInfo:
     # The KV cache per token, as the P/D planner prices a transfer
     # (``carpool.cluster.pd.KVShape``): layers, KV heads, head size, bytes per value.
     kv_shape: tuple[int, int, int, int] = (0, 0, 0, 0)
+    # What pinned prefixes may take of it (None: an engine that cannot pin).
+    pin_limits: PinLimits | None = None
 
 
 # -- front -> worker -----------------------------------------------------------------
@@ -93,10 +96,19 @@ class Add(msgspec.Struct, tag=True, array_like=True):
     cache_salt: str | None = None
     arrival_time: float | None = None
     handoff: Handoff | None = None
+    # The prefill of a pinned prefix (``LLMEngine.pin_prefix``): the prompt
+    # is its tokens; when it ends, the engine holds their blocks.
+    pin: PinSpec | None = None
 
 
 class Abort(msgspec.Struct, tag=True, array_like=True):
     request_ids: list[str]
+
+
+class Unpin(msgspec.Struct, tag=True, array_like=True):
+    """Let these pinned prefixes' blocks go (``LLMEngine.unpin_prefix``)."""
+
+    pin_ids: list[str]
 
 
 class DeliveryLagUpdate(msgspec.Struct, tag=True, array_like=True):
@@ -109,7 +121,7 @@ class Shutdown(msgspec.Struct, tag=True, array_like=True):
     pass
 
 
-ToWorker = Add | Abort | DeliveryLagUpdate | Shutdown | Launch
+ToWorker = Add | Abort | Unpin | DeliveryLagUpdate | Shutdown | Launch
 
 
 # -- worker -> front -----------------------------------------------------------------

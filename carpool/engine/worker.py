@@ -42,6 +42,7 @@ from carpool.engine.wire import (
     Ready,
     Refusal,
     Shutdown,
+    Unpin,
     to_worker_decoder,
 )
 from carpool.scheduler import RejectedError
@@ -161,6 +162,9 @@ class WorkerLoop:
                     output = self.engine.abort_request(request_id)
                     if output is not None:
                         progress.outputs.append(delta_of(output))
+            elif isinstance(message, Unpin):
+                for pin_id in message.pin_ids:
+                    self.engine.unpin_prefix(pin_id)
             elif isinstance(message, DeliveryLagUpdate):
                 self.engine.scheduler.admission.delivery_lag = message.seconds
             elif isinstance(message, Shutdown):
@@ -168,11 +172,14 @@ class WorkerLoop:
 
     def _add(self, add: Add, progress: Progress) -> None:
         try:
-            self.engine.add_request(add.prompt_token_ids, add.params, request_id=add.request_id,
-                                    priority=add.priority, session_id=add.session_id,
-                                    deadline=add.deadline, max_wait=add.max_wait,
-                                    cache_salt=add.cache_salt, arrival_time=add.arrival_time,
-                                    handoff=add.handoff)
+            if add.pin is not None:
+                self.engine.pin_prefix(add.pin, add.request_id, add.arrival_time)
+            else:
+                self.engine.add_request(
+                    add.prompt_token_ids, add.params, request_id=add.request_id,
+                    priority=add.priority, session_id=add.session_id, deadline=add.deadline,
+                    max_wait=add.max_wait, cache_salt=add.cache_salt,
+                    arrival_time=add.arrival_time, handoff=add.handoff)
         except (ValueError, RejectedError) as exc:
             progress.refused.append(refusal_of(add.request_id, exc))
         else:

@@ -17,6 +17,15 @@ text and logprobs, as ``EngineClient``'s do.
 Per-replica stats for ``/metrics`` come from polling the deployment's
 ``stats`` method (the router spreads these polls over the replicas).
 
+Pinned prefixes: Ray's handle cannot address every replica, so each
+stats poll carries this ingress's pins (its ``PinRegistry``: the desired
+state) and the polled replica pins what it lacks and drops what is no
+longer there (``PinReconciler``); a replica started later, by Ray's
+restarts or its autoscaler, is pinned at its first poll. A pin call
+returns once every replica this ingress knows reports the pin held. The
+ingress deployment runs one replica: a second ingress would hold pins of
+its own, and the replicas would follow whichever polled last.
+
 ``/carpool/policy``'s routing section (policy, replicas, decisions with
 causes, as the local fleet shows it) comes from ``self.router``: a
 carpool ``Router`` that never chooses. Ray's request router runs inside
@@ -41,6 +50,7 @@ from carpool.config import EngineConfig
 from carpool.engine.client import output_of, refusal_error
 from carpool.engine.llm_engine import check_prompt
 from carpool.engine.outputs import TokenLogprob
+from carpool.engine.pins import PinFailed, PinFront, PinRegistry
 from carpool.engine.stats import EngineStats, merge_stats
 from carpool.engine.step_log import StepLog
 from carpool.engine.streams import EngineDeadError, RequestStream
@@ -56,12 +66,14 @@ from carpool.ray_serve.wire import (
 )
 from carpool.sampling_params import SamplingParams
 from carpool.scheduler.kv_events import BlockKeyChain
+from carpool.scheduler.pinned_prefixes import PinSpec
 
 log = logging.getLogger("carpool.server")
 
 STATS_POLL_S = 0.25  # between two stats polls (each answered by the next replica)
 STATS_TIMEOUT_S = 5.0
 STALE_S = 10.0  # a replica not heard of for this long has left (scaled in, died)
+PIN_TIMEOUT_S = 120.0  # for every replica to report a new pin held
 
 
 @dataclass
@@ -74,7 +86,7 @@ class _Live:
     logprobs: list[TokenLogprob] | None = None
 
 
-class RayEngine:
+class RayEngine(PinFront):
     """The engine deployment as one engine (see the module docstring)."""
 
     def __init__(self, handle, config: EngineConfig, first: StatsReply,
@@ -106,6 +118,7 @@ class RayEngine:
         self._loop = asyncio.get_running_loop()
         self._next_id = 0
         self._stopping = False
+        self.pins = PinRegistry()  # sent with every stats poll (module docstring)
         self._poller = asyncio.ensure_future(self._poll())
 
     @classmethod
@@ -187,6 +200,22 @@ class RayEngine:
         if isinstance(accepted, BaseException):
             raise accepted
         return RequestStream(self, request_id, queue)
+
+    async def run_pin(self, spec: PinSpec) -> None:
+        """Wait until every replica known reports ``spec`` held: the stats
+        polls carry it to them (module docstring)."""
+        deadline = time.monotonic() + PIN_TIMEOUT_S
+        while time.monotonic() < deadline:
+            await asyncio.sleep(STATS_POLL_S)
+            replicas = [stats for _, stats in self._replicas.values()]
+            if replicas and all(any(p.pin_id == spec.pin_id and p.blocks for p in s.pinned)
+                                for s in replicas):
+                return
+        raise PinFailed(f"the engine replicas did not report the pin held in "
+                        f"{PIN_TIMEOUT_S:.0f} s")
+
+    def drop_pin(self, pin_id: str) -> None:
+        """The next polls carry the pins without it: each replica drops it."""
 
     def abort(self, request_id: str) -> None:
         """Cancel the request's stream: its replica aborts it."""
@@ -303,4 +332,5 @@ class RayEngine:
             self._record(reply)
 
     async def _ask_stats(self) -> StatsReply:
-        return stats_decoder.decode(await self.handle.stats.remote())
+        pins = self._encoder.encode(list(self.pins.specs.values()))
+        return stats_decoder.decode(await self.handle.stats.remote(pins))

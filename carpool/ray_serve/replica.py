@@ -29,6 +29,7 @@ from collections.abc import AsyncIterator, Iterable
 import msgspec
 
 from carpool.engine.async_engine import AsyncEngine
+from carpool.engine.pins import PinReconciler
 from carpool.engine.stats import EngineStats
 from carpool.engine.streams import EngineDeadError, RequestStream
 from carpool.engine.wire import Add, Delta
@@ -47,6 +48,7 @@ from carpool.ray_serve.wire import (
     StatsReply,
 )
 from carpool.scheduler import RejectedError
+from carpool.scheduler.pinned_prefixes import PinSpec
 
 log = logging.getLogger("carpool.server")
 
@@ -56,6 +58,7 @@ REPORTED_STEPS = 64
 _add_decoder = msgspec.msgpack.Decoder(Add)
 _hint_decoder = msgspec.msgpack.Decoder(RouteHint)
 _routed_decoder = msgspec.msgpack.Decoder(Routed)
+_pins_decoder = msgspec.msgpack.Decoder(list[PinSpec])
 
 
 async def _batches(stream: RequestStream) -> AsyncIterator[list[Delta]]:
@@ -140,6 +143,7 @@ class EngineReplica:
 
         # Built on the engine thread: one thread runs every torch op.
         self.engine = AsyncEngine(build)
+        self.pins = PinReconciler(self.engine)  # the ingress's pins, with each stats poll
         log.info("engine replica %s%s ready (pid %d)", self.name,
                  f" ({role})" if role else "", os.getpid())
 
@@ -172,8 +176,11 @@ class EngineReplica:
         finally:
             await stream.aclose()  # cancelled (the ingress left): abort, free the blocks
 
-    async def stats(self) -> bytes:
-        """This replica's ``StatsReply`` (the ingress polls it for /metrics)."""
+    async def stats(self, pins: bytes = b"") -> bytes:
+        """This replica's ``StatsReply`` (the ingress polls it for /metrics);
+        ``pins``: the ingress's pinned prefixes, to hold (``RayEngine``)."""
+        if pins:
+            self.pins.sync(_pins_decoder.decode(pins))
         return self._encoder.encode(StatsReply(self.name, self.current_stats(),
                                                self.engine.info, os.getpid()))
 

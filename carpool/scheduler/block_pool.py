@@ -134,6 +134,10 @@ class BlockPool:
             self.events.evicted(evicted)
         return blocks
 
+    def is_cached(self, block_id: int) -> bool:
+        """Whether the block holds the KV of a key (keyed or lazy)."""
+        return self._key_of[block_id] is not None or self._lazy_of[block_id] is not None
+
     def lookup(self, key: BlockKey) -> int | None:
         """The block caching ``key``, if any (does not take a reference)."""
         return self._cached.get(key)

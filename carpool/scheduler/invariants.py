@@ -21,6 +21,7 @@ def check_invariants(scheduler) -> None:
                and scheduler.requests.get(r.request_id) is not r
                for r in scheduler._rejected)
     scheduler.sessions.check_invariants(scheduler.requests)
+    scheduler.pins.check_invariants(scheduler.requests)
     knobs = scheduler.knobs  # the live knobs never exceed the configured caps
     assert 1 <= knobs.max_num_seqs <= scheduler.config.max_num_seqs
     assert 1 <= knobs.max_num_batched_tokens <= scheduler.config.max_num_batched_tokens

@@ -38,7 +38,9 @@ class KVCacheManager:
     tokens, each entry holds one reference on its block, and the first
     ``_num_registered[rid]`` entries are registered in the prefix cache,
     keyed or in the request's lazy run (``_run_of[rid]``, while the pool
-    still has it).
+    still has it). ``held[owner]`` lists blocks a holder (a pinned prefix,
+    ``pinned_prefixes``) keeps one reference on each, outside any request:
+    cached blocks no eviction can take until ``unhold``.
 
     ``external`` (``kv_connector.ExternalKV``): a store the blocks past a
     local hit may be loaded from; ``try_admit`` then allocates blocks for
@@ -63,6 +65,8 @@ class KVCacheManager:
         self.block_tables: dict[str, list[int]] = {}
         self._num_registered: dict[str, int] = {}
         self._run_of: dict[str, LazyRun] = {}  # request id -> its lazy run while it holds blocks
+        self.held: dict[str, list[int]] = {}
+        self.num_held_blocks = 0  # distinct blocks in ``held``
         # False keys every block when it is registered: the reference the
         # lazy runs must match exactly (tests compare the two).
         self.lazy_keys = True
@@ -94,7 +98,8 @@ class KVCacheManager:
 
     def can_ever_fit(self, num_tokens: int) -> bool:
         """Whether a sequence of this many tokens fits in the pool alone."""
-        return self.blocks_for(num_tokens) <= self.pool.num_blocks - self.watermark_blocks
+        return (self.blocks_for(num_tokens)
+                <= self.pool.num_blocks - self.watermark_blocks - self.num_held_blocks)
 
     def find_cached_prefix(self, request: Request) -> list[int]:
         """Blocks that already hold a prefix of the request (no reference taken).
@@ -116,6 +121,41 @@ class KVCacheManager:
                 break
             hits.append(block_id)
         return hits
+
+    def lookup_prefix(self, request: Request, num_blocks: int) -> list[int]:
+        """The cached blocks of the request's first ``num_blocks`` full
+        blocks, up to the first one not cached (no reference taken; a lazy
+        run of the same first block is keyed first)."""
+        num_blocks = min(num_blocks, request.num_tokens // self.block_size)
+        if not self.enable_prefix_caching or num_blocks < 1:
+            return []
+        self._materialize(self._root(request))
+        self._extend_hashes(request, num_blocks)
+        blocks: list[int] = []
+        for key in request.block_keys[:num_blocks]:
+            block_id = self.pool.lookup(key)
+            if block_id is None:
+                break
+            blocks.append(block_id)
+        return blocks
+
+    def hold(self, owner: str, block_ids: list[int]) -> None:
+        """Take one reference on each of the cached ``block_ids`` for
+        ``owner`` (one holding per owner), until ``unhold(owner)``."""
+        assert owner not in self.held, f"{owner} already holds blocks"
+        self.pool.acquire(block_ids)
+        self.held[owner] = list(block_ids)
+        self._count_held()
+
+    def unhold(self, owner: str) -> None:
+        """Drop ``owner``'s references (its blocks stay cached, evictable)."""
+        blocks = self.held.pop(owner, None)
+        if blocks:
+            self.pool.release(blocks)
+        self._count_held()
+
+    def _count_held(self) -> None:
+        self.num_held_blocks = len({b for blocks in self.held.values() for b in blocks})
 
     def try_admit(self, request: Request, num_new_tokens: int) -> bool:
         """Give a waiting request blocks for its cached prefix plus
@@ -283,10 +323,12 @@ class KVCacheManager:
         hashes += new_hashes
 
     def check_invariants(self) -> None:
-        """Refcounts equal the number of block-table entries per block (tests)."""
+        """Refcounts equal the number of block-table and holding entries
+        per block (tests)."""
         self.pool.check_invariants()
         expected = [0] * self.pool.num_blocks
-        for table in self.block_tables.values():
+        for table in (*self.block_tables.values(), *self.held.values()):
             for block_id in table:
                 expected[block_id] += 1
         assert expected == self.pool.ref_counts, "refcounts do not match block tables"
+        assert self.num_held_blocks == len({b for held in self.held.values() for b in held})

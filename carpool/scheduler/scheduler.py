@@ -34,6 +34,7 @@ from carpool.scheduler.controller import AdaptiveController, LiveKnobs
 from carpool.scheduler.invariants import check_invariants
 from carpool.scheduler.kv_connector import ExternalKV, PendingLoads
 from carpool.scheduler.kv_manager import KVCacheManager
+from carpool.scheduler.pinned_prefixes import PinnedPrefixes
 from carpool.scheduler.queues import ExpiryQueue, make_queue
 from carpool.scheduler.regimes import BatchGate, GateHook, GateStats, LongLane
 from carpool.scheduler.request import Request, RequestStatus
@@ -96,6 +97,7 @@ class Scheduler:
         self.set_batching(config.batching)
         self.expiries = ExpiryQueue()
         self.sessions = SessionTracker(self.kv.pool, config.session_ttl)
+        self.pins = PinnedPrefixes(self.kv)  # operator-pinned prefixes (pinned_prefixes)
         self._rejected: list[Request] = []  # expired, not yet handed out by pop_rejected
 
     def set_batching(self, regime: str) -> None:
@@ -197,6 +199,7 @@ class Scheduler:
             self.waiting.remove(request)
         # Protect before releasing, so the blocks go straight to the protected free list.
         self.sessions.finish(request, self.kv.block_tables.get(request.request_id, ()), now)
+        self.pins.finished(request, status)  # a pin's prefill holds its blocks first
         self.kv.free(request)
         request.status = status
         if self.gate is not None:
@@ -420,6 +423,7 @@ class Scheduler:
             request.num_loaded_tokens = load[0] if load else 0
             request.num_cached_tokens = request.num_computed_tokens + request.num_loaded_tokens
             self.sessions.first_admitted(request)
+            self.pins.first_admitted(request)
         if load is not None:
             request.status = RequestStatus.LOADING
             self.loading.begin(request, self.clock() + load[1], load[0])

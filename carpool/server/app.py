@@ -18,6 +18,7 @@ from carpool.server.auth import ANONYMOUS, KeyRing
 from carpool.server.errors import APIError, bad_request
 from carpool.server.middleware import GuardMiddleware
 from carpool.server.openapi import install_openapi, json_body
+from carpool.server.pins_api import PinRequest, add_pin_routes
 from carpool.server.prepare import check_chars, encode_text, invalid_body
 from carpool.server.protocol import (
     ChatCompletionRequest,
@@ -40,8 +41,9 @@ def build_app(ctx: ServerContext) -> FastAPI:
     _add_error_handlers(app)
     _add_generation_routes(app, serving)
     _add_info_routes(app, serving)
+    add_pin_routes(app, serving)  # operator-pinned prefixes (/carpool/prefixes)
     install_openapi(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest,
-                          DetokenizeRequest])
+                          DetokenizeRequest, PinRequest])
     keyring = KeyRing.from_config(ctx.config.api_key, ctx.config.api_keys)
     app.add_middleware(GuardMiddleware, max_body_bytes=ctx.config.max_body_bytes,
                        max_header_bytes=ctx.config.max_header_bytes, keyring=keyring,

@@ -13,7 +13,9 @@ shares (``CacheConfig.block_hash_key``, one secret per fleet).
 A replica whose worker dies fails only its own requests (the client's
 error), leaves the router at once and is started again; /health says
 ``degraded`` until it is back. The interface is ``EngineClient``'s, so the
-server cannot tell one engine from a fleet.
+server cannot tell one engine from a fleet. A pinned prefix
+(``carpool.engine.pins``) is pinned on every replica, and again on a
+replica that joins later (restarted or added by the autoscaler).
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from carpool.cluster.view import Health, ReplicaView, Role, RouteRequest, Routin
 from carpool.config import EngineConfig
 from carpool.engine.client import EngineClient
 from carpool.engine.llm_engine import check_prompt
+from carpool.engine.pins import PinFront, PinRegistry, repin, run_pin_everywhere
 from carpool.engine.stats import EngineStats, merge_stats
 from carpool.engine.step_log import StepLog
 from carpool.engine.streams import EngineDeadError, RequestStream
@@ -39,6 +42,7 @@ from carpool.sampling_params import SamplingParams
 from carpool.scheduler import RejectedError
 from carpool.scheduler.cost_model import StepCostModel
 from carpool.scheduler.kv_events import BlockKeyChain, KvEventBatch
+from carpool.scheduler.pinned_prefixes import PinSpec
 from carpool.server.store_host import local_kv_store
 
 log = logging.getLogger("carpool.server")
@@ -46,7 +50,7 @@ log = logging.getLogger("carpool.server")
 VIEW_INTERVAL_S = 0.25  # how often replicas' polled stats refresh the router's views
 
 
-class FleetEngine:
+class FleetEngine(PinFront):
     """Several engine workers with one engine's interface (module docstring)."""
 
     def __init__(self, launch: dict, config: EngineConfig, router: Router,
@@ -70,6 +74,7 @@ class FleetEngine:
         self._stopping = False
         self._restarting: set[asyncio.Task] = set()
         self.pool, self.role = pool, role
+        self.pins = PinRegistry()  # pinned on every replica, and on each that joins
         for index, client in enumerate(clients):
             self._join(f"{pool}{index}", client)
         self._last_stats = self.stats
@@ -147,6 +152,8 @@ class FleetEngine:
         client.on_failure = lambda exc, rid=replica_id: self._replica_died(rid, exc)
         client.on_orphan = lambda *orphan, rid=replica_id: self._reroute(rid, *orphan)
         client.stream_owner = self  # aborts follow a request to whichever replica has it
+        if self.pins.specs:  # a replica joining a running fleet holds its pins too
+            self._spawn(repin(client, list(self.pins.specs.values()), replica_id))
 
     def _kv_events(self, replica_id: str, batch: KvEventBatch) -> None:
         if batch.reset:
@@ -370,6 +377,14 @@ class FleetEngine:
         except BaseException:
             self.router.finished(request_id, time.monotonic(), learn=False)
             raise
+
+    async def run_pin(self, spec: PinSpec) -> None:
+        """Pin on every replica (``PinFront``)."""
+        await run_pin_everywhere(self.clients.values(), spec)
+
+    def drop_pin(self, pin_id: str) -> None:
+        for client in self.clients.values():
+            client.drop_pin(pin_id)
 
     def abort(self, request_id: str) -> None:
         self.abort_without_lock(request_id)

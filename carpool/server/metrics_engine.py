@@ -102,6 +102,7 @@ def engine_families(stats: EngineStats, rates: dict[str, float], model_name: str
         yield info
     yield from _policy_families(stats, model)
     yield from _session_families(stats, model)
+    yield from _pin_families(stats, model)
     if stats.kv_store:
         yield from _kv_store_families(stats.kv_store, model)
 
@@ -195,6 +196,30 @@ def _session_families(stats: EngineStats, model: list[str]) -> Iterator[Metric]:
     yield sessions
     for name, doc in SESSION_COUNTERS.items():
         yield _counter(name, doc, model, stats.sessions.get(name, 0))
+
+
+def _pin_families(stats: EngineStats, model: list[str]) -> Iterator[Metric]:
+    """Per pinned prefix (label ``prefix``: its name; at most
+    ``max_pinned_prefixes`` of them, gone once unpinned): the requests that
+    hit it, the tokens it served and the blocks it holds; and the first
+    admissions checked against the pins, so that
+    ``rate(pinned_prefix_hits_total) / rate(pinned_prefix_lookups_total)``
+    is a prefix's hit rate. A fleet sums its replicas'."""
+    labels = ["model_name", "prefix"]
+    hits = CounterMetricFamily("pinned_prefix_hits", "Requests whose cached prefix began with "
+                               "this pinned prefix's blocks.", labels=labels)
+    tokens = CounterMetricFamily("pinned_prefix_hit_tokens", "Prompt tokens this pinned "
+                                 "prefix's blocks served from the prefix cache.", labels=labels)
+    blocks = GaugeMetricFamily("pinned_prefix_blocks", "KV blocks this pinned prefix holds "
+                               "(every replica's; 0 while it is being computed).", labels=labels)
+    for pin in stats.pinned:
+        hits.add_metric(model + [pin.name], pin.hits)
+        tokens.add_metric(model + [pin.name], pin.hit_tokens)
+        blocks.add_metric(model + [pin.name], pin.blocks)
+    yield from (hits, tokens, blocks)
+    yield _counter("pinned_prefix_lookups", "Requests checked against the pinned prefixes at "
+                   "their first admission (while some prefix was pinned).", model,
+                   stats.pinned_lookups)
 
 
 # The per-replica series of a fleet (``carpool serve --replicas N``): the

@@ -20,6 +20,8 @@ _ERROR = {"type": "object", "properties": {"error": {"type": "object", "properti
 _WHY = {400: "Invalid request (body, field, Host header)", 401: "Missing or wrong API key",
         403: "The key may not read this (operator only)", 404: "Unknown model or route",
         405: "Method not allowed (see Allow)",
+        409: "Conflicts with the pinned prefixes (a name taken, the pin count or block "
+        "budget spent)",
         413: "Request body too large", 429: "Queue full or cannot be served in time "
         "(see Retry-After)", 431: "Request headers too large",
         503: "Draining, engine failure or unhealthy"}
@@ -69,6 +71,8 @@ def _set_responses(operation: dict[str, Any], path: str) -> None:
         codes = _GENERATION
     elif path == "/carpool/steps":
         codes = (*_GUARDS, 403)
+    elif path.startswith("/carpool/prefixes"):  # operator-pinned prefixes
+        codes = (*_GUARDS, 403, 404, 409, 503)
     else:
         codes = _GUARDS
     for code in codes:

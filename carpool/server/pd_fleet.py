@@ -35,6 +35,15 @@ prefill on the decode replica itself. Without a planner (Ray Serve, whose
 request routers place each part), every request is disaggregated and each
 pool places its part.
 
+Pinned prefixes (``carpool.engine.pins``) are pinned in both pools. The
+prefill pool computes the prompts, so there a pin saves the prefix's
+compute; the decode pool pins too because its replicas prefill as well
+(a request the planner keeps colocated, a rescued one) and because a
+decode leg admits with its local prefix hits first and loads only the rest
+from the store: a pinned prefix is neither recomputed nor transferred.
+Hits are counted on the leg that prefilled (a decode leg after a handoff
+is not counted again).
+
 Failures: a prefill replica that dies before the first token costs the
 client nothing (the request runs colocated on a decode replica instead);
 after it, a decode replica that dies fails the request with the error (the
@@ -66,6 +75,7 @@ from carpool.engine.streams import EngineDeadError, RequestStream
 from carpool.engine.wire import Handoff
 from carpool.sampling_params import SamplingParams
 from carpool.scheduler import RejectedError
+from carpool.scheduler.pinned_prefixes import PinSpec
 from carpool.server.fleet import FleetEngine
 from carpool.server.store_host import local_kv_store
 
@@ -277,6 +287,26 @@ class PDFleet:
 
     def check_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
         self.decode.check_prompt(token_ids, params)
+
+    async def pin_prefix(self, spec: PinSpec) -> tuple[PinSpec, bool]:
+        """Pin in both pools (module docstring): (the pin, whether it is new
+        in the prefill pool); a pool that fails leaves it in neither."""
+        results = await asyncio.gather(self.prefill.pin_prefix(spec),
+                                       self.decode.pin_prefix(spec), return_exceptions=True)
+        failure = next((r for r in results if isinstance(r, BaseException)), None)
+        if failure is not None:
+            for pool, result in zip(self.pools, results):
+                if not isinstance(result, BaseException) and result[1]:
+                    pool.unpin_prefix(spec.pin_id)
+            raise failure
+        return results[0]
+
+    def unpin_prefix(self, pin_id: str) -> bool:
+        in_prefill = self.prefill.unpin_prefix(pin_id)
+        return self.decode.unpin_prefix(pin_id) or in_prefill
+
+    def pinned_prefixes(self) -> list[PinSpec]:
+        return self.prefill.pinned_prefixes()
 
     def report(self) -> dict:
         """For /carpool/policy: the placements so far and how they are made."""
