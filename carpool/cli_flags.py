@@ -162,6 +162,10 @@ ENGINE_FLAGS: list[Flag] = [
        "dynamic: a length bucket holds prompts within this fraction of its length"),
     _f("--predictive-shedding", "predictive_shedding", flag_bool, "BOOL",
        "reject at arrival a request predicted to miss its deadline or TTFT target"),
+    _f("--surge-ttft-factor", "surge_ttft_factor", float, "X",
+       "under an operator's TTFT target, also hold first tokens within X times the live "
+       "calm TTFT p99, so a surge's queue stays short (null in a settings file: the "
+       "target alone)"),
     _f("--emergency-switch", "emergency_switch", flag_bool, "BOOL",
        "under sustained overload degrade in steps: shed the lowest priorities first, then "
        "static batching, then answer repeated deterministic requests from a cache"),

@@ -200,6 +200,13 @@ class SchedulerConfig:
     # Reject at arrival a request with a deadline that the online step-cost
     # model predicts cannot get its first token in time.
     predictive_shedding: bool = True
+    # Under an operator's TTFT target: admission also holds first tokens
+    # within this multiple of the live calm TTFT p99 (``shedding.CalmTTFT``:
+    # requests that arrived away from any rejection), so a surge's queue
+    # stays as short as keeps the engine busy: at saturation a longer one
+    # serves no more requests, it delays all of them up to the target.
+    # None: the target alone.
+    surge_ttft_factor: float | None = 1.6
     # Emergency switch (``scheduler.overload``): after emergency_sustain
     # seconds with any breaker over its threshold (the queue at
     # emergency_queue_share of max_queue_requests, the engine busier than
@@ -255,6 +262,9 @@ class SchedulerConfig:
         return "none" if self.batching == "continuous" else "right"
 
     def _validate_emergency(self) -> None:
+        if self.surge_ttft_factor is not None and not self.surge_ttft_factor >= 1.0:
+            raise ValueError(f"surge_ttft_factor must be >= 1 or null, "
+                             f"got {self.surge_ttft_factor}")
         if not 0.0 < self.emergency_queue_share <= 1.0:
             raise ValueError(f"emergency_queue_share must be in (0, 1], "
                              f"got {self.emergency_queue_share}")
@@ -322,9 +332,9 @@ class ControllerConfig:
     calibrate: bool = True
     # Share of the KV pool the batch limit leaves free for growth (the by_memory term).
     memory_headroom: float = 0.2
-    # Static / dynamic batching: how alpha (the batch limit's headroom over
-    # peak demand) moves: rule (x1.25 for late first tokens, x0.8 for late
-    # tokens) or bandit (``scheduler.alpha_policy``: learned online from the
+    # How alpha (the batch limit's headroom over peak demand: request-level
+    # batching, and continuous under an operator's TPOT/E2E target) moves:
+    # rule (x1.25 for late first tokens, x0.8 for late tokens) or bandit (``scheduler.alpha_policy``: learned online from the
     # goodput each move earned).
     alpha_policy: str = "rule"
     transition_steps: int = 3  # scheduler steps a knob change is spread over (1..3)

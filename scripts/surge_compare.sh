@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# Issue 14, item 4: default `carpool serve` (adaptive controller, targets
-# measured at start-up) against `carpool serve --adaptive false`, over HTTP
-# on 127.0.0.1, under Poisson load with a 3x surge; per phase (calm / surge /
-# calm): TTFT p99 and TPOT p99 of admitted requests, rejected share, goodput.
+# `carpool serve --slo ...` (adaptive, an operator's SLO: admission sheds
+# what cannot be served within it) against `carpool serve --adaptive false`,
+# over HTTP on 127.0.0.1, under Poisson load with a 3x surge, streamed; per
+# phase (calm / surge / calm): TTFT p99 and TPOT p99 of admitted requests,
+# rejected share, goodput; then scripts/surge_verdict.py checks issue 42's
+# goals (TTFT p99 within the target and within 2x the calm phase's, rejected
+# <= excess + 2 points, nothing lost, calm phases without rejection).
 #
-#   scripts/surge_compare.sh                  # surges of 20 s and 60 s, ~12 min
-#   SURGES=30 RATE=2 scripts/surge_compare.sh
+#   scripts/surge_compare.sh                  # surges of 30 s and 60 s, ~14 min
+#   SURGES=40 RATE=2 PROMPTS=token-ids scripts/surge_compare.sh
 #
 # Needs the machine alone (2 CPU cores: any other load moves the numbers).
 # Settings (environment):
@@ -30,7 +33,8 @@
 #           /carpool/policy, then passed with --slo to each adaptive server so
 #           all runs share one set of targets (calibration varies by ~15%
 #           from start to start).
-#   SURGES  surge lengths in seconds, space separated (default "20 60"); each
+#   PROMPTS text (the default) or token-ids: how prompts are sent
+#   SURGES  surge lengths in seconds, space separated (default "30 60"); each
 #           is a run: CALM s calm, 3x the rate for the surge, CALM s calm.
 #   CALM    seconds of each calm phase (default 30)
 #   PORT    (default 8011), OUT results folder (default surge-runs), MODEL
@@ -41,7 +45,8 @@ set -euo pipefail
 
 RATE=${RATE:-auto}
 SLO=${SLO:-}
-SURGES=${SURGES:-"20 60"}
+SURGES=${SURGES:-"30 60"}
+PROMPTS=${PROMPTS:-text}
 CALM=${CALM:-30}
 PORT=${PORT:-8011}
 OUT=${OUT:-surge-runs}
@@ -86,7 +91,8 @@ bench() {  # $1: json out, $2: label, $3: slo, rest: workload flags
   local json=$1 label=$2 slo=$3; shift 3
   carpool bench serve --base-url "$BASE/v1" --workload synthetic \
     --input-len "$PROMPT_TOKENS" --output-len "$OUTPUT_TOKENS" --arrival poisson --seed 14 \
-    --request-timeout 120 --slo "$slo" --label "$label" --json "$json" --no-progress "$@"
+    --request-timeout 120 --slo "$slo" --label "$label" --json "$json" --no-progress \
+    --prompt-format "$PROMPTS" "$@"
 }
 
 if [[ -z "$SLO" ]]; then

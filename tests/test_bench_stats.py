@@ -239,3 +239,24 @@ def test_phase_summaries_count_each_request_in_the_phase_it_was_scheduled_in():
     assert surge["completed_rate"] == pytest.approx(1.0)
     assert after["requests"] == 1 and after["end"] == pytest.approx(4.0)
     assert phase_summaries(records, [])[0]["goodput"] is None  # no SLO: no goodput
+
+
+def test_prompts_go_as_token_ids_when_asked():
+    import argparse
+
+    from carpool.bench.serve import target_from_args
+
+    class Words:  # a stand-in tokenizer: one id per character
+        def encode(self, text):
+            return [ord(c) for c in text]
+
+    args = argparse.Namespace(base_url="http://127.0.0.1:9/v1", model="m", endpoint="completions",
+                              api_key=None, temperature=0.0, ignore_eos=True,
+                              prompt_format="token-ids")
+    target = target_from_args(args, Words())
+    assert target.payload("hi", 4)["prompt"] == [104, 105]
+    args.prompt_format = "text"
+    assert target_from_args(args, Words()).payload("hi", 4)["prompt"] == "hi"
+    args.endpoint, args.prompt_format = "chat", "token-ids"
+    with pytest.raises(ValueError, match="token-ids needs --endpoint completions"):
+        target_from_args(args, Words())

@@ -234,3 +234,41 @@ def test_prediction_errors_expire_by_age():
         errors.record(0.1, 1.1, now=float(t))  # (1.1 + slack) / (0.1 + slack) late
     assert errors.margin(20.0, 0.1) == pytest.approx(1.0)
     assert errors.margin(35.0, 0.1) == 0.0  # five left: too few to trust
+
+
+def test_calm_ttft_learns_only_from_requests_that_arrived_away_from_rejections():
+    from carpool.scheduler.shedding import CalmTTFT
+
+    calm = CalmTTFT(gap=5.0, min_samples=20)
+    for i in range(30):  # calm traffic: 0.1..0.2 s first tokens
+        calm.record(arrival=i * 0.5, ttft=0.1 + 0.1 * (i % 2))
+    assert calm.p99(14.0) is None  # only 18 arrivals are 5 s old: fewer than 20
+    assert calm.p99(30.0) == pytest.approx(0.2)
+    # A surge fills the queue: its first arrivals' tokens come late, then the
+    # first rejection comes. Those arrivals (within 5 s before it) never count,
+    # nor do the ones within 5 s after it.
+    for i in range(10):
+        calm.record(arrival=31.0 + 0.1 * i, ttft=2.0)
+    calm.rejected(33.0)
+    calm.record(arrival=34.0, ttft=3.0)
+    assert calm.p99(60.0) == pytest.approx(0.2)
+    calm.record(arrival=70.0, ttft=0.3)  # 37 s after the last rejection: calm again
+    assert calm.p99(80.0) == pytest.approx(0.3)
+    assert calm.p99(1000.0) is None  # all older than max_age
+
+
+def test_an_operator_slo_surge_queue_is_held_near_the_calm_first_tokens():
+    """With a loose TTFT target (5 s) a queue that fills up to it serves no
+    more requests: admission holds arrivals to 1.6x the calm TTFT p99."""
+    scheduler = _adaptive(50, target=5.0)
+    admission = scheduler.admission
+    assert admission.surge_target(0.0) == 5.0  # no calm first token seen yet
+    for i in range(40):
+        admission.calm_ttft.record(arrival=-100.0 + i, ttft=0.2)
+    assert admission.surge_target(0.0) == pytest.approx(0.32)
+    # The first slot frees after 50 decode steps of 14 ms (0.7 s): over 0.32 s.
+    error = _try(scheduler, "late")
+    assert error is not None and error.reason == "predicted_ttft_miss"
+    assert "target 0.32 s" in str(error)
+    scheduler.config.surge_ttft_factor = None  # the target alone: 0.7 s is within 5 s
+    assert _try(scheduler, "admitted") is None

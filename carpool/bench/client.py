@@ -35,6 +35,9 @@ class Target:
     temperature: float = 0.0
     ignore_eos: bool = True
     extra_body: tuple[tuple[str, object], ...] = ()
+    # Completions only: send each prompt as token ids (what this turns its
+    # text into) instead of text, as clients with their own tokenizer do.
+    encode: Callable[[str], list[int]] | None = None
 
     @property
     def url(self) -> str:
@@ -54,7 +57,7 @@ class Target:
         if self.endpoint == "chat":
             body["messages"] = [{"role": "user", "content": prompt}]
         else:
-            body["prompt"] = prompt
+            body["prompt"] = prompt if self.encode is None else self.encode(prompt)
         body.update(dict(self.extra_body))
         return body
 

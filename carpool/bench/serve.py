@@ -41,6 +41,9 @@ def add_target_args(parser: argparse.ArgumentParser) -> None:
                         help="the target model's tokenizer (HF dir, tokenizer.json, .gguf or "
                              "HF repo id) for exact prompt lengths (default: carpool's default "
                              "model)")
+    target.add_argument("--prompt-format", choices=("text", "token-ids"), default="text",
+                        help="completions: send prompts as text or as token ids (encoded "
+                             "with --tokenizer)")
     target.add_argument("--temperature", type=float, default=0.0)
     target.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                         help="let the model stop early (default: ignore_eos, so every "
@@ -94,10 +97,16 @@ def discover_model(base_url: str, api_key: str | None) -> str:
                          f"Pass --model to skip this") from None
 
 
-def target_from_args(args: argparse.Namespace) -> Target:
+def target_from_args(args: argparse.Namespace, tokenizer=None) -> Target:
+    """Where to send; ``tokenizer`` encodes prompts under ``--prompt-format token-ids``."""
+    token_ids = getattr(args, "prompt_format", "text") == "token-ids"
+    if token_ids and args.endpoint != "completions":
+        raise ValueError("--prompt-format token-ids needs --endpoint completions "
+                         "(chat messages are text)")
     model = args.model or discover_model(args.base_url, args.api_key)
+    encode = (lambda text: list(tokenizer.encode(text))) if token_ids else None
     return Target(args.base_url, model, args.endpoint, args.api_key, args.temperature,
-                  args.ignore_eos)
+                  args.ignore_eos, encode=encode)
 
 
 def run_config(args: argparse.Namespace, target: Target) -> dict:
@@ -111,7 +120,7 @@ def run_config(args: argparse.Namespace, target: Target) -> dict:
 
 def run_bench_serve(args: argparse.Namespace) -> int:
     tokenizer = load_bench_tokenizer(args.tokenizer)
-    target = target_from_args(args)
+    target = target_from_args(args, tokenizer)
     plan = build_workload(workload_spec(args), tokenizer)
     limits = LoadLimits(args.max_concurrency, args.max_duration, args.request_timeout)
     run = asyncio.run(run_load(plan, target, limits, token_counter(tokenizer), args.progress,

@@ -74,7 +74,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     if not 0 < args.attainment <= 1:
         raise ValueError(f"--attainment must be in (0, 1], got {args.attainment}")
     tokenizer = load_bench_tokenizer(args.tokenizer)
-    target = target_from_args(args)
+    target = target_from_args(args, tokenizer)
     plan = build_workload(workload_spec(args), tokenizer)
     config = run_config(args, target)
     label = args.label or f"{target.model} @ {target.base_url}"

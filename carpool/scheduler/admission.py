@@ -18,6 +18,7 @@ from carpool.scheduler.overload import (
 )
 from carpool.scheduler.request import Request
 from carpool.scheduler.shedding import (
+    CalmTTFT,
     PredictionError,
     first_broken_promise,
     predict_first_token_delay,
@@ -145,6 +146,7 @@ class AdmissionControl:
         # their first token is predicted later than their share of this.
         self.ttft_target = ttft_target
         self.prediction_error = PredictionError(max_age=MARGIN_MAX_AGE)
+        self.calm_ttft = CalmTTFT()  # the calm first tokens a surge's queue is held near
         # Seconds a server takes to hand a first token to its client after the
         # engine made it (set by ``AsyncEngine``; 0 for the offline engine and
         # the simulator): the TTFT target is what the client sees.
@@ -179,6 +181,17 @@ class AdmissionControl:
               drop_waiting: Callable[[Request, str], None]) -> None:
         """Raise ``RejectedError`` if ``request`` may not queue now. In degrade
         mode it may instead displace a worse waiting request (``drop_waiting``)."""
+        try:
+            victim = self._admit(request, now, waiting, running)
+        except RejectedError:
+            self.calm_ttft.rejected(now)
+            raise
+        if victim is not None:
+            drop_waiting(victim, "shed")
+
+    def _admit(self, request: Request, now: float, waiting,
+               running: Sequence[Request]) -> Request | None:
+        """``check``'s rules in order; the waiting request to displace, if any."""
         if request.deadline is not None:
             self._check_deadline(request, now, waiting, running)
         victim = None
@@ -205,8 +218,14 @@ class AdmissionControl:
         if (request.deadline is None and self.ttft_target is not None
                 and self.config.predictive_shedding):
             self._check_ttft_target(request, now, waiting, running)
-        if victim is not None:
-            drop_waiting(victim, "shed")
+        return victim
+
+    def surge_target(self, now: float) -> float | None:
+        """The TTFT admission holds arrivals to: the operator's target, or
+        ``surge_ttft_factor`` x the live calm TTFT p99 when lower."""
+        target, factor = self.ttft_target, self.config.surge_ttft_factor
+        calm = None if factor is None or target is None else self.calm_ttft.p99(now)
+        return target if calm is None else min(target, factor * calm)
 
     def _check_ttft_target(self, request: Request, now: float, waiting,
                            running: Sequence[Request]) -> None:
@@ -225,7 +244,8 @@ class AdmissionControl:
                                           budget)
         reference = predict_first_token_delay(self.cost_model, 0, CALIBRATION_PROMPT_TOKENS, 0,
                                               budget)
-        allowed = ttft_allowance(self.ttft_target, request.priority, alone, reference)
+        target = self.surge_target(now)
+        allowed = ttft_allowance(target, request.priority, alone, reference)
         # Next in line for a free slot: as soon as any server could. Turning
         # it away helps nobody (and admitting it keeps the margin learning).
         if delay > allowed and not self._first_in_line(request, waiting, running):
@@ -233,7 +253,7 @@ class AdmissionControl:
             self._reject("predicted_ttft_miss", delay - allowed, (
                 f"the request would get its first token in ~{delay:.2f} s, over the "
                 f"{allowed:.2f} s its priority class is allowed of the TTFT target "
-                f"{self.ttft_target:.2f} s; retry in ~{math.ceil(delay - allowed):.0f} s"))
+                f"{target:.2f} s; retry in ~{math.ceil(delay - allowed):.0f} s"))
         self._check_shared_step(request, now, waiting, running)
         request.first_token_due = request.arrival_time + allowed
 
@@ -287,6 +307,8 @@ class AdmissionControl:
 
     def observe_first_token(self, request: Request, now: float) -> None:
         """Learn the prediction error from a request's first token."""
+        self.calm_ttft.record(request.arrival_time,
+                              now - request.arrival_time + self.delivery_lag)
         if request.predicted_ttft is not None:
             self.prediction_error.record(request.predicted_ttft, now - request.arrival_time,
                                          now)

@@ -148,3 +148,56 @@ class PredictionError:
     def margin(self, now: float | None = None, predicted: float = 0.0) -> float:
         """Seconds to add to ``predicted`` for the learned error."""
         return (max(0.0, predicted) + RATIO_SLACK) * (self.factor(now) - 1.0)
+
+
+class CalmTTFT:
+    """The TTFT p99 of calm traffic, learned live (seconds, as the client
+    sees it): first tokens of requests that arrived at least ``gap`` seconds
+    away from any rejection, before or after (the requests that arrived
+    while a surge filled the queue, just before the first rejection, are
+    not calm), over the last ``window`` of them, at most ``max_age`` seconds
+    old. None until ``min_samples`` are in.
+
+    Admission holds an operator-SLO surge's queue to a multiple of it
+    (``SchedulerConfig.surge_ttft_factor``): once the engine is saturated a
+    longer queue serves no more requests per second, it only delays every
+    first token, up to the whole TTFT target (12x the calm p99 in a
+    simulated 3x surge under a 2 s target).
+    """
+
+    def __init__(self, gap: float = 5.0, window: int = 256, max_age: float = 300.0,
+                 min_samples: int = 20) -> None:
+        self.gap = gap
+        self.max_age = max_age
+        self.min_samples = min_samples
+        self.last_rejection = -math.inf
+        self._pending: deque[tuple[float, float]] = deque()  # (arrival, ttft), kept gap s
+        self._calm: deque[tuple[float, float]] = deque(maxlen=window)
+
+    def rejected(self, now: float) -> None:
+        """A rejection at ``now``: requests that arrived within ``gap`` before it are not calm."""
+        self.last_rejection = now
+        while self._pending and self._pending[-1][0] >= now - self.gap:
+            self._pending.pop()
+
+    def record(self, arrival: float, ttft: float) -> None:
+        """A first token: ``ttft`` seconds after the request arrived at ``arrival``."""
+        if abs(arrival - self.last_rejection) < self.gap:
+            return
+        # First tokens come out of arrival order: keep pending sorted by arrival.
+        if self._pending and self._pending[-1][0] > arrival:
+            items = sorted([*self._pending, (arrival, ttft)])
+            self._pending.clear()
+            self._pending.extend(items)
+        else:
+            self._pending.append((arrival, ttft))
+
+    def p99(self, now: float) -> float | None:
+        while self._pending and self._pending[0][0] < now - self.gap:
+            self._calm.append(self._pending.popleft())  # no rejection can disown it now
+        while self._calm and self._calm[0][0] < now - self.max_age:
+            self._calm.popleft()
+        if len(self._calm) < self.min_samples:
+            return None
+        ordered = sorted(ttft for _, ttft in self._calm)
+        return ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]

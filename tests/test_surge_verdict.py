@@ -1,0 +1,49 @@
+"""scripts/surge_verdict.py checks issue 42's surge goals on any pair of
+``carpool bench serve`` results: each goal can fail."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "surge_verdict.py"
+spec = importlib.util.spec_from_file_location("surge_verdict", SCRIPT)
+surge_verdict = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(surge_verdict)
+
+
+def phase(name, start, end, ttft, rejected_share=0.0, failed=0, offered=3.0):
+    return {"phase": name, "start": start, "end": end, "offered_rate": offered,
+            "ttft": {"p99": ttft}, "tpot": {"p99": 0.1}, "rejected": round(rejected_share * 90),
+            "rejected_share": rejected_share, "failed": failed, "goodput": 1.0,
+            "backlog_until": start, "rejected_after_backlog": 0}
+
+
+def runs(surge_ttft=0.5, rejected=0.5, failed=0):
+    plain = {"summary": {"slo": {"ttft": 1.0, "tpot": 0.3}}, "requests": [],
+             "phases": [phase("calm 1", 0, 30, 0.3), phase("surge", 30, 60, 3.0, offered=9.0),
+                        phase("calm 2", 60, 90, 0.3)]}
+    adaptive = {"summary": {"slo": {"ttft": 1.0, "tpot": 0.3}}, "requests": [],
+                "phases": [phase("calm 1", 0, 30, 0.3),
+                           phase("surge", 30, 60, surge_ttft, rejected, failed, offered=9.0),
+                           phase("calm 2", 60, 90, 0.3)]}
+    return plain, adaptive
+
+
+def failures(plain, adaptive):
+    capacity = {"slo_capacity_below": 4.5}  # offered 9/s: the excess is 50%
+    return [text for text, ok in surge_verdict.verdict(plain, adaptive, capacity) if not ok]
+
+
+def test_a_run_meeting_every_goal_passes():
+    assert failures(*runs()) == []
+
+
+def test_each_goal_can_fail():
+    assert any("2x the calm" in f for f in failures(*runs(surge_ttft=0.7)))
+    assert any("<= target" in f for f in failures(*runs(surge_ttft=1.2)))
+    assert any("excess" in f for f in failures(*runs(rejected=0.53)))
+    assert failures(*runs(rejected=0.519)) == []  # within 2 points of the excess
+    assert any("nothing lost" in f for f in failures(*runs(failed=1)))
+    plain, adaptive = runs()
+    adaptive["phases"][2]["rejected_after_backlog"] = 1
+    assert any("no rejections" in f for f in failures(plain, adaptive))
