@@ -334,8 +334,9 @@ class ControllerConfig:
     memory_headroom: float = 0.2
     # How alpha (the batch limit's headroom over peak demand: request-level
     # batching, and continuous under an operator's TPOT/E2E target) moves:
-    # rule (x1.25 for late first tokens, x0.8 for late tokens) or bandit (``scheduler.alpha_policy``: learned online from the
-    # goodput each move earned).
+    # rule (x1.25 for late first tokens, x0.8 for late tokens) or bandit
+    # (``scheduler.alpha_policy``: learned online from the goodput each move
+    # earned).
     alpha_policy: str = "rule"
     transition_steps: int = 3  # scheduler steps a knob change is spread over (1..3)
     hysteresis_ticks: int = 2  # ticks in a row wanting a new mode before it switches
