@@ -145,6 +145,9 @@ def test_limits_refuse_what_does_not_fit_with_the_kind_the_api_maps():
             limits.check(candidate, pins)
         assert caught.value.kind == kind, (candidate, kind)
     limits.check(spec(64, "b"), {"x": spec(64, "a", 1)})  # 8 + 8 blocks: exactly the cap
+    # Never so many that a request of the whole context has no room beside them.
+    assert PinLimits.of(16, 40, 0.5, 2, max_model_len=512, watermark_blocks=1).max_blocks == 7
+    assert PinLimits.of(16, 30, 0.5, 2, max_model_len=512).max_blocks == 0
     off = PinLimits.of(16, 64, 0.25, 2, 100, prefix_caching=False)
     with pytest.raises(PinError, match="off"):
         off.check(spec(32, "a"), {})

@@ -130,3 +130,75 @@ def test_concurrent_pins_of_one_prefix_are_one_pin(small_pool_engine):
     assert small_pool_engine.pinned_prefixes() == [spec]
     assert small_pool_engine.unpin_prefix(spec.pin_id)
     assert not small_pool_engine.unpin_prefix(spec.pin_id)
+
+
+def test_a_ray_replica_follows_the_pins_its_polls_carry(small_pool_engine):
+    """``PinReconciler``: what a Ray engine replica does with the ingress's
+    pins on each stats poll (pin what is missing, drop what is gone)."""
+    from carpool.engine.pins import PinReconciler
+    from carpool.scheduler.pinned_prefixes import PinSpec, pin_id_of
+
+    tokens = tuple(range(9, 9 + 40))
+    spec = PinSpec(pin_id_of(tokens, None), "polled", tokens)
+
+    def held() -> int:
+        return sum(p.blocks for p in small_pool_engine.stats.pinned if p.pin_id == spec.pin_id)
+
+    async def polls():
+        reconciler = PinReconciler(small_pool_engine)
+        reconciler.sync([spec])
+        reconciler.sync([spec])  # the next poll while it runs: nothing twice
+        for _ in range(100):
+            await asyncio.sleep(0.05)
+            if held():
+                break
+        pinned = held()
+        reconciler.sync([])
+        for _ in range(100):
+            await asyncio.sleep(0.05)
+            if not held():
+                break
+        return pinned, held()
+
+    assert asyncio.run(polls()) == (2, 0)
+
+
+def test_pd_serving_pins_in_both_pools_or_in_neither():
+    from types import SimpleNamespace
+
+    from carpool.scheduler.pinned_prefixes import PinError, PinSpec
+    from carpool.server.pd_fleet import PDFleet
+
+    class Pool:
+        def __init__(self, fail: bool) -> None:
+            self.fail, self.pins = fail, []
+
+        async def pin_prefix(self, spec):
+            if self.fail:
+                raise PinError("full", "full")
+            self.pins.append(spec.pin_id)
+            return spec, True
+
+        def unpin_prefix(self, pin_id):
+            self.pins.remove(pin_id)
+            return True
+
+        def pinned_prefixes(self):
+            return self.pins
+
+    spec = PinSpec("p1", "p1", (1, 2, 3))
+    for prefill_fails in (False, True):
+        pools = Pool(prefill_fails), Pool(not prefill_fails)
+        for pool in pools:
+            pool.config = pool.info = pool.tokenizer = pool.step_log = SimpleNamespace()
+        fleet = PDFleet(*pools)
+        with pytest.raises(PinError):
+            asyncio.run(fleet.pin_prefix(spec))
+        assert pools[0].pins == pools[1].pins == []
+    pools = Pool(False), Pool(False)
+    for pool in pools:
+        pool.config = pool.info = pool.tokenizer = pool.step_log = SimpleNamespace()
+    fleet = PDFleet(*pools)
+    assert asyncio.run(fleet.pin_prefix(spec)) == (spec, True)
+    assert pools[0].pins == pools[1].pins == ["p1"]
+    assert fleet.unpin_prefix("p1") and pools[1].pins == []

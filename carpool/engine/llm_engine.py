@@ -278,7 +278,8 @@ class LLMEngine:
         settings = self.config.cache
         pin_limits = PinLimits.of(settings.block_size, self.executor.num_blocks,
                                   settings.pinned_prefix_share, settings.max_pinned_prefixes,
-                                  self.max_model_len, settings.enable_prefix_caching)
+                                  self.max_model_len, settings.enable_prefix_caching,
+                                  self.scheduler.kv.watermark_blocks)
         return EngineInfo(self.max_model_len, self.model_config.vocab_size,
                           self.tokenizer.describe(), cache, step_facts(self),
                           self.executor.num_blocks,

@@ -82,8 +82,13 @@ class PinLimits:
 
     @classmethod
     def of(cls, block_size: int, num_blocks: int, share: float, max_pins: int,
-           max_model_len: int, prefix_caching: bool = True) -> "PinLimits":
-        blocks = int(num_blocks * share) if prefix_caching else 0
+           max_model_len: int, prefix_caching: bool = True,
+           watermark_blocks: int = 0) -> "PinLimits":
+        """``share`` of the pool, less whatever would leave a sequence of
+        ``max_model_len`` tokens no room beside the pins: any request the
+        engine accepts can still run (none waits for blocks a pin holds)."""
+        room = num_blocks - watermark_blocks - -(-max_model_len // block_size)
+        blocks = max(0, min(int(num_blocks * share), room)) if prefix_caching else 0
         return cls(block_size, blocks, max_pins, max(0, max_model_len - 1))
 
     def blocks_of(self, spec: PinSpec) -> int:
