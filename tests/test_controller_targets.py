@@ -62,7 +62,7 @@ def _selector(**targets) -> ModeSelector:
 
 def test_late_tokens_or_requests_with_nobody_waiting_ask_for_latency():
     selector = _selector(tpot_target=0.1, e2e_target=2.0)  # the operator's: it counts
-    busy = dict(busy=0.9, waiting=0, ttft=0.2)
+    busy = dict(busy=0.8, waiting=0, ttft=0.2)
     measured = _selector(e2e_target=2.0)  # tpot auto: a measured target does not
     assert measured.wanted(dataclasses.replace(signals(**busy), tpot_p99=0.5))[0] != "latency"
     slow = dataclasses.replace(signals(**busy), tpot_p99=0.15)
@@ -72,6 +72,9 @@ def test_late_tokens_or_requests_with_nobody_waiting_ask_for_latency():
     # With a queue, smaller steps would only delay it: not latency.
     queued = dataclasses.replace(signals(busy=0.9, waiting=3, ttft=0.2), tpot_p99=0.15)
     assert selector.wanted(queued)[0] == "throughput"
+    # Nor on a saturated engine (busy over 85%) whose queue admission keeps short.
+    saturated = dataclasses.replace(signals(busy=0.95, waiting=0, ttft=0.2), tpot_p99=0.15)
+    assert selector.wanted(saturated)[0] != "latency"
 
 
 def test_a_surge_with_a_queue_asks_for_throughput_and_kv_pressure_is_no_light_load():

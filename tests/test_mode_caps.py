@@ -91,15 +91,15 @@ def test_a_move_down_waits_until_the_demand_fits_the_lower_mode() -> None:
     assert ctl.mode == "latency"
 
 
-def test_alpha_times_demand_caps_a_continuous_batch_under_an_operators_target() -> None:
+def test_alpha_times_demand_bounds_a_continuous_batch_under_an_operators_target() -> None:
     # Tokens cheap enough that by_latency allows the whole cap.
     cost = linear_cost(per_token=0.0001, fixed=0.005)
     ctl = controller(False, cost=cost, controller_mode="throughput", tpot_target=0.1)
     ctl.observe_step(9.0, None, demand=40)
     limit, cause, reason = ctl.batch_limit(signals(), PRESETS["throughput"])
     assert (limit, reason) == (80, "by_demand") and "alpha 2.00" in cause
-    ctl.alpha_control.value = 0.5  # alpha under 1 holds part of the queue back
-    assert ctl.batch_limit(signals(), PRESETS["throughput"])[:1] == (20,)
+    ctl.alpha_control.value = 1.0  # the least alpha: the peak demand itself
+    assert ctl.batch_limit(signals(), PRESETS["throughput"])[:1] == (40,)
     # Without an operator's TPOT or E2E target there is no demand term.
     measured = controller(False, cost=cost, controller_mode="throughput")
     measured.observe_step(9.0, None, demand=40)

@@ -25,7 +25,7 @@ from carpool.scheduler.shedding import (
     predict_slot_delay,
     ttft_allowance,
 )
-from carpool.slo import CALIBRATION_PROMPT_TOKENS
+from carpool.slo import CALIBRATION_PROMPT_TOKENS, class_share
 
 # Seconds a first token's prediction error counts in the margin. The large
 # misses come where the load changes (a surge's first seconds, while the
@@ -221,11 +221,12 @@ class AdmissionControl:
         return victim
 
     def surge_target(self, now: float) -> float | None:
-        """The TTFT admission holds arrivals to: the operator's target, or
-        ``surge_ttft_factor`` x the live calm TTFT p99 when lower."""
+        """The TTFT admission holds arrivals to (before their class's share):
+        the operator's target, or, when lower, the one that allows a normal
+        request ``surge_ttft_factor`` x the live calm TTFT p99."""
         target, factor = self.ttft_target, self.config.surge_ttft_factor
         calm = None if factor is None or target is None else self.calm_ttft.p99(now)
-        return target if calm is None else min(target, factor * calm)
+        return target if calm is None else min(target, factor * calm / class_share(0))
 
     def _check_ttft_target(self, request: Request, now: float, waiting,
                            running: Sequence[Request]) -> None:

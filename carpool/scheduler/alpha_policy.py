@@ -28,7 +28,7 @@ import math
 
 from carpool.scheduler.live_window import Signals
 
-ALPHA_RANGE = (0.5, 4.0)
+ALPHA_RANGE = (1.0, 4.0)
 ALPHA_START = 2.0
 ARMS = (0.8, 1.0, 1.25)
 # The prior: every arm starts as if it had earned PRIOR_REWARD PRIOR_PULLS

@@ -105,7 +105,11 @@ class ModeSelector:
             return "throughput", (f"arrivals {s.fast_arrival_rate:.1f}/s > {SURGE_QPS_RATIO:g} "
                                   f"x {s.arrival_rate:.1f}/s with {s.waiting} waiting")
         late = self._late_decode(s)
-        if late is not None and s.waiting == 0:
+        if late is not None and s.waiting == 0 and s.busy <= busy_high:
+            # Not when the engine is saturated: an empty queue then only means
+            # admission keeps it short, and latency mode's caps would cut
+            # the throughput a surge needs (it flapped in and out every few
+            # seconds of a live surge, its 113-token budget each time).
             return "latency", f"{late}, queue empty"
         staying_light = self.mode == "latency"
         busy_low = 0.55 if staying_light else 0.4
