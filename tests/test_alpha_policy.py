@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 from test_controller import controller, signals
 
 from carpool.scheduler.alpha_policy import (
@@ -79,3 +80,17 @@ def test_the_controller_rewards_each_interval_with_its_goodput_share():
 def test_the_rule_stays_the_default():
     ctl = controller(request_level=True)
     assert ctl.config.alpha_policy == "rule" and ctl.alpha_control.bandit is None
+
+
+def test_a_trained_table_is_a_capped_prior():
+    trained = AlphaBandit()
+    context = context_of(True, False, 3, 8)
+    for _ in range(50):  # x0.8 keeps earning, x1.25 never does
+        trained.choose(context, rule_arm(True, False))
+        trained.reward(0.9 if trained._pending[1] == 0.8 else 0.0)
+    table = trained.table()
+    assert table["arms"] == ["0.8", "1", "1.25"]
+    fresh = AlphaBandit(prior=table)
+    assert fresh.value(context, 0.8) == pytest.approx(trained.value(context, 0.8))
+    assert fresh.choose(context, rule_arm(True, False)) == 0.8  # not the rule's x1.25
+    assert sum(fresh._stats[(context, arm)][1] for arm in (0.8, 1.0, 1.25)) <= 3 * 20
