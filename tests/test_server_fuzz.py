@@ -26,7 +26,8 @@ from server_utils import ServerProcess
 
 API_KEY = "fuzzkey"
 MAX_BODY_BYTES = 65536
-POST_ROUTES = ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]
+POST_ROUTES = ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize",
+               "/carpool/prefixes"]
 GENERATION_ROUTES = POST_ROUTES[:2]
 
 FUZZ = settings(max_examples=100, deadline=None, database=None, print_blob=True,
@@ -190,6 +191,7 @@ _VALID_BODIES = {
                              "max_tokens": 2},
     "/tokenize": {"prompt": "héllo 😀 world"},
     "/detokenize": {"tokens": [5, 6, 7]},
+    "/carpool/prefixes": {"prompt": "You are a helpful assistant. " * 8, "name": "fuzz-pin"},
 }
 
 
