@@ -13,21 +13,24 @@
 # Needs the machine alone (2 CPU cores: any other load moves the numbers).
 # Settings (environment):
 #   RATE    calm-phase Poisson rate, req/s, or auto (the default): 0.6x the
-#           capacity under the SLO, measured first on the plain server: its
-#           throughput at 32 requests in flight, then Poisson runs of 40 s at
-#           0.9, 0.8, ..., 0.3x that until one keeps TTFT and TPOT p99 within
-#           the SLO (what any server could serve in time, as in
-#           tests/test_slo_surge.py); the rate of that run and of the one
-#           before (which missed) bracket the capacity under the SLO, written
-#           to OUT/capacity.json for the verdict (CAPACITY_JSON=FILE gives
-#           one with RATE set). Calm load at 0.86x of it (0.6x the
-#           throughput, tried on an AVX-512 machine) left the plain server
-#           itself missing the SLO in calm 1. Throughput at 32 in flight alone
-#           overstates it where tokens at that batch are slower than the
-#           target (this AVX2 2-core CPU: TPOT p99 650 ms at 32 against a
-#           ~340 ms target), and a closed-loop probe starts every request at
-#           once, so its steps decode without the prefills a steady load
-#           interleaves.
+#           capacity under the SLO, measured first on the plain server, each
+#           probe with prompts of its own seed (a prompt the server saw is a
+#           prefix-cache hit: probes that re-sent one probe's prompts found
+#           96% of their tokens cached and measured a capacity fresh prompts
+#           never see). First closed loops of 3x8, 3x16, 3x24, 3x32 requests
+#           at 8, 16, 24, 32 in flight: the throughput of the largest whose
+#           TPOT p99 keeps the target is the most a server can serve within
+#           it (its tokens need that batch; a closed loop keeps it full).
+#           Then Poisson runs of 40 s at 0.9, 0.8, ..., 0.3x that until one
+#           keeps TTFT and TPOT p99 within the SLO (what any server could
+#           serve in time, as in tests/test_slo_surge.py); the rate of that
+#           run and of the one before (which missed; the closed-loop
+#           throughput when the first fits) bracket the capacity under the
+#           SLO, and one more run halfway narrows the bracket; it is written
+#           to OUT/capacity.json for the verdict
+#           (CAPACITY_JSON=FILE gives one with RATE set). Calm load at 0.86x
+#           of it (0.6x the throughput, tried on an AVX-512 machine) left the
+#           plain server itself missing the SLO in calm 1.
 #   SLO     the targets of every run, e.g. ttft=3s,tpot=350ms; default: the
 #           default server's start-up calibration, read once from its
 #           /carpool/policy, then passed with --slo to each adaptive server so
@@ -106,32 +109,60 @@ fi
 echo "   SLO of every run: --slo $SLO"
 TPOT_TARGET=$(python -c "from carpool.slo import parse_slo; print(parse_slo('$SLO')['tpot'])")
 
+probe_fits() {  # $1: Poisson rate; 0 when the plain server kept TTFT and TPOT p99 in the SLO
+  local rate=$1
+  SEED=$((SEED + 1))
+  echo "== capacity probe: Poisson $rate req/s for 40 s, plain server"
+  bench "$OUT/probe-$rate.json" "probe $rate" "$SLO" --rate "$rate" \
+    --num-requests "$(python -c "import math; print(math.ceil($rate * 40))")" \
+    --max-duration 40 --seed "$SEED" >/dev/null
+  local fits
+  fits=$(python -c "import json; from carpool.slo import parse_slo; \
+s = json.load(open('$OUT/probe-$rate.json'))['summary']; slo = parse_slo('$SLO'); \
+print(int(s['ttft']['p99'] <= slo['ttft'] and s['tpot']['p99'] <= slo['tpot']), \
+s['prefix_hit_rate'])")
+  echo "   p99 TTFT and TPOT within the SLO, prefix hits: $fits"
+  [[ "$fits" == 1* ]]
+}
+
 if [[ "$RATE" == "auto" ]]; then
+  # Every probe sends prompts of its own seed: a prompt the server has seen
+  # is a prefix-cache hit, and probes that re-sent the closed probe's prompts
+  # (96% of their tokens cached) measured a capacity fresh prompts never see.
   start_server "$OUT/serve-probe.log" --adaptive false
-  echo "== capacity probe: 96 requests, 32 in flight, plain server"
-  bench "$OUT/probe-closed.json" "probe closed" "$SLO" --rate 1000 --num-requests 96 \
-    --max-concurrency 32 --max-duration 300 >/dev/null
-  CLOSED=$(python -c "import json; s = json.load(open('$OUT/probe-closed.json'))['summary']; \
-print(s['output_throughput'] / $OUTPUT_TOKENS)")
+  CLOSED=0   # the most completions/s at a concurrency whose TPOT p99 keeps the target
+  SEED=100
+  for CONC in 8 16 24 32; do
+    SEED=$((SEED + 1))
+    echo "== capacity probe: $((3 * CONC)) requests, $CONC in flight, plain server"
+    bench "$OUT/probe-closed-$CONC.json" "probe closed $CONC" "$SLO" --rate 1000 \
+      --num-requests $((3 * CONC)) --max-concurrency "$CONC" --max-duration 300 --seed "$SEED" \
+      >/dev/null
+    read -r THROUGHPUT TPOT_OK HITS < <(python -c "import json; \
+s = json.load(open('$OUT/probe-closed-$CONC.json'))['summary']; \
+print(s['output_throughput'] / $OUTPUT_TOKENS, int(s['tpot']['p99'] <= $TPOT_TARGET), \
+s['prefix_hit_rate'])")
+    echo "   $THROUGHPUT req/s, TPOT p99 within the target: $TPOT_OK, prefix hits $HITS"
+    [[ "$TPOT_OK" == 1 ]] || break
+    CLOSED=$THROUGHPUT
+  done
+  [[ "$CLOSED" != 0 ]] || CLOSED=$THROUGHPUT  # even 8 in flight missed: probe below it
   CAPACITY=""
   ABOVE=$CLOSED  # the lowest probed rate that missed the SLO (none yet: the throughput)
   for SHARE in 0.9 0.8 0.7 0.6 0.5 0.4 0.3; do
     PROBE=$(python -c "print(round($SHARE * $CLOSED, 2))")
-    echo "== capacity probe: Poisson $PROBE req/s for 40 s, plain server"
-    bench "$OUT/probe-$PROBE.json" "probe $PROBE" "$SLO" --rate "$PROBE" \
-      --num-requests "$(python -c "import math; print(math.ceil($PROBE * 40))")" \
-      --max-duration 40 >/dev/null
-    FITS=$(python -c "import json; from carpool.slo import parse_slo; \
-s = json.load(open('$OUT/probe-$PROBE.json'))['summary']; slo = parse_slo('$SLO'); \
-print(int(s['ttft']['p99'] <= slo['ttft'] and s['tpot']['p99'] <= slo['tpot']))")
-    echo "   p99 TTFT and TPOT within the SLO: $FITS"
-    if [[ "$FITS" == 1 ]]; then CAPACITY=$PROBE; break; fi
+    if probe_fits "$PROBE"; then CAPACITY=$PROBE; break; fi
     ABOVE=$PROBE
   done
-  stop_server
   CAPACITY=${CAPACITY:-$PROBE}
+  # One more run halfway narrows the bracket (the verdict's excess uses its top).
+  MID=$(python -c "print(round(($CAPACITY + $ABOVE) / 2, 2))")
+  if python -c "import sys; sys.exit(not ($ABOVE - $CAPACITY > 0.04))"; then
+    probe_fits "$MID" && CAPACITY=$MID || ABOVE=$MID
+  fi
+  stop_server
   RATE=$(python -c "print(round(0.6 * $CAPACITY, 2))")
-  echo "   throughput ~$CLOSED req/s, capacity under the SLO $CAPACITY-$ABOVE req/s; RATE=$RATE req/s"
+  echo "   ~$CLOSED req/s within the TPOT target, capacity under the SLO $CAPACITY-$ABOVE req/s; RATE=$RATE req/s"
   printf '{"throughput": %s, "slo_capacity_at_least": %s, "slo_capacity_below": %s}\n' \
     "$CLOSED" "$CAPACITY" "$ABOVE" > "$OUT/capacity.json"
 fi

@@ -3,7 +3,7 @@ against the TTFT target: class shares, Retry-After, long prompts, priority."""
 from __future__ import annotations
 
 import pytest
-from test_scheduler_properties import FakeClock, run_step
+from test_scheduler_properties import FakeClock, run_step, run_step_output
 
 from carpool.config import CacheConfig, ControllerConfig, SchedulerConfig
 from carpool.scheduler import RejectedError, Request, Scheduler
@@ -149,13 +149,16 @@ def test_the_servers_time_to_hand_a_first_token_over_counts_against_the_target()
         assert (error is None) == admitted, (lag, error)
 
 
-def test_an_arrival_may_not_push_the_first_token_of_its_step_mates_past_their_allowance():
+def test_an_arrival_that_would_push_its_step_mates_first_tokens_late_starts_a_step_later():
     """Arrivals taken at one boundary share the next step. "first" waited
     0.2 s for the step in flight and is due by 0.25 s; alone beside the 4
     decodes its step is 0.01 + 0.001 x 28 = 38 ms (0.238 s). "second" (24
     tokens) would be on time itself (62 ms), but would make that step 62 ms
-    and "first" 0.262 s late; before, each was checked with its own prompt
-    only and both were admitted. A 4-token one still fits (0.242 s)."""
+    and "first" 0.262 s late. Checked with its own prompt only, both were
+    once admitted into that step; then "second" was turned away. Now it sits
+    that step out: 38 ms, then its own step beside the 5 decodes,
+    0.01 + 0.001 x 29 = 39 ms, is 0.077 s, within its 0.25 s. A 4-token
+    arrival still fits into the shared step (0.242 s)."""
     scheduler = _adaptive(50)
     scheduler.config.max_num_seqs = scheduler.knobs.max_num_seqs = 8  # free slots
     scheduler.admission.ttft_target = 0.25 / 0.85  # the normal class may use 0.25 s
@@ -163,12 +166,34 @@ def test_an_arrival_may_not_push_the_first_token_of_its_step_mates_past_their_al
     first = Request("first", [7] * 24, 4, arrival_time=0.0)
     scheduler.add_request(first)
     assert first.predicted_ttft == pytest.approx(0.238, abs=1e-3)
-    error = _try(scheduler, "second", prompt=24)
-    assert error is not None and error.reason == "predicted_ttft_miss"
-    assert "share the next step" in str(error)
+    assert _try(scheduler, "second", prompt=24) is None
+    second = scheduler.requests["second"]
+    assert second.earliest_step == scheduler.steps_built + 2 and scheduler.admission.deferred == 1
+    assert second.predicted_ttft == pytest.approx(0.077, abs=1e-3)
+    assert first.predicted_ttft == pytest.approx(0.238, abs=1e-3)  # its step is unchanged
     assert _try(scheduler, "small", prompt=4) is None
-    # Its step mate's prediction now counts the step it shares.
-    assert first.predicted_ttft == pytest.approx(0.242, abs=1e-3)
+    assert first.predicted_ttft == pytest.approx(0.242, abs=1e-3)  # "small" shares it
+    started = {span.request.request_id for span in run_step_output(scheduler)[0].spans}
+    assert {"first", "small"} <= started and "second" not in started
+    started = {span.request.request_id for span in run_step_output(scheduler)[0].spans}
+    assert "second" in started
+
+
+def test_an_arrival_late_even_a_step_later_is_turned_away():
+    """As above, but "late" (16 tokens) has waited 0.19 s already: in the
+    shared step it would be on time (0.244 s) and make "first" late
+    (0.254 s); a step later, 0.19 + 0.038 + 0.010 + 0.001 x 21 = 0.259 s,
+    it would be late itself."""
+    scheduler = _adaptive(50)
+    scheduler.config.max_num_seqs = scheduler.knobs.max_num_seqs = 8
+    scheduler.admission.ttft_target = 0.25 / 0.85
+    scheduler.clock.now = 0.2
+    scheduler.add_request(Request("first", [7] * 24, 4, arrival_time=0.0))
+    with pytest.raises(RejectedError) as error:
+        scheduler.add_request(Request("late", [7] * 16, 4, arrival_time=0.01))
+    assert error.value.reason == "predicted_ttft_miss"
+    assert "share the next step" in str(error.value) and "one step later" in str(error.value)
+    assert scheduler.admission.deferred == 0
 
 
 def test_retry_after_is_the_time_over_the_allowance_not_the_whole_wait():

@@ -47,3 +47,11 @@ def test_each_goal_can_fail():
     plain, adaptive = runs()
     adaptive["phases"][2]["rejected_after_backlog"] = 1
     assert any("no rejections" in f for f in failures(plain, adaptive))
+
+
+def test_a_run_on_a_machine_slower_than_its_probe_is_void():
+    plain, _ = runs()
+    assert surge_verdict.speed_kept(plain)[1]
+    plain["phases"][0]["tpot"]["p99"] = 0.8  # calm at 0.6x capacity, yet over the 0.3 s target
+    text, kept = surge_verdict.speed_kept(plain)
+    assert not kept and "TPOT p99 800 ms" in text

@@ -106,6 +106,9 @@ class EngineStats:
     kv_store: dict = field(default_factory=dict)
     # Arrivals that reached admission, admitted or rejected for any reason.
     arrivals: int = 0
+    # Of them, arrivals admission started a step later than it could have,
+    # so as not to make the first tokens of that step's requests late.
+    deferred_arrivals: int = 0
     # The emergency switch's depth (``OverloadGuard.STAGES``; 0: normal).
     degrade_stage: int = 0
     # Pinned prefixes' counters (``scheduler.pinned_prefixes``), by pin id,
@@ -196,7 +199,7 @@ def engine_stats(scheduler: Scheduler, counters: EngineCounters, now: float,
         adaptive=scheduler.controller is not None,
         slo=slo.as_dict() if slo is not None else None,
         predictions=_predictions(scheduler), kv_store=_kv_store(scheduler),
-        arrivals=scheduler.admission.arrivals,
+        arrivals=scheduler.admission.arrivals, deferred_arrivals=scheduler.admission.deferred,
         degrade_stage=scheduler.overload.stage if scheduler.overload is not None else 0,
         pinned=scheduler.pins.stats(), pinned_lookups=scheduler.pins.lookups,
         **_decisions(scheduler))
@@ -233,7 +236,7 @@ def merge_stats(snapshots: list[EngineStats]) -> EngineStats:
     summed = {name: sum(getattr(s, name) for s in snapshots) for name in (
         "num_running", "num_waiting", "waiting_tokens", "kv_num_blocks", "kv_used_blocks",
         "prefix_queries", "prefix_hits", "num_preemptions", "num_priority_preemptions",
-        "batches", "arrivals", "pinned_lookups")}
+        "batches", "arrivals", "deferred_arrivals", "pinned_lookups")}
     return dataclasses.replace(
         first, time=max(s.time for s in snapshots), counters=counters,
         rejections=_summed(s.rejections for s in snapshots),

@@ -114,5 +114,6 @@ def apply_decode_steps(scheduler, seconds: Sequence[float], step_ends: Sequence[
         request.num_computed_tokens = computed + steps
         request.last_token_time = step_ends[-1]
     scheduler.record_steps(len(order), len(order), seconds, step_ends)
+    scheduler.steps_built += steps
     set_time(step_ends[-1])
     return order

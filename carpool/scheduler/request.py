@@ -77,6 +77,10 @@ class Request:
     # its first token was promised at that many slots, so a later cut of the
     # limit does not hold it back (it would break the promise for TPOT's sake).
     slot_limit: int | None = None
+    # The first step (``Scheduler.steps_built`` numbering) it may start in:
+    # admission defers an arrival whose prompt would make the first tokens of
+    # its step mates late (``AdmissionControl._check_shared_step``).
+    earliest_step: int = 0
     # Per-request cap on the request-level batching wait (seconds); None = the knob's.
     max_wait: float | None = None
     # Prefix-cache namespace: blocks are reused only between requests with an

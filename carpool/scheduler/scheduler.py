@@ -72,6 +72,7 @@ class Scheduler:
                                   config.long_prompt_threshold)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.steps_built = 0  # schedule() calls so far: a deferred request counts them
         self.num_preemptions = 0  # every preemption, for blocks or for priority
         self.num_priority_preemptions = 0  # of those, made room for a better-priority request
         # The knobs every step reads; an adaptive controller moves them.
@@ -159,6 +160,7 @@ class Scheduler:
             # would hide a surge behind its own shedding.
             self.controller.observe_arrival(now, request.num_prompt_tokens + request.max_tokens,
                                             request.num_prompt_tokens)
+        self.admission.next_step = self.steps_built + 1
         self.admission.check(request, now, self.waiting, self.running, self._drop_waiting)
         request.status = RequestStatus.WAITING
         if self.controller is not None:
@@ -258,6 +260,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Pick this step's spans; see the module docstring for the order."""
         now = self.clock()
+        self.steps_built += 1
         self._expire_waiting(now)
         self.sessions.expire(now)
         for hook in self.step_hooks:
@@ -455,10 +458,11 @@ class Scheduler:
         return not self.sessions.is_blocked(request)
 
     def _may_start(self, request: Request) -> bool:
-        """Not waiting on an earlier turn of its session and, under static or
-        dynamic batching, a member of the batch in flight (nobody joins it)."""
-        return self._not_session_blocked(request) and (
-            self.gate is None or self.gate.may_start(request))
+        """Not deferred past this step by admission, not waiting on an earlier
+        turn of its session and, under static or dynamic batching, a member
+        of the batch in flight (nobody joins it)."""
+        return (self.steps_built >= request.earliest_step and self._not_session_blocked(request)
+                and (self.gate is None or self.gate.may_start(request)))
 
     def _pick_victim(self) -> Request:
         # Lowest priority (largest value) first, then the latest arrival.

@@ -93,6 +93,9 @@ def engine_families(stats: EngineStats, rates: dict[str, float], model_name: str
     for reason, count in sorted(stats.rejections.items()):
         rejected.add_metric(model + [reason], count)
     yield rejected
+    yield _counter("deferred_arrivals", "Arrivals admitted to start a step later than they "
+                   "could, so as not to make the first tokens of that step's requests late "
+                   "(operator SLO).", model, stats.deferred_arrivals)
     for name, value in rates.items():
         yield _gauge(name, f"{RATE_HELP[name]} Over the last {window_s:g} s.", model, value)
     if cache is not None:
