@@ -51,7 +51,17 @@ def test_each_goal_can_fail():
 
 def test_a_run_on_a_machine_slower_than_its_probe_is_void():
     plain, _ = runs()
+
+    def request(sent, finished, tpot):
+        return {"status": "ok", "sent": sent, "finished": finished, "ttft": 0.2, "tpot": tpot}
+
+    # Calm-1 requests that finished before the surge (at 30 s) within the SLO;
+    # one sent at 29 s decodes through the surge, slowly: it does not count.
+    plain["requests"] = [request(t, t + 5, 0.1) for t in range(0, 24, 2)]
+    plain["requests"].append(request(29, 45, 0.9))
     assert surge_verdict.speed_kept(plain)[1]
-    plain["phases"][0]["tpot"]["p99"] = 0.8  # calm at 0.6x capacity, yet over the 0.3 s target
+    plain["requests"][3]["tpot"] = 0.8  # calm at 0.6x capacity, yet over the 0.3 s target
     text, kept = surge_verdict.speed_kept(plain)
-    assert not kept and "TPOT p99 800 ms" in text
+    assert not kept and "TPOT p99 800 ms" in text and "12 calm-1 requests" in text
+    plain["requests"] = []
+    assert not surge_verdict.speed_kept(plain)[1]
