@@ -3,6 +3,7 @@ fixed rule on surges it did not train on (issue 42, item 3).
 
     python scripts/train_alpha_bandit.py train [--out carpool/scheduler/data/alpha_prior.json]
     python scripts/train_alpha_bandit.py evaluate [--prior FILE]
+    python scripts/train_alpha_bandit.py oracle
 
 Both run carpool's scheduler and adaptive controller on the simulator's
 virtual clock (``carpool.sim.simulate``) with the default cost model (the
@@ -18,6 +19,10 @@ taken from the run's controller), and writes the final table (the prior
 ``evaluate`` runs the rule and the trained bandit on EVAL_SURGES x
 EVAL_SEEDS (other shapes and seeds) and prints goodput (requests within
 both targets per second) side by side, then their ratio over all runs.
+``oracle`` bounds what any alpha policy could gain on those runs: it pins
+alpha at each of FIXED_ALPHAS for the whole run and prints the best of them
+per run (chosen in hindsight, so no policy that keeps alpha fixed can do
+better) against the rule.
 Deterministic: seeded arrivals, virtual time.
 """
 from __future__ import annotations
@@ -42,6 +47,7 @@ TRAIN_SEEDS = (101, 102, 103, 104)
 EVAL_SURGES = ("3x@30+45", "2.5x@20+30")
 EVAL_SEEDS = (1, 2, 3, 4)
 CALM_RATE_SHARE = 0.6
+FIXED_ALPHAS = (1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0)
 
 
 def plan(rate: float, surge: str, seed: int):
@@ -129,9 +135,50 @@ def evaluate(prior_path: Path | None, batching: str, scale: float) -> None:
     print(f"all held-out runs: bandit / rule goodput {totals['bandit'] / totals['rule']:.3f}x")
 
 
+def run_pinned(cost, slo, rate, surge, seed, batching, alpha: float) -> float:
+    """Goodput of one simulated run with alpha held at ``alpha`` throughout."""
+    original_init = alpha_policy.AlphaControl.__init__
+    original_update = alpha_policy.AlphaControl.update
+
+    def pinned_init(self, policy, hold, prior=None):
+        original_init(self, policy, hold, prior)
+        self.value = alpha
+
+    alpha_policy.AlphaControl.__init__ = pinned_init
+    alpha_policy.AlphaControl.update = lambda self, *args, **kwargs: None
+    try:
+        settings = {"adaptive": True, "ttft_target": slo["ttft"], "tpot_target": slo["tpot"],
+                    "alpha_policy": "rule", "batching": batching}
+        config = EngineConfig.from_dict(settings).validate()
+        run = simulate(plan(rate, surge, seed), config, cost, pool_blocks(config, cost, False))
+    finally:
+        alpha_policy.AlphaControl.__init__ = original_init
+        alpha_policy.AlphaControl.update = original_update
+    return phase_summaries(run.records, [], slo)[0]["goodput"]
+
+
+def oracle(batching: str, scale: float) -> None:
+    cost, slo, rate = scenario(batching, scale)
+    print(f"targets {slo}, calm rate {rate:.2f} req/s, {batching}, alphas {FIXED_ALPHAS}")
+    totals = {"rule": 0.0, "best": 0.0}
+    for surge in EVAL_SURGES:
+        for seed in EVAL_SEEDS:
+            rule, _ = run_once(cost, slo, rate, surge, seed, "rule", batching)
+            pinned = {a: run_pinned(cost, slo, rate, surge, seed, batching, a)
+                      for a in FIXED_ALPHAS}
+            best = max(pinned, key=pinned.get)
+            totals["rule"] += rule
+            totals["best"] += pinned[best]
+            row = ", ".join(f"{a:g}: {g:.3f}" for a, g in pinned.items())
+            print(f"oracle {surge} seed {seed}: rule {rule:.3f}/s | pinned {row} | best "
+                  f"alpha {best:g} ({pinned[best] / rule:.3f}x rule)")
+    print(f"all held-out runs: best pinned alpha in hindsight / rule goodput "
+          f"{totals['best'] / totals['rule']:.3f}x")
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("command", choices=("train", "evaluate"))
+    parser.add_argument("command", choices=("train", "evaluate", "oracle"))
     parser.add_argument("--out", type=Path, default=Path("alpha_prior.json"))
     parser.add_argument("--prior", type=Path, default=None,
                         help="evaluate: the trained table (default: none, the untrained bandit)")
@@ -142,6 +189,8 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.command == "train":
         train(args.out, args.batching, args.target_scale)
+    elif args.command == "oracle":
+        oracle(args.batching, args.target_scale)
     else:
         evaluate(args.prior, args.batching, args.target_scale)
     return 0
