@@ -91,7 +91,7 @@ def test_cpu_kernel_long_contexts_run_on_the_thread_team_and_match(dtype, tol):
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_fused_cpu_ops_match_torch(dtype, tol):
-    from carpool.model.llama import RMSNorm
+    from carpool.model.decoder import RMSNorm
 
     ops = load_cpu_ops()
     gen = torch.Generator().manual_seed(1)

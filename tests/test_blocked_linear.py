@@ -42,12 +42,12 @@ def test_block_weights_rewires_every_dense_path(tiny_model_dir):
     dropped); the LM head too. Outputs are unchanged, and so is the KV
     connector's fingerprint of the weights."""
     from carpool.kv_transfer.blocks import weights_fingerprint
-    from carpool.model.llama import LlamaModel
+    from carpool.model.decoder import DecoderModel
     from carpool.model.loader import load_model
     from carpool.model.quant import LowBitDecodeLinear
 
     loaded = load_model(tiny_model_dir)
-    model = LlamaModel(loaded.config, 64)
+    model = DecoderModel(loaded.config, 64)
     model.load_hf_weights(loaded.weights)
     model = model.to(torch.bfloat16).eval()
     layer = model.layers[0]

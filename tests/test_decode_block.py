@@ -1,6 +1,6 @@
 """The fused decode attention op (csrc/decode_block.cpp): rotary, the K/V
 cache write and paged attention of a decode-only step's layer, identical to
-the op-by-op path it replaces (llama.py ``DecoderLayer._attention``)."""
+the op-by-op path it replaces (decoder.py ``DecoderLayer._attention``)."""
 from __future__ import annotations
 
 import pytest
@@ -9,8 +9,8 @@ import torch
 from carpool.model.attention import CpuPagedAttention, SeqSpan, build_metadata
 from carpool.model.config import ModelConfig
 from carpool.model.cpu_kernels import load_cpu_ops
+from carpool.model.decoder import DecoderLayer, Rotary
 from carpool.model.kernel_switch import SwitchingCpuAttention, SwitchingCpuOps
-from carpool.model.llama import DecoderLayer, Rotary
 
 BLOCK, NUM_BLOCKS = 4, 48
 CONFIG = ModelConfig.from_hf_config({
@@ -39,7 +39,7 @@ def _step(spans_spec, dtype):
     meta = build_metadata(spans, BLOCK, torch.device("cpu"))
     tokens = meta.positions.shape[0]
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
-    rope = Rotary(CONFIG, 256).tables(meta.positions, dtype)
+    rope = Rotary.of(CONFIG, 256).tables(meta.positions, dtype)
     return qkv, rope, caches, meta
 
 

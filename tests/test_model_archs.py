@@ -1,23 +1,19 @@
 """Our forward pass vs transformers for each supported architecture variant.
 
 Tiny random models (Llama 3 rope scaling, Llama with attention bias, Qwen2
-with qkv bias, Mistral, untied head) are saved by transformers as HF
+with qkv bias, Mistral, untied head, sliding windows shorter than the
+prompts, Qwen3, Gemma 3) are saved by transformers as HF
 directories, loaded by carpool, and must give the same greedy tokens and
 log-probabilities as transformers' own forward.
 """
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
-from tokenizers import Tokenizer
 
 from carpool import LLM, SamplingParams
+from tests.arch_models import save_random_model
 
-BASE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
-        "rms_norm_eps": 1e-5, "bos_token_id": 1, "eos_token_id": 2}
 VARIANTS = {
     "llama3-rope": ("llama", {"rope_theta": 500000.0, "rope_scaling": {
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -25,24 +21,27 @@ VARIANTS = {
     "llama-bias-untied": ("llama", {"attention_bias": True, "tie_word_embeddings": False}),
     "qwen2": ("qwen2", {"rope_theta": 1000000.0, "tie_word_embeddings": True}),
     "mistral": ("mistral", {"sliding_window": None, "tie_word_embeddings": False}),
+    # Windows shorter than the prompts, so the masks matter (chunks of 16
+    # tokens attend across block boundaries and past the window).
+    "mistral-window": ("mistral", {"sliding_window": 7, "tie_word_embeddings": False}),
+    "qwen2-window": ("qwen2", {"use_sliding_window": True, "sliding_window": 5,
+                               "max_window_layers": 1}),
+    "qwen3": ("qwen3", {"head_dim": 32, "rope_theta": 1000000.0, "tie_word_embeddings": True}),
+    "qwen3-bias-window": ("qwen3", {"head_dim": 16, "attention_bias": True,
+                                    "use_sliding_window": True, "sliding_window": 6,
+                                    "max_window_layers": 1}),
+    "gemma3": ("gemma3_text", {
+        "head_dim": 32, "num_hidden_layers": 3, "sliding_window": 5, "query_pre_attn_scalar": 24,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        "final_logit_softcapping": 3.0, "rope_parameters": {
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 5000.0}}}),
 }
 PROMPTS = ["The quick brown fox", "def add(a, b):\n    return a + b\n" * 3, "café 😀"]
 
 
 def build(tmp_path, tiny_model_dir, model_type: str, extra: dict):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    vocab = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json")).get_vocab_size()
-    config = AutoConfig.for_model(model_type, vocab_size=vocab, **BASE, **extra)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():  # larger weights than HF's init: decisive argmaxes, no near-ties
-        for param in model.parameters():
-            param.normal_(0.0, 0.3)
-    model.save_pretrained(tmp_path, safe_serialization=True)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tiny_model_dir / name, tmp_path / name)
-    return model
+    return save_random_model(tmp_path, tiny_model_dir, model_type, extra)
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))

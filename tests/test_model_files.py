@@ -90,8 +90,8 @@ def test_checkpoint_names_are_the_ones_the_model_loads() -> None:
     """One list of HF names (``hf_names``): the loader's check and the model's
     copy agree, o_proj's bias included (Llama's attention_bias covers it, Qwen2's
     does not; the loader once did not ask for it while the model loaded it)."""
+    from carpool.model.decoder import DecoderModel
     from carpool.model.hf_names import expected_shapes
-    from carpool.model.llama import LlamaModel
 
     small = {**SMOLLM2_CONFIG, "hidden_size": 64, "intermediate_size": 96,
              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -103,7 +103,7 @@ def test_checkpoint_names_are_the_ones_the_model_loads() -> None:
         shapes = expected_shapes(config)
         assert ("model.layers.0.self_attn.o_proj.bias" in shapes) is (arch == "llama")
         weights = {name: torch.randn(shape) for name, shape in shapes.items()}
-        model = LlamaModel(config, max_positions=64)
+        model = DecoderModel(config, max_positions=64)
         model.load_hf_weights(weights)  # every name it takes is one the loader checks
         params = sum(p.numel() for p in model.parameters())
         assert params == sum(w.numel() for w in weights.values())

@@ -93,12 +93,12 @@ def test_packed_model_matches_the_unpacked_one(ops, tiny_model_dir):
     """The tiny model in bf16, packed and not: decode-sized steps' logits
     agree to bf16 rounding through two layers, and every layer and the
     (tied) head got a packed copy of the size `packed_bytes` predicts."""
-    from carpool.model.llama import LlamaModel
+    from carpool.model.decoder import DecoderModel
     from carpool.model.loader import load_model
 
     loaded = load_model(tiny_model_dir)
     config = loaded.config
-    model = LlamaModel(config, 64)
+    model = DecoderModel(config, 64)
     model.load_hf_weights(loaded.weights)
     model = model.to(torch.bfloat16).eval()
     hidden = torch.randn(3, config.hidden_size, generator=torch.Generator().manual_seed(5))

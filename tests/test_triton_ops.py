@@ -1,5 +1,5 @@
 """The fused Triton kernels (RMSNorm, SwiGLU, rotary) against the torch
-reference of ``carpool.model.llama``, in Triton's interpreter without a GPU
+reference of ``carpool.model.layers``, in Triton's interpreter without a GPU
 (conftest.py). float32: within 1e-5 (RMSNorm sums in another order);
 float16: within one fp16 ulp at the values' scale (2e-3 relative)."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 pytest.importorskip("triton")
 
-from carpool.model.llama import RMSNorm, Rotary  # noqa: E402
+from carpool.model.layers import RMSNorm, Rotary  # noqa: E402
 from carpool.model.triton_ops import TritonOps  # noqa: E402
 
 DEVICE = torch.device("cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda")

@@ -152,9 +152,6 @@ class LLMEngine:
         loaded = load_model(settings.model, cache_dir, dtype, tokenizer=settings.tokenizer,
                             chat_template=settings.chat_template)
         max_len = loaded.config.max_position_embeddings
-        if loaded.config.sliding_window:
-            # Windowed attention is not implemented; within the window it is exact.
-            max_len = min(max_len, loaded.config.sliding_window)
         if settings.max_model_len:
             max_len = min(max_len, settings.max_model_len)
         executor = TorchExecutor(loaded.config, loaded.weights, settings, config.cache, max_len,

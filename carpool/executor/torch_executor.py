@@ -24,7 +24,7 @@ from carpool.model import huge_pages
 from carpool.model.attention import SeqSpan
 from carpool.model.backends import select_backend
 from carpool.model.config import ModelConfig
-from carpool.model.llama import LlamaModel
+from carpool.model.decoder import DecoderModel
 from carpool.model.sampler import Sampler, SampleResult
 
 #: KV blocks past ``num_blocks`` that only pad tokens write to.
@@ -136,11 +136,12 @@ class TorchExecutor(Executor):
         self.row_bucket = settings.row_bucket
         # Built on the device: an 8B model's init never runs on the host.
         with torch.device(self.device):
-            self.model = LlamaModel(model_config, max_model_len)
+            self.model = DecoderModel(model_config, max_model_len)
         self.model.load_hf_weights(weights)
         self.model.to(device=self.device, dtype=self.dtype).eval()
         # Rotary tables stay fp32 whatever the weights' dtype.
-        self.model.rotary.float()
+        for rotary in self.model.rotaries():
+            rotary.float()
         self.cpu_ops = None
         if self.device.type == "cpu" and settings.attention_backend in ("auto", "cpu"):
             from carpool.model.cpu_kernels import load_cpu_ops
@@ -149,7 +150,8 @@ class TorchExecutor(Executor):
         if settings.quantization is not None:
             self._quantize_for_decode(settings.quantization)
         self.attention = select_backend(settings.attention_backend, self.device, self.cpu_ops,
-                                        model_config.head_dim)
+                                        model_config.head_dim,
+                                        sliding=model_config.sliding_window is not None)
         self.model.ops = self.cpu_ops
         self._pack_for_decode(settings.packed_decode)
         self._block_weights(settings.blocked_weights)

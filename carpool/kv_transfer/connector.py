@@ -94,7 +94,7 @@ class StoreConnector:
         timeout, not one per admission: lookups run on the engine thread).
         ``handoff_wait_s``: how long a P/D decode part waits for its prefill
         part's blocks before computing the missing ones itself (the prefill
-        replica died mid-transfer). ``model``: the ``LlamaModel`` whose
+        replica died mid-transfer). ``model``: the ``DecoderModel`` whose
         ``after_layer`` hook streams a P/D prefill's blocks layer by layer
         (None: they go out whole after each step)."""
         self.handoff_wait_s = handoff_wait_s

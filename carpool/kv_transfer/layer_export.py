@@ -7,7 +7,7 @@ of a one-layer ``BlockLayout`` under ``layer_hash(block hash, layer)``:
 the reader refuses a part of another block, layer, model or layout). The
 engine tells the exporter which blocks a step fills up (``begin``); the
 model calls ``layer_done(i)`` as soon as layer ``i``'s KV is in the cache
-(``LlamaModel.after_layer``), which copies that layer of those blocks out
+(``DecoderModel.after_layer``), which copies that layer of those blocks out
 on the engine thread (a gather of a few KB per block) and queues the
 put on the connector's I/O thread: the bytes travel while layers
 ``i + 1 ..`` compute. ``end`` marks the end of the forward; each step's

@@ -55,6 +55,31 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None = None  # [B]
     prefills: list[PrefillChunk] = field(default_factory=list)
     extend: Any = None  # the Triton backend's packed prefill chunks (triton_attention.py)
+    # Masks of sliding-window layers, by window: built by the first such
+    # layer of the step, shared by the rest (``decode_window_mask``).
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+def decode_window_mask(meta: AttentionMetadata, window: int) -> torch.Tensor:
+    """The decodes' mask for a layer that sees the last ``window`` positions
+    (its own included: a key at ``p`` counts for the query at ``q`` iff
+    ``q - window < p <= q``, transformers' sliding window)."""
+    mask = meta.window_masks.get(window)
+    if mask is None:
+        padded_len = meta.decode_mask.shape[1]
+        first = (meta.decode_context_lens - window)[:, None]  # the query is at len - 1
+        mask = meta.decode_mask & (torch.arange(padded_len, device=first.device)[None, :] >= first)
+        meta.window_masks[window] = mask
+    return mask
+
+
+def prefill_window_mask(chunk: PrefillChunk, window: int) -> torch.Tensor:
+    """A prefill chunk's causal mask, narrowed to each query's window."""
+    start = chunk.context_len - chunk.q_len
+    device = chunk.gather_offsets.device
+    keys = torch.arange(chunk.context_len, device=device)[None, :]
+    queries = torch.arange(start, chunk.context_len, device=device)[:, None]
+    return (keys <= queries) & (keys > queries - window)
 
 
 def build_metadata(spans: Sequence[SeqSpan], block_size: int,
@@ -150,21 +175,28 @@ class TorchAttention:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float) -> torch.Tensor:
+                scale: float, window: int | None = None) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KVH, D]; caches as in the module docstring.
-        Writes the new K/V into the caches, returns [T, H, D]."""
+        Writes the new K/V into the caches, returns [T, H, D]. ``window``:
+        a sliding-window layer's (every position is kept in the cache, so
+        prefix reuse and KV transfer stay exact; only the mask narrows),
+        which this portable path serves for every backend."""
         # Every new K/V is written before any attention, so a chunk can
         # attend to tokens written in this very step. (Advanced indices split
         # by a slice put the token dimension first: [T, KVH, D] on both sides.)
         k_cache[:, meta.slot_blocks, :, meta.slot_offsets] = k
         v_cache[:, meta.slot_blocks, meta.slot_offsets, :] = v.transpose(0, 1)
         out = torch.empty_like(q)
-        if meta.num_decodes:
-            out[:meta.num_decodes] = self._decode(q[:meta.num_decodes], k_cache, v_cache, meta,
-                                                  scale)
+        decodes = slice(0, meta.num_decodes)
+        if meta.num_decodes and window is None:
+            out[decodes] = self._decode(q[decodes], k_cache, v_cache, meta, scale)
+        elif meta.num_decodes:
+            out[decodes] = TorchAttention._masked_decode(
+                self, q[decodes], k_cache, v_cache, meta, scale, decode_window_mask(meta, window))
         for chunk in meta.prefills:
             rows = slice(chunk.q_start, chunk.q_start + chunk.q_len)
-            out[rows] = self._prefill(q[rows], k_cache, v_cache, chunk, scale)
+            mask = chunk.causal_mask if window is None else prefill_window_mask(chunk, window)
+            out[rows] = self._prefill(q[rows], k_cache, v_cache, chunk, scale, mask)
         return out
 
     @staticmethod
@@ -187,26 +219,36 @@ class TorchAttention:
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return TorchAttention._masked_decode(self, q, k_cache, v_cache, meta, scale,
+                                             meta.decode_mask)
+
+    def _masked_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       meta: AttentionMetadata, scale: float,
+                       mask: torch.Tensor) -> torch.Tensor:
+        """Decodes attending where ``mask`` [B, padded context] is True."""
         batch, num_heads, head_dim = q.shape
         num_kv = k_cache.shape[0]
         keys, values = self._gather(k_cache, v_cache, meta)
         # [KVH, B, G, D]: the G query heads sharing a KV head are one matrix.
         queries = q.view(batch, num_kv, num_heads // num_kv, head_dim).transpose(0, 1)
         scores = torch.matmul(queries, keys.transpose(2, 3)).float() * scale  # [KVH, B, G, L]
-        scores.masked_fill_(~meta.decode_mask[None, :, None, :], float("-inf"))
+        scores.masked_fill_(~mask[None, :, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
         out = torch.matmul(probs, values)  # [KVH, B, G, D]
         return out.transpose(0, 1).reshape(batch, num_heads, head_dim)
 
     def _prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 chunk: PrefillChunk, scale: float) -> torch.Tensor:
+                 chunk: PrefillChunk, scale: float,
+                 mask: torch.Tensor | None) -> torch.Tensor:
+        """One chunk over its context; ``mask`` [Q, context] (None: causal
+        over a context that is the chunk itself)."""
         blocks, offsets = chunk.gather_blocks, chunk.gather_offsets
         keys = k_cache[:, blocks, :, offsets].transpose(0, 1)[None]  # [1, KVH, L, D]
         values = v_cache[:, blocks, offsets, :][None]
         queries = q.transpose(0, 1)[None]  # [1, H, Q, D]
         out = F.scaled_dot_product_attention(
-            queries, keys, values, attn_mask=chunk.causal_mask,
-            is_causal=chunk.causal_mask is None, scale=scale, enable_gqa=True)
+            queries, keys, values, attn_mask=mask, is_causal=mask is None, scale=scale,
+            enable_gqa=True)
         return out[0].transpose(0, 1)
 
 

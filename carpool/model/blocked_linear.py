@@ -84,7 +84,7 @@ def _dense_of(module: nn.Module) -> nn.Module:
 
 
 def block_weights(model: nn.Module) -> int:
-    """Put every dense linear path of ``model`` (a bf16 ``LlamaModel``) on
+    """Put every dense linear path of ``model`` (a bf16 ``DecoderModel``) on
     blocked weights; returns the bytes of blocked weights made."""
     made = 0
     for layer in model.layers:

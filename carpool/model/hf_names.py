@@ -1,4 +1,4 @@
-"""The Hugging Face tensor names of a Llama-family checkpoint, in one place:
+"""The Hugging Face tensor names of a decoder checkpoint, in one place:
 the loader checks a checkpoint against ``expected_shapes`` and the model
 copies its weights in by ``layer_names``, so the two cannot disagree (they
 once did about o_proj's bias). Plain Python: no torch."""
@@ -24,7 +24,12 @@ def layer_names(index: int) -> dict[str, str]:
     names.update({f"{p}_bias": f"{attn}{p}_proj.bias" for p in "qkvo"})
     names.update({p: f"{mlp}{p}_proj.weight" for p in ("gate", "up", "down")})
     names["input_norm"] = prefix + "input_layernorm.weight"
+    # Llama's norm before the MLP; with sandwich norms (Gemma) the one on
+    # the attention's output, and the MLP's own norms are the two after.
     names["post_norm"] = prefix + "post_attention_layernorm.weight"
+    names["pre_ff_norm"] = prefix + "pre_feedforward_layernorm.weight"
+    names["post_ff_norm"] = prefix + "post_feedforward_layernorm.weight"
+    names["q_norm"], names["k_norm"] = attn + "q_norm.weight", attn + "k_norm.weight"
     return names
 
 
@@ -46,6 +51,10 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             n["up"]: (c.intermediate_size, c.hidden_size),
             n["down"]: (c.hidden_size, c.intermediate_size),
         })
+        if c.qk_norm:
+            shapes.update({n["q_norm"]: (c.head_dim,), n["k_norm"]: (c.head_dim,)})
+        if c.sandwich_norms:
+            shapes.update({n["pre_ff_norm"]: (c.hidden_size,), n["post_ff_norm"]: (c.hidden_size,)})
         if c.attention_bias:
             shapes.update({n["q_bias"]: (q,), n["k_bias"]: (kv,), n["v_bias"]: (kv,)})
         if o_proj_has_bias(c):

@@ -1,7 +1,7 @@
 """Serving while the C++ CPU kernels compile: the portable path first, the
 kernels from the first step after they are built.
 
-`SwitchingCpuOps` stands where the compiled module would (``LlamaModel.ops``
+`SwitchingCpuOps` stands where the compiled module would (``DecoderModel.ops``
 and the attention backend's kernel); `SwitchingCpuAttention` is the CPU
 attention backend over it. The switch happens in ``build_metadata``, which
 the executor calls once at the start of every step, before any layer runs:
@@ -29,7 +29,7 @@ class SwitchingCpuOps:
 
     ``build``: a ``carpool.model.cpu_kernels.KernelBuild`` (``done()``,
     ``module``, ``started``). Before the switch its ops compute exactly what
-    the model computes with no ops at all (``llama.py``'s portable path).
+    the model computes with no ops at all (``decoder.py``'s portable path).
     Used by one thread (the engine's).
     """
 

@@ -56,7 +56,7 @@ class PackedDecodeLinear(nn.Module):
         super().__init__()
         self.weight, self.bias, self.kernels, self.max_rows = weight, bias, kernels, max_rows
         self.dense = PlainLinear(weight, bias)  # larger steps (blocked_linear.py may swap it)
-        # The model's StepKind (llama.py): the kernel on decode-only steps
+        # The model's StepKind (layers.py): the kernel on decode-only steps
         # only; None: on any step of up to max_rows rows.
         self.step_kind = step_kind
         self.register_buffer("packed", pack_weight(weight), persistent=False)
@@ -75,7 +75,7 @@ class PackedDecodeLinear(nn.Module):
 
 
 def pack_for_decode(model: nn.Module, kernels) -> int:  # noqa: ANN001
-    """Give ``model`` (a bf16 ``LlamaModel``) packed decode copies of every
+    """Give ``model`` (a bf16 ``DecoderModel``) packed decode copies of every
     plain decoder linear layer and of its LM head (unless quantization
     already replaced them); returns the bytes the copies take."""
     added = 0

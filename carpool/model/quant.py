@@ -72,7 +72,7 @@ class LowBitDecodeLinear(nn.Module):
         """``kernels``: our compiled CPU ops (or a ``SwitchingCpuOps``) for
         INT4 in our own layout (``pack_int4``); None: ATen's kernels.
         ``step_kind``: the model's ``StepKind``: low-bit weights on
-        decode-only steps only (see llama.py); None: on any small step."""
+        decode-only steps only (see layers.py); None: on any small step."""
         super().__init__()
         self.weight, self.bias, self.scheme, self.max_rows = weight, bias, scheme, max_rows
         self.dense = PlainLinear(weight, bias)  # larger steps (blocked_linear.py may swap it)
@@ -156,7 +156,7 @@ def low_bit_unavailable(scheme: str, device: torch.device) -> str | None:
 
 def quantize_for_decode(model: nn.Module, scheme: str, max_rows: int = LOW_BIT_MAX_ROWS,
                         kernels=None) -> int:  # noqa: ANN001
-    """Give ``model`` (a ``LlamaModel``) low-bit decode copies of every
+    """Give ``model`` (a ``DecoderModel``) low-bit decode copies of every
     decoder linear layer and of the LM head; returns the bytes they take.
     An INT4 layer whose inputs are not a multiple of the group stays bf16.
     Under INT4 the LM head is INT8, as llama.cpp's Q4 files keep their

@@ -126,9 +126,12 @@ class TritonAttention(TorchAttention):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float) -> torch.Tensor:
+                scale: float, window: int | None = None) -> torch.Tensor:
         """As ``TorchAttention.forward``: new K/V written first, then every
-        decode and chunk attends over its blocks."""
+        decode and chunk attends over its blocks. No sliding windows:
+        ``select_backend`` keeps models with them off this backend."""
+        if window is not None:
+            raise ValueError("the Triton attention backend has no sliding-window layers")
         self.store_kv(k, v, k_cache, v_cache, meta.slot_blocks, meta.slot_offsets)
         out = torch.empty_like(q)
         if meta.num_decodes:

@@ -67,7 +67,7 @@ def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, stride_xt, stride_xh, strid
 
 
 class TritonOps:
-    """The decoder layer's fused kernels on a GPU (``LlamaModel.ops``)."""
+    """The decoder layer's fused kernels on a GPU (``DecoderModel.ops``)."""
 
     @staticmethod
     def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

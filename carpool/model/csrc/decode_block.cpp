@@ -7,7 +7,7 @@
 // ~5 us of dispatch each: ~4 ms of a one-sequence decode token of the
 // default model (30 layers), as much as its attention and norms together.
 //
-// The arithmetic is the portable path's op for op (llama.py `Rotary.apply`:
+// The arithmetic is the portable path's op for op (layers.py `Rotary.apply`:
 // each product and sum rounded to the storage dtype, as torch's elementwise
 // ops do), so outputs are identical to it, not merely close.
 #include <torch/extension.h>

@@ -1,15 +1,17 @@
-"""Our Llama-family decoder (Llama 2/3, Qwen2, Mistral, SmolLM2) over a
-ragged token batch and a paged KV cache.
+"""Our decoder (every family of carpool/model/arch/) over a ragged token batch
+and a paged KV cache.
 
-RMSNorm, rotary embeddings (with Llama 3 / linear rope scaling), grouped
-query attention, SwiGLU, tied or untied LM head, optional qkv bias (Qwen2).
-q/k/v and gate/up projections are fused into one matmul each at load time.
+One layer shape with the parts families differ by, chosen by
+``ModelConfig``: grouped-query attention with optional qkv bias (Qwen2),
+q/k norms per head (Qwen3, Gemma 3), sliding-window layers with their own
+rope (Gemma 3, Mistral), a gated MLP with SiLU or tanh-GELU, Llama's
+pre-norms or Gemma's sandwich norms, scaled embeddings, a tied or untied
+LM head and a final logit soft-cap. q/k/v and gate/up projections are fused
+into one matmul each at load time.
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -18,92 +20,13 @@ from torch import nn
 from carpool.model.attention import AttentionMetadata, TorchAttention
 from carpool.model.config import ModelConfig
 from carpool.model.hf_names import EMBED_TOKENS, FINAL_NORM, LM_HEAD, layer_names, o_proj_has_bias
+from carpool.model.layers import RMSNorm, Rotary, StepKind
 
-
-@dataclass
-class StepKind:
-    """What the step now running is, set by ``LlamaModel.forward`` before
-    its first layer and read by the decode-only linear layers (packed bf16,
-    INT8/INT4: carpool/model/packed_linear.py, quant.py).
-
-    Why only decode-only steps: their kernels round differently from the
-    bf16 matrix kernel, and a prefill's rows depend on how much of the
-    prompt the prefix cache already held. Were short prefills to take
-    the other kernel, one seeded request would sample differently the
-    second time it came. (A prefill gains nothing from them anyway: they
-    win only up to a few rows.)"""
-
-    decode_only: bool = False
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor, ops=None) -> torch.Tensor:  # noqa: ANN001
-        if ops is not None:
-            return ops.rms_norm(x, self.weight, self.eps)
-        # Normalise in fp32 and cast back before the weight, as the reference does.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
-
-
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse rotary frequencies, with the model's rope scaling applied."""
-    dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-    scaling = config.rope_scaling or {}
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind == "default":
-        return inv_freq.float()
-    if kind == "linear":
-        return (inv_freq / scaling["factor"]).float()
-    if kind == "llama3":
-        return _llama3_inv_freq(inv_freq, scaling).float()
-    raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3)")
-
-
-def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
-    # Long wavelengths are slowed by `factor`, short ones kept, and the band
-    # between is interpolated smoothly (Llama 3.1's recipe).
-    factor = scaling["factor"]
-    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
-    old_len = scaling.get("original_max_position_embeddings", 8192)
-    wavelen = 2 * math.pi / inv_freq
-    low_wavelen, high_wavelen = old_len / low, old_len / high
-    smooth = (old_len / wavelen - low) / (high - low)
-    interpolated = (1 - smooth) * inv_freq / factor + smooth * inv_freq
-    out = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-    middle = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return torch.where(middle, interpolated, out)
-
-
-class Rotary(nn.Module):
-    def __init__(self, config: ModelConfig, max_positions: int) -> None:
-        super().__init__()
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), rope_inv_freq(config))
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
-
-    def tables(self, positions: torch.Tensor,
-               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin for the step's positions, [T, 1, D/2]; built once per step."""
-        return (self.cos[positions][:, None, :].to(dtype),
-                self.sin[positions][:, None, :].to(dtype))
-
-    @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: [T, heads, D] rotated by the half-split convention."""
-        half = x.shape[-1] // 2
-        x1, x2 = x[..., :half], x[..., half:]
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+__all__ = ["DecoderLayer", "DecoderModel", "RMSNorm", "Rotary", "StepKind"]
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, index: int = 0) -> None:
         super().__init__()
         c = config
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
@@ -114,9 +37,20 @@ class DecoderLayer(nn.Module):
         self.o_proj = nn.Linear(self.q_size, c.hidden_size, bias=o_proj_has_bias(c))
         self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.scale = c.head_dim ** -0.5
+        norm = lambda size: RMSNorm(size, c.rms_norm_eps, c.norm_style)  # noqa: E731
+        self.input_layernorm = norm(c.hidden_size)
+        self.post_attention_layernorm = norm(c.hidden_size)
+        # Sandwich norms (Gemma): post_attention_layernorm normalises the
+        # attention's output; the MLP has a norm before and one after.
+        self.sandwich = c.sandwich_norms
+        self.pre_feedforward_layernorm = norm(c.hidden_size) if c.sandwich_norms else None
+        self.post_feedforward_layernorm = norm(c.hidden_size) if c.sandwich_norms else None
+        self.q_norm = norm(c.head_dim) if c.qk_norm else None
+        self.k_norm = norm(c.head_dim) if c.qk_norm else None
+        self.gelu = c.hidden_act == "gelu_tanh"
+        self.window = c.window_of(index)
+        self.local_rope = self.window is not None and c.local_rope_theta is not None
+        self.scale = c.scale
 
     def forward(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata, kv: tuple[torch.Tensor, torch.Tensor],
@@ -124,25 +58,48 @@ class DecoderLayer(nn.Module):
         """``ops``: fused kernels (RMSNorm, SwiGLU; rotary where they have it):
         our compiled CPU kernels or the Triton ones on a GPU; or None."""
         # ``hidden`` may hold pad rows past the step's tokens (see
-        # ``LlamaModel.forward``); every op but attention is row by row, so
+        # ``DecoderModel.forward``); every op but attention is row by row, so
         # they never touch a real row, and attention sees only real ones.
         rows, tokens = hidden.shape[0], meta.positions.shape[0]
         qkv = self.qkv_proj(self.input_layernorm(hidden, ops))[:tokens]
+        if self.q_norm is not None:
+            qkv = self._norm_qk(qkv, ops)
         # A backend with a fused decode op does rotary, the cache write and
-        # attention in one call (decode-only steps); None: op by op below.
-        attn = attention.decode_block(qkv, rope, kv, meta, self.num_heads, self.num_kv_heads,
-                                      self.scale)
+        # attention in one call (decode-only steps, whole-context layers);
+        # None: op by op below.
+        attn = None
+        if self.window is None:
+            attn = attention.decode_block(qkv, rope, kv, meta, self.num_heads,
+                                          self.num_kv_heads, self.scale)
         if attn is None:
             attn = self._attention(qkv, rope, kv, meta, attention, ops)
         if rows > tokens:
             attn = F.pad(attn, (0, 0, 0, rows - tokens))
+        if self.sandwich:
+            hidden = hidden + self.post_attention_layernorm(self.o_proj(attn), ops)
+            out = self._mlp(self.pre_feedforward_layernorm(hidden, ops), ops)
+            return hidden + self.post_feedforward_layernorm(out, ops)
         hidden = hidden + self.o_proj(attn)
-        gate_up = self.gate_up_proj(self.post_attention_layernorm(hidden, ops))
-        if ops is not None:
-            return hidden + self.down_proj(ops.silu_and_mul(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return hidden + self.down_proj(F.silu(gate) * up)
+        return hidden + self._mlp(self.post_attention_layernorm(hidden, ops), ops)
 
+    def _mlp(self, x: torch.Tensor, ops) -> torch.Tensor:  # noqa: ANN001
+        gate_up = self.gate_up_proj(x)
+        if self.gelu:
+            gate, up = gate_up.chunk(2, dim=-1)
+            return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        if ops is not None:
+            return self.down_proj(ops.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+    def _norm_qk(self, qkv: torch.Tensor, ops) -> torch.Tensor:  # noqa: ANN001
+        """q and k normalised head by head (before rotary, as Qwen3 and
+        Gemma 3 do); v as it was."""
+        tokens = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.q_norm(q.reshape(tokens * self.num_heads, self.head_dim), ops)
+        k = self.k_norm(k.reshape(tokens * self.num_kv_heads, self.head_dim), ops)
+        return torch.cat([q.view(tokens, -1), k.view(tokens, -1), v], dim=-1)
 
     def _attention(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                    kv: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
@@ -154,20 +111,23 @@ class DecoderLayer(nn.Module):
         q = rotate(q.view(tokens, self.num_heads, self.head_dim), *rope)
         k = rotate(k.view(tokens, self.num_kv_heads, self.head_dim), *rope)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        attn = attention.forward(q, k, v, kv[0], kv[1], meta, self.scale)
+        attn = attention.forward(q, k, v, kv[0], kv[1], meta, self.scale, self.window)
         return attn.reshape(tokens, self.q_size)
 
 
-class LlamaModel(nn.Module):
+class DecoderModel(nn.Module):
     """Forward over a flattened ragged batch; logits only where sampled."""
 
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary = Rotary(config, max_positions)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_style)
+        self.rotary = Rotary.of(config, max_positions)
+        # The sliding layers' own rope (Gemma 3), or None: one rope for all.
+        self.local_rotary = (Rotary.of(config, max_positions, local=True)
+                             if any(layer.local_rope for layer in self.layers) else None)
         self.lm_head = (None if config.tie_word_embeddings
                         else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
         self.ops = None  # fused kernels (CPU or Triton), set by the executor when available
@@ -178,6 +138,15 @@ class LlamaModel(nn.Module):
         # cache (a P/D prefill streams it out: carpool/kv_transfer/layer_export.py).
         self.after_layer: Callable[[int], None] | None = None
 
+    def rotaries(self) -> list[Rotary]:
+        return [self.rotary] + ([self.local_rotary] if self.local_rotary is not None else [])
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        if self.config.embed_scale is not None:  # in the weights' dtype, as Gemma's reference
+            hidden = hidden * torch.tensor(self.config.embed_scale, dtype=hidden.dtype)
+        return hidden
+
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 attention: TorchAttention) -> torch.Tensor:
@@ -187,11 +156,14 @@ class LlamaModel(nn.Module):
         ``carpool.executor.shapes.padded_rows``) and nothing else reads.
         Returns final hidden states [T, hidden] (pre-norm)."""
         self.step_kind.decode_only = not meta.prefills
-        hidden = self.embed_tokens(input_ids)
+        hidden = self.embed(input_ids)
         rope = self.rotary.tables(meta.positions, hidden.dtype)
+        local_rope = (None if self.local_rotary is None
+                      else self.local_rotary.tables(meta.positions, hidden.dtype))
         after_layer = self.after_layer
         for index, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
-            hidden = layer(hidden, rope, meta, kv, attention, self.ops)
+            hidden = layer(hidden, local_rope if layer.local_rope else rope, meta, kv,
+                           attention, self.ops)
             if after_layer is not None:  # layer ``index``'s KV of this step is written
                 after_layer(index)
         return hidden[:meta.positions.shape[0]]
@@ -201,9 +173,14 @@ class LlamaModel(nn.Module):
         sampler widens what it needs (an all-greedy batch needs nothing)."""
         normed = self.norm(hidden, self.ops)
         if self.head is not None:
-            return self.head(normed)
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(normed, weight)
+            logits = self.head(normed)
+        else:
+            weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+            logits = F.linear(normed, weight)
+        cap = self.config.final_logit_softcap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     @torch.no_grad()
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
@@ -228,5 +205,10 @@ class LlamaModel(nn.Module):
                 layer.o_proj.bias.copy_(take(n["o_bias"]))
             layer.gate_up_proj.weight.copy_(torch.cat([take(n["gate"]), take(n["up"])]))
             layer.down_proj.weight.copy_(take(n["down"]))
-            layer.input_layernorm.weight.copy_(take(n["input_norm"]))
-            layer.post_attention_layernorm.weight.copy_(take(n["post_norm"]))
+            for role, norm in (("input_norm", layer.input_layernorm),
+                               ("post_norm", layer.post_attention_layernorm),
+                               ("pre_ff_norm", layer.pre_feedforward_layernorm),
+                               ("post_ff_norm", layer.post_feedforward_layernorm),
+                               ("q_norm", layer.q_norm), ("k_norm", layer.k_norm)):
+                if norm is not None:
+                    norm.weight.copy_(take(n[role]))
