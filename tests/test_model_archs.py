@@ -36,6 +36,14 @@ VARIANTS = {
         "final_logit_softcapping": 3.0, "rope_parameters": {
             "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100000.0},
             "sliding_attention": {"rope_type": "default", "rope_theta": 5000.0}}}),
+    "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2,
+                            "tie_word_embeddings": False}),
+    "qwen3-moe": ("qwen3_moe", {"head_dim": 16, "num_hidden_layers": 3, "num_experts": 6,
+                                "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                "mlp_only_layers": [1], "norm_topk_prob": True}),
+    "qwen3-moe-unnormed": ("qwen3_moe", {"head_dim": 16, "num_experts": 4,
+                                         "num_experts_per_tok": 3, "moe_intermediate_size": 24,
+                                         "norm_topk_prob": False}),
 }
 PROMPTS = ["The quick brown fox", "def add(a, b):\n    return a + b\n" * 3, "café 😀"]
 

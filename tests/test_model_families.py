@@ -1,9 +1,11 @@
-"""The families beyond Llama (Qwen3, Gemma 3; sliding windows) through the
+"""The families beyond Llama (Qwen3, Gemma 3, Mixtral, Qwen3-MoE; sliding
+windows) through the
 whole engine: greedy tokens identical to transformers' ``generate`` in fp32
 on random configs whose sizes hypothesis picks, batched with ragged prompts
 and chunked prefill; a prefix-cache hit whose blocks a sliding-window layer
-reads; preemption; a prefill/decode split through the KV store; and bf16
-logits within a stated tolerance."""
+reads; preemption; a prefill/decode split through the KV store; tokens of
+one batch routed to different experts, counted on /metrics; and bf16 logits
+within a stated tolerance."""
 from __future__ import annotations
 
 import tempfile
@@ -46,10 +48,18 @@ def family_configs(draw):
     head_dim = draw(st.sampled_from([8, 16, 32]))
     layers = draw(st.integers(1, 3))
     window = draw(st.integers(2, 20))
-    model_type = draw(st.sampled_from(["qwen3", "gemma3_text"]))
+    model_type = draw(st.sampled_from(["qwen3", "gemma3_text", "mixtral", "qwen3_moe"]))
     extra = {"num_attention_heads": heads, "num_key_value_heads": kv_heads,
              "head_dim": head_dim, "num_hidden_layers": layers, "hidden_size": 48}
-    if model_type == "qwen3":
+    if model_type in ("mixtral", "qwen3_moe"):
+        experts = draw(st.integers(2, 8))
+        extra.update(num_local_experts=experts, num_experts=experts,
+                     num_experts_per_tok=draw(st.integers(1, min(4, experts))),
+                     moe_intermediate_size=draw(st.sampled_from([16, 40])),
+                     norm_topk_prob=draw(st.booleans()))
+        if model_type == "qwen3_moe":
+            extra["mlp_only_layers"] = draw(st.lists(st.integers(0, layers - 1), max_size=1))
+    elif model_type == "qwen3":
         extra.update(use_sliding_window=draw(st.booleans()), sliding_window=window,
                      max_window_layers=draw(st.integers(0, layers)))
     else:
@@ -60,7 +70,7 @@ def family_configs(draw):
     return model_type, extra
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(family_configs())
 def test_greedy_tokens_match_transformers_generate(tiny_model_dir, family):
     model_type, extra = family
@@ -164,3 +174,29 @@ def test_bf16_logits_stay_close_to_transformers_fp32(tmp_path, tiny_model_dir, m
         assert len(top) == 5
         for token_id, logprob in top:
             assert logprob == pytest.approx(want[token_id].item(), abs=0.1)
+
+
+def test_tokens_of_one_batch_go_to_different_experts_and_metrics_count_them(
+        tmp_path, tiny_model_dir):
+    from prometheus_client import generate_latest
+
+    from carpool.server.metrics import Metrics
+
+    reference = save_random_model(tmp_path, tiny_model_dir, "qwen3_moe", {
+        "head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32, "norm_topk_prob": True})
+    llm = LLM(str(tmp_path), dtype="float32")
+    outs = llm.generate(PROMPTS, GREEDY_LP)
+    for out in outs:
+        assert_says_what_transformers_says(reference, out)
+    stats = llm.engine.stats()
+    layers, top_k = 2, 2
+    computed = stats.counters.computed_tokens
+    assert sum(stats.expert_tokens) == computed * layers * top_k
+    assert sum(1 for n in stats.expert_tokens if n) > 1, stats.expert_tokens
+    assert 1.0 <= stats.expert_imbalance <= 8 / top_k
+    text = generate_latest(Metrics("m", lambda: stats).registry).decode()
+    for expert, count in enumerate(stats.expert_tokens):
+        assert f'carpool:moe_expert_tokens_total{{expert="{expert}",model_name="m"}} {float(count)}' \
+            in text
+    assert "carpool:moe_expert_imbalance{" in text

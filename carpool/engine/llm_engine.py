@@ -426,8 +426,10 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         """A snapshot for metrics; call it from the thread that steps the engine."""
-        return engine_stats(self.scheduler, self.counters, self.clock(), self.config.scheduler,
-                            self.slo)
+        stats = engine_stats(self.scheduler, self.counters, self.clock(),
+                             self.config.scheduler, self.slo)
+        load = getattr(self.executor, "expert_load", None)
+        return stats if load is None else dataclasses.replace(stats, **load.stats_fields())
 
     def _batch_items(self, spans: Sequence[ScheduledSpan]) -> list[BatchItem]:
         """The executor's items for a step's spans, as ``batch_items`` makes

@@ -115,6 +115,12 @@ class EngineStats:
     # and the first admissions checked against them (the hit rate's base).
     pinned: tuple[PinStats, ...] = ()
     pinned_lookups: int = 0
+    # Mixture-of-experts models (``carpool.executor.expert_load``): the
+    # (token, expert) pairs each expert took, over MoE layers and steps,
+    # and the busiest expert over the mean per expert (last step; mean).
+    expert_tokens: tuple[int, ...] = ()
+    expert_imbalance: float = 0.0
+    expert_imbalance_mean: float = 0.0
 
     @property
     def kv_usage(self) -> float:
@@ -244,7 +250,16 @@ def merge_stats(snapshots: list[EngineStats]) -> EngineStats:
         decision_counts=_summed(s.decision_counts for s in snapshots),
         kv_store=_summed_store(s.kv_store for s in snapshots),
         degrade_stage=max(s.degrade_stage for s in snapshots),
-        pinned=merge_pin_stats(s.pinned for s in snapshots), **summed)
+        pinned=merge_pin_stats(s.pinned for s in snapshots),
+        expert_tokens=_summed_experts(s.expert_tokens for s in snapshots),
+        expert_imbalance=max(s.expert_imbalance for s in snapshots),
+        expert_imbalance_mean=max(s.expert_imbalance_mean for s in snapshots), **summed)
+
+
+def _summed_experts(groups) -> tuple[int, ...]:  # noqa: ANN001
+    """Replicas' expert token counts, expert by expert (replicas of one model)."""
+    groups = [g for g in groups if g]
+    return tuple(sum(column) for column in zip(*groups)) if groups else ()
 
 
 def merge_pin_stats(groups) -> tuple[PinStats, ...]:

@@ -19,6 +19,7 @@ import torch
 from carpool.config import CacheConfig, ModelSettings, capture_sizes, parse_size
 from carpool.executor.base import BatchItem, Executor, Padding
 from carpool.executor.cuda_graphs import CudaGraph, DecodeGraphs
+from carpool.executor.expert_load import ExpertLoad
 from carpool.executor.shapes import padded_rows
 from carpool.model import huge_pages
 from carpool.model.attention import SeqSpan
@@ -170,6 +171,8 @@ class TorchExecutor(Executor):
         self.sampler = Sampler(model_config.vocab_size)
         if self.cpu_ops is not None and self.device.type == "cpu":
             self.sampler.row_argmax = self.cpu_ops.row_argmax
+        moe_blocks = [layer.moe for layer in self.model.layers if layer.moe is not None]
+        self.expert_load = ExpertLoad(moe_blocks) if moe_blocks else None
         self.graphs = self._capture_graphs(settings, max_model_len, max_num_seqs, graph_type)
 
     def _cache_tensor(self, shape: tuple[int, ...]) -> torch.Tensor:
@@ -186,6 +189,8 @@ class TorchExecutor(Executor):
         if graph_type is None and self.device.type == "cuda" and not settings.enforce_eager:
             graph_type = CudaGraph
         if graph_type is None or not self.attention.graph_safe:
+            return None
+        if self.expert_load is not None:  # expert GEMMs are sized by each step's routing
             return None
 
         def forward(ids: torch.Tensor, meta) -> torch.Tensor:  # noqa: ANN001
@@ -301,6 +306,8 @@ class TorchExecutor(Executor):
             hidden = self.graphs.replay(ids, meta, len(items))
         else:
             hidden = self.model(ids, meta, self.kv_caches, self.attention)
+        if self.expert_load is not None:
+            self.expert_load.record()
         if not sampled_items:
             return list
         # The LM head's rows are bucketed too: the last sampled row repeated.

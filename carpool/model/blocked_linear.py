@@ -68,7 +68,6 @@ def blocked_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
     return None
 
 
-_LAYER_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 def _dense_of(module: nn.Module) -> nn.Module:
@@ -88,7 +87,7 @@ def block_weights(model: nn.Module) -> int:
     blocked weights; returns the bytes of blocked weights made."""
     made = 0
     for layer in model.layers:
-        for name in _LAYER_LINEARS:
+        for name in layer.linear_names():
             replacement = _dense_of(getattr(layer, name))
             setattr(layer, name, replacement)
             made += _blocked_bytes(replacement)

@@ -17,6 +17,7 @@ from typing import Any
 
 from carpool.model.arch import ARCHITECTURES, architecture_of
 from carpool.model.arch.base import FULL, SLIDING
+from carpool.model.moe_spec import MoESpec
 
 
 @dataclasses.dataclass
@@ -42,7 +43,9 @@ class ModelConfig:
     MLP), ``embed_scale`` (embeddings times this, in the weights' dtype),
     ``attention_scale`` (None: head_dim ** -0.5), ``final_logit_softcap``
     (``tanh(logits / cap) * cap``) and the sliding layers' own rope
-    (``local_rope_theta``; None: as the full layers).
+    (``local_rope_theta``; None: as the full layers). ``moe``: the
+    mixture-of-experts MLP of the layers ``moe_layers`` marks (the others
+    keep a dense MLP of ``intermediate_size``), or None.
     """
 
     architecture: str
@@ -72,11 +75,16 @@ class ModelConfig:
     final_logit_softcap: float | None = None
     local_rope_theta: float | None = None
     local_rope_scaling: dict | None = None
+    moe: MoESpec | None = None
+    moe_layers: tuple[bool, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.layer_types:
             self.layer_types = (FULL,) * self.num_layers
         self.layer_types = tuple(self.layer_types)
+        self.moe_layers = tuple(self.moe_layers) or (self.moe is not None,) * self.num_layers
+        if len(self.moe_layers) != self.num_layers or (any(self.moe_layers) and self.moe is None):
+            raise ValueError("moe_layers must mark each layer, and MoE layers need a MoESpec")
         if len(self.layer_types) != self.num_layers:
             raise ValueError(f"layer_types has {len(self.layer_types)} entries for "
                              f"{self.num_layers} layers")
@@ -93,6 +101,9 @@ class ModelConfig:
         required field, or a feature the family's forward does not implement.
         """
         return cls(**architecture_of(d).parse(d))
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.moe_layers[layer]
 
     def window_of(self, layer: int) -> int | None:
         """How many positions layer ``layer`` attends to (None: all)."""

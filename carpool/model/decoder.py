@@ -4,7 +4,8 @@ and a paged KV cache.
 One layer shape with the parts families differ by, chosen by
 ``ModelConfig``: grouped-query attention with optional qkv bias (Qwen2),
 q/k norms per head (Qwen3, Gemma 3), sliding-window layers with their own
-rope (Gemma 3, Mistral), a gated MLP with SiLU or tanh-GELU, Llama's
+rope (Gemma 3, Mistral), a gated MLP with SiLU or tanh-GELU or a mixture
+of experts (carpool/model/moe.py: Mixtral, Qwen3-MoE), Llama's
 pre-norms or Gemma's sandwich norms, scaled embeddings, a tied or untied
 LM head and a final logit soft-cap. q/k/v and gate/up projections are fused
 into one matmul each at load time.
@@ -19,8 +20,16 @@ from torch import nn
 
 from carpool.model.attention import AttentionMetadata, TorchAttention
 from carpool.model.config import ModelConfig
-from carpool.model.hf_names import EMBED_TOKENS, FINAL_NORM, LM_HEAD, layer_names, o_proj_has_bias
+from carpool.model.hf_names import (
+    EMBED_TOKENS,
+    FINAL_NORM,
+    LM_HEAD,
+    layer_names,
+    layer_prefix,
+    o_proj_has_bias,
+)
 from carpool.model.layers import RMSNorm, Rotary, StepKind
+from carpool.model.moe import MoEBlock
 
 __all__ = ["DecoderLayer", "DecoderModel", "RMSNorm", "Rotary", "StepKind"]
 
@@ -35,8 +44,11 @@ class DecoderLayer(nn.Module):
         self.qkv_proj = nn.Linear(c.hidden_size, self.q_size + 2 * self.kv_size,
                                   bias=c.attention_bias)
         self.o_proj = nn.Linear(self.q_size, c.hidden_size, bias=o_proj_has_bias(c))
-        self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        # The MLP: dense (gate/up fused) or a mixture of experts.
+        self.moe = MoEBlock(c.moe, c.hidden_size) if c.is_moe_layer(index) else None
+        if self.moe is None:
+            self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
+            self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
         norm = lambda size: RMSNorm(size, c.rms_norm_eps, c.norm_style)  # noqa: E731
         self.input_layernorm = norm(c.hidden_size)
         self.post_attention_layernorm = norm(c.hidden_size)
@@ -51,6 +63,12 @@ class DecoderLayer(nn.Module):
         self.window = c.window_of(index)
         self.local_rope = self.window is not None and c.local_rope_theta is not None
         self.scale = c.scale
+
+    def linear_names(self) -> tuple[str, ...]:
+        """The dense linear layers decode paths may replace (quantized,
+        packed, blocked copies): the experts' weights are not among them."""
+        mlp = () if self.moe is not None else ("gate_up_proj", "down_proj")
+        return ("qkv_proj", "o_proj", *mlp)
 
     def forward(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata, kv: tuple[torch.Tensor, torch.Tensor],
@@ -77,12 +95,15 @@ class DecoderLayer(nn.Module):
             attn = F.pad(attn, (0, 0, 0, rows - tokens))
         if self.sandwich:
             hidden = hidden + self.post_attention_layernorm(self.o_proj(attn), ops)
-            out = self._mlp(self.pre_feedforward_layernorm(hidden, ops), ops)
+            out = self._mlp(self.pre_feedforward_layernorm(hidden, ops), tokens, ops)
             return hidden + self.post_feedforward_layernorm(out, ops)
         hidden = hidden + self.o_proj(attn)
-        return hidden + self._mlp(self.post_attention_layernorm(hidden, ops), ops)
+        return hidden + self._mlp(self.post_attention_layernorm(hidden, ops), tokens, ops)
 
-    def _mlp(self, x: torch.Tensor, ops) -> torch.Tensor:  # noqa: ANN001
+    def _mlp(self, x: torch.Tensor, tokens: int, ops) -> torch.Tensor:  # noqa: ANN001
+        if self.moe is not None:  # pad rows would be routed (and counted) like tokens
+            out = self.moe(x[:tokens])
+            return F.pad(out, (0, 0, 0, x.shape[0] - tokens)) if x.shape[0] > tokens else out
         gate_up = self.gate_up_proj(x)
         if self.gelu:
             gate, up = gate_up.chunk(2, dim=-1)
@@ -203,8 +224,11 @@ class DecoderModel(nn.Module):
             layer.o_proj.weight.copy_(take(n["o"]))
             if layer.o_proj.bias is not None:
                 layer.o_proj.bias.copy_(take(n["o_bias"]))
-            layer.gate_up_proj.weight.copy_(torch.cat([take(n["gate"]), take(n["up"])]))
-            layer.down_proj.weight.copy_(take(n["down"]))
+            if layer.moe is not None:
+                layer.moe.load_hf_weights(weights, layer_prefix(index))
+            else:
+                layer.gate_up_proj.weight.copy_(torch.cat([take(n["gate"]), take(n["up"])]))
+                layer.down_proj.weight.copy_(take(n["down"]))
             for role, norm in (("input_norm", layer.input_layernorm),
                                ("post_norm", layer.post_attention_layernorm),
                                ("pre_ff_norm", layer.pre_feedforward_layernorm),

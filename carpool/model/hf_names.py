@@ -4,7 +4,10 @@ copies its weights in by ``layer_names``, so the two cannot disagree (they
 once did about o_proj's bias). Plain Python: no torch."""
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from carpool.model.config import ModelConfig
+from carpool.model.moe_spec import PER_EXPERT, detect_layout, expected_moe_shapes
 
 EMBED_TOKENS = "model.embed_tokens.weight"
 FINAL_NORM = "model.norm.weight"
@@ -18,7 +21,7 @@ def o_proj_has_bias(config: ModelConfig) -> bool:
 
 def layer_names(index: int) -> dict[str, str]:
     """Layer ``index``'s tensor names by role (``q``, ``q_bias``, ``gate``, ...)."""
-    prefix = f"model.layers.{index}."
+    prefix = layer_prefix(index)
     attn, mlp = prefix + "self_attn.", prefix + "mlp."
     names = {p: f"{attn}{p}_proj.weight" for p in "qkvo"}
     names.update({f"{p}_bias": f"{attn}{p}_proj.bias" for p in "qkvo"})
@@ -33,8 +36,15 @@ def layer_names(index: int) -> dict[str, str]:
     return names
 
 
-def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """The tensor names and shapes a checkpoint for ``config`` must contain."""
+def layer_prefix(index: int) -> str:
+    return f"model.layers.{index}."
+
+
+def expected_shapes(config: ModelConfig,
+                    names: Collection[str] = ()) -> dict[str, tuple[int, ...]]:
+    """The tensor names and shapes a checkpoint for ``config`` must contain.
+    ``names``: the checkpoint's, which say how its experts are laid out
+    (carpool/model/moe_spec.py; default: per expert, as hubs have them)."""
     c = config
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     shapes: dict[str, tuple[int, ...]] = {EMBED_TOKENS: (c.vocab_size, c.hidden_size),
@@ -47,10 +57,15 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             n["input_norm"]: (c.hidden_size,), n["post_norm"]: (c.hidden_size,),
             n["q"]: (q, c.hidden_size), n["k"]: (kv, c.hidden_size), n["v"]: (kv, c.hidden_size),
             n["o"]: (c.hidden_size, q),
-            n["gate"]: (c.intermediate_size, c.hidden_size),
-            n["up"]: (c.intermediate_size, c.hidden_size),
-            n["down"]: (c.hidden_size, c.intermediate_size),
         })
+        if c.is_moe_layer(i):
+            prefix = layer_prefix(i)
+            layout = detect_layout(names, c.moe, prefix) if names else PER_EXPERT
+            shapes.update(expected_moe_shapes(c.moe, c.hidden_size, prefix, layout))
+        else:
+            shapes.update({n["gate"]: (c.intermediate_size, c.hidden_size),
+                           n["up"]: (c.intermediate_size, c.hidden_size),
+                           n["down"]: (c.hidden_size, c.intermediate_size)})
         if c.qk_norm:
             shapes.update({n["q_norm"]: (c.head_dim,), n["k_norm"]: (c.head_dim,)})
         if c.sandwich_norms:

@@ -278,7 +278,7 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
 
 def _weights_problem(config: ModelConfig, weights: dict[str, torch.Tensor]) -> str | None:
     """A description of the first missing or misshapen tensor, or None."""
-    expected = expected_shapes(config)
+    expected = expected_shapes(config, weights.keys())
     missing = [name for name in expected if name not in weights]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""

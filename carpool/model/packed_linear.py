@@ -80,7 +80,7 @@ def pack_for_decode(model: nn.Module, kernels) -> int:  # noqa: ANN001
     already replaced them); returns the bytes the copies take."""
     added = 0
     for layer in model.layers:
-        for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+        for name in layer.linear_names():
             linear = getattr(layer, name)
             if type(linear) is nn.Linear and packable(linear.weight):
                 packed = PackedDecodeLinear(linear.weight, linear.bias, kernels, model.step_kind)
@@ -96,7 +96,7 @@ def pack_for_decode(model: nn.Module, kernels) -> int:  # noqa: ANN001
 def packed_bytes(model: nn.Module) -> int:
     """Bytes ``pack_for_decode`` would add to ``model`` (bf16 weights)."""
     total = sum(getattr(layer, name).weight.numel() for layer in model.layers
-                for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+                for name in layer.linear_names()
                 if type(getattr(layer, name)) is nn.Linear)
     head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     return 2 * (total + (head.numel() if model.head is None else 0))

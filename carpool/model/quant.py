@@ -176,7 +176,7 @@ def quantize_for_decode(model: nn.Module, scheme: str, max_rows: int = LOW_BIT_M
 
     added = 0
     for layer in model.layers:
-        for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+        for name in layer.linear_names():
             linear = getattr(layer, name)
             replacement = low_bit(linear.weight, linear.bias)
             if replacement is not None:

@@ -108,6 +108,22 @@ def engine_families(stats: EngineStats, rates: dict[str, float], model_name: str
     yield from _pin_families(stats, model)
     if stats.kv_store:
         yield from _kv_store_families(stats.kv_store, model)
+    if stats.expert_tokens:
+        yield from _expert_families(stats, model)
+
+
+def _expert_families(stats: EngineStats, model: list[str]):  # noqa: ANN202
+    tokens = CounterMetricFamily(
+        "moe_expert_tokens", "Tokens routed to each expert (a token counts once per expert "
+        "it picks), summed over the MoE layers.", labels=["model_name", "expert"])
+    for expert, count in enumerate(stats.expert_tokens):
+        tokens.add_metric(model + [str(expert)], count)
+    yield tokens
+    yield _gauge("moe_expert_imbalance", "The last step's busiest expert over the mean per "
+                 "expert (1 = even), averaged over the MoE layers.", model,
+                 stats.expert_imbalance)
+    yield _gauge("moe_expert_imbalance_mean", "moe_expert_imbalance averaged over every step "
+                 "so far.", model, stats.expert_imbalance_mean)
 
 
 # The shared KV store's counters (``StoreConnector.metrics``): name, key, help.
