@@ -14,6 +14,12 @@ import torch
 from carpool import LLM, SamplingParams
 from tests.arch_models import save_random_model
 
+# DeepSeek-V3 in small: MLA with LoRA'd queries, 8 routed experts in 4
+# groups (2 kept), one shared expert, the first layer dense.
+DEEPSEEK = {"kv_lora_rank": 16, "q_lora_rank": 24, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8,
+            "v_head_dim": 12, "n_routed_experts": 8, "n_group": 4, "topk_group": 2,
+            "num_experts_per_tok": 2, "moe_intermediate_size": 16, "n_shared_experts": 1,
+            "first_k_dense_replace": 1, "routed_scaling_factor": 2.5, "num_key_value_heads": 4}
 VARIANTS = {
     "llama3-rope": ("llama", {"rope_theta": 500000.0, "rope_scaling": {
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -44,6 +50,14 @@ VARIANTS = {
     "qwen3-moe-unnormed": ("qwen3_moe", {"head_dim": 16, "num_experts": 4,
                                          "num_experts_per_tok": 3, "moe_intermediate_size": 24,
                                          "norm_topk_prob": False}),
+    "deepseek-v3": ("deepseek_v3", {**DEEPSEEK, "rope_interleave": True}),
+    "deepseek-v3-no-q-lora": ("deepseek_v3", {**DEEPSEEK, "q_lora_rank": None,
+                                              "rope_interleave": False, "n_group": 1,
+                                              "topk_group": 1, "first_k_dense_replace": 0}),
+    "deepseek-v3-yarn": ("deepseek_v3", {**DEEPSEEK, "rope_parameters": {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
+        "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1,
+        "rope_theta": 10000.0}}),
 }
 PROMPTS = ["The quick brown fox", "def add(a, b):\n    return a + b\n" * 3, "café 😀"]
 

@@ -48,10 +48,24 @@ def family_configs(draw):
     head_dim = draw(st.sampled_from([8, 16, 32]))
     layers = draw(st.integers(1, 3))
     window = draw(st.integers(2, 20))
-    model_type = draw(st.sampled_from(["qwen3", "gemma3_text", "mixtral", "qwen3_moe"]))
+    model_type = draw(st.sampled_from(["qwen3", "gemma3_text", "mixtral", "qwen3_moe",
+                                       "deepseek_v3"]))
     extra = {"num_attention_heads": heads, "num_key_value_heads": kv_heads,
              "head_dim": head_dim, "num_hidden_layers": layers, "hidden_size": 48}
-    if model_type in ("mixtral", "qwen3_moe"):
+    if model_type == "deepseek_v3":
+        del extra["head_dim"]  # transformers takes it as the rotary part's
+        groups = draw(st.sampled_from([1, 2, 4]))
+        extra.update(num_key_value_heads=heads, kv_lora_rank=draw(st.sampled_from([8, 24])),
+                     q_lora_rank=draw(st.sampled_from([None, 16])),
+                     qk_nope_head_dim=draw(st.sampled_from([4, 8])),
+                     qk_rope_head_dim=draw(st.sampled_from([4, 8])),
+                     v_head_dim=draw(st.sampled_from([4, 12])), n_routed_experts=8,
+                     n_group=groups, topk_group=draw(st.integers(1, groups)),
+                     num_experts_per_tok=draw(st.integers(1, 3)), moe_intermediate_size=16,
+                     n_shared_experts=draw(st.integers(0, 1)),
+                     first_k_dense_replace=draw(st.integers(0, layers)),
+                     rope_interleave=draw(st.booleans()))
+    elif model_type in ("mixtral", "qwen3_moe"):
         experts = draw(st.integers(2, 8))
         extra.update(num_local_experts=experts, num_experts=experts,
                      num_experts_per_tok=draw(st.integers(1, min(4, experts))),
@@ -70,7 +84,7 @@ def family_configs(draw):
     return model_type, extra
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(family_configs())
 def test_greedy_tokens_match_transformers_generate(tiny_model_dir, family):
     model_type, extra = family
@@ -85,6 +99,10 @@ def test_greedy_tokens_match_transformers_generate(tiny_model_dir, family):
 
 GEMMA = {"head_dim": 16, "num_hidden_layers": 3, "sliding_window": 6,
          "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]}
+DEEPSEEK = {"kv_lora_rank": 16, "q_lora_rank": 24, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8,
+            "v_head_dim": 12, "n_routed_experts": 8, "n_group": 4, "topk_group": 2,
+            "num_experts_per_tok": 2, "moe_intermediate_size": 16, "n_shared_experts": 1,
+            "first_k_dense_replace": 1, "num_key_value_heads": 4}
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +110,13 @@ def gemma(tmp_path_factory, tiny_model_dir):
     """(directory, transformers' model) of a small Gemma 3 with 6-token windows."""
     path = tmp_path_factory.mktemp("gemma3")
     return path, save_random_model(path, tiny_model_dir, "gemma3_text", GEMMA)
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory, tiny_model_dir):
+    """(directory, transformers' model) of a small DeepSeek-V3 (MLA and MoE)."""
+    path = tmp_path_factory.mktemp("deepseek")
+    return path, save_random_model(path, tiny_model_dir, "deepseek_v3", DEEPSEEK)
 
 
 def test_a_prefix_cache_hit_read_by_a_sliding_window_layer_says_what_transformers_says(gemma):
@@ -104,8 +129,9 @@ def test_a_prefix_cache_hit_read_by_a_sliding_window_layer_says_what_transformer
     assert_says_what_transformers_says(reference, out)
 
 
-def test_preemption_and_chunked_prefill_keep_windowed_layers_exact(gemma):
-    path, reference = gemma
+@pytest.mark.parametrize("family", ["gemma", "deepseek"])
+def test_preemption_and_chunked_prefill_keep_windowed_and_latent_layers_exact(family, request):
+    path, reference = request.getfixturevalue(family)
     tight = LLM(str(path), dtype="float32", block_size=8, num_blocks=14,
                 max_num_batched_tokens=7, watermark=0.0)
     outs = tight.generate(PROMPTS * 2, SamplingParams(max_tokens=10, temperature=0.0,
@@ -138,8 +164,11 @@ def _run(engine: LLMEngine, prompt: list[int], params: SamplingParams,
     return outputs
 
 
-def test_a_prefill_decode_split_of_a_windowed_model_says_what_transformers_says(gemma):
-    path, reference = gemma
+@pytest.mark.parametrize("family", ["gemma", "deepseek"])
+def test_a_prefill_decode_split_says_what_transformers_says(family, request):
+    """Gemma 3's windowed layers, and DeepSeek's latent blocks (one tensor
+    per layer in the payload) through the store."""
+    path, reference = request.getfixturevalue(family)
     llm = LLM(str(path), dtype="float32", kv_cache_memory="16MiB",
               block_hash_key="00112233445566778899aabbccddeeff")
     prompt = [(i * 41) % 380 + 5 for i in range(40)]
@@ -200,3 +229,54 @@ def test_tokens_of_one_batch_go_to_different_experts_and_metrics_count_them(
         assert f'carpool:moe_expert_tokens_total{{expert="{expert}",model_name="m"}} {float(count)}' \
             in text
     assert "carpool:moe_expert_imbalance{" in text
+
+
+def test_mla_caches_the_latent_only(deepseek):
+    """The cache holds kv_lora_rank + rope dims per token and layer, not K
+    and V per head; DeepSeek-V3's own shape gives 70,272 bytes per token in
+    bf16 against 4,997,120 expanded (128 heads of 192 + 128)."""
+    path, _ = deepseek
+    llm = LLM(str(path), dtype="float32")
+    executor, config = llm.engine.executor, llm.engine.model_config
+    latent, other = executor.kv_caches[0]
+    assert latent is other and latent.shape[-1] == 16 + 8
+    per_block = sum(k.numel() * k.element_size() for k, _ in executor.kv_caches) // (
+        executor.num_blocks + 1)
+    assert per_block == executor.block_size * config.kv_bytes_per_token(4) == (
+        executor.block_size * 2 * (16 + 8) * 4)
+    assert llm.engine.info().cache_info["kv_bytes_per_token"] == str(2 * 24 * 4)
+    from carpool.model.config import ModelConfig
+
+    v3 = ModelConfig.from_hf_config({
+        "model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168,
+        "intermediate_size": 18432, "num_hidden_layers": 61, "num_attention_heads": 128,
+        "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 256,
+        "num_experts_per_tok": 8, "moe_intermediate_size": 2048})
+    assert v3.kv_bytes_per_token(2) == 70_272
+    assert 61 * 128 * (192 + 128) * 2 == 4_997_120
+
+
+@pytest.mark.parametrize("model_type,extra", [
+    ("qwen3", {"head_dim": 16}), ("gemma3_text", GEMMA),
+    ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    ("qwen3_moe", {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
+                   "moe_intermediate_size": 32}),
+    ("deepseek_v3", DEEPSEEK)])
+def test_each_family_loads_from_a_hub_repo_id(tmp_path, tiny_model_dir, monkeypatch,
+                                              model_type, extra):
+    """Through huggingface_hub from the stand-in hub on 127.0.0.1, as a user's
+    ``carpool serve owner/name`` would."""
+    from fake_hub import FakeHub
+
+    for name in ("HF_HUB_CACHE", "HF_HUB_OFFLINE", "HF_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    reference = save_random_model(tmp_path / "model", tiny_model_dir, model_type, extra)
+    repo = f"tiny/{model_type.replace('_', '-')}"
+    with FakeHub({repo: FakeHub.from_dir(tmp_path / "model")}) as fake:
+        monkeypatch.setenv("HF_ENDPOINT", fake.url)
+        llm = LLM(repo, dtype="float32")
+    assert llm.engine.model_config.architecture == model_type
+    for out in llm.generate(PROMPTS[:2], GREEDY_LP):
+        assert_says_what_transformers_says(reference, out)

@@ -22,7 +22,8 @@ from hypothesis import strategies as st
 from carpool import paths
 from carpool.model import gguf_convert, hub, loader
 from carpool.model.config import ModelConfig
-from carpool.model.gguf_convert import convert_gguf, llama3_scaling_from_factors
+from carpool.model.gguf_arch import llama3_scaling_from_factors
+from carpool.model.gguf_convert import convert_gguf
 from carpool.model.loader import ModelLoadError, load_model
 from carpool.model.tokenizer import ChatTemplateError, Tokenizer
 
@@ -175,6 +176,13 @@ LAYER_TENSORS = [
 ]
 QWEN2_BIASES = [("self_attn.q_proj.bias", "attn_q.bias", (16,)), ("self_attn.k_proj.bias", "attn_k.bias", (8,)),
                 ("self_attn.v_proj.bias", "attn_v.bias", (8,))]
+QK_NORMS = [("self_attn.q_norm.weight", "attn_q_norm.weight", (4,)),
+            ("self_attn.k_norm.weight", "attn_k_norm.weight", (4,))]
+# Qwen3-MoE: 4 experts of intermediate 8 (top-2), stacked per layer as llama.cpp does.
+MOE_TENSORS = [("mlp.gate.weight", "ffn_gate_inp.weight", (4, 16)),
+               ("mlp.experts.{e}.gate_proj.weight", "ffn_gate_exps.weight", (4, 8, 16)),
+               ("mlp.experts.{e}.up_proj.weight", "ffn_up_exps.weight", (4, 8, 16)),
+               ("mlp.experts.{e}.down_proj.weight", "ffn_down_exps.weight", (4, 16, 8))]
 
 
 def write_gguf(path: Path, arch: str = "llama", tied: bool = True, pre: str = "smollm") -> dict[str, np.ndarray]:
@@ -183,11 +191,20 @@ def write_gguf(path: Path, arch: str = "llama", tied: bool = True, pre: str = "s
     table = [("model.embed_tokens.weight", "token_embd.weight", (len(tokens), 16)),
              ("model.norm.weight", "output_norm.weight", (16,))]
     table += [] if tied else [("lm_head.weight", "output.weight", (len(tokens), 16))]
+    layer_tensors = LAYER_TENSORS + (QWEN2_BIASES if arch == "qwen2" else [])
+    if arch in ("qwen3", "qwen3moe"):
+        layer_tensors = layer_tensors + QK_NORMS
+    if arch == "qwen3moe":  # the dense MLP's tensors give way to the experts'
+        layer_tensors = [t for t in layer_tensors if not t[1].startswith(("ffn_gate", "ffn_up", "ffn_down"))] + MOE_TENSORS
     table += [(f"model.layers.{i}.{hf}", f"blk.{i}.{g}", shape) for i in range(2)
-              for hf, g, shape in LAYER_TENSORS + (QWEN2_BIASES if arch == "qwen2" else [])]
+              for hf, g, shape in layer_tensors]
     rng = np.random.default_rng(0)
     weights = {hf: rng.standard_normal(shape).astype(np.float32) for hf, _, shape in table}
     w = gguf.GGUFWriter(str(path), arch)
+    if arch == "qwen3moe":
+        w.add_expert_count(4)
+        w.add_expert_used_count(2)
+        w.add_expert_feed_forward_length(8)
     for add, value in [(w.add_block_count, 2), (w.add_context_length, 256), (w.add_embedding_length, 16),
                        (w.add_feed_forward_length, 24), (w.add_head_count, 4), (w.add_head_count_kv, 2),
                        (w.add_rope_freq_base, 10000.0), (w.add_layer_norm_rms_eps, 1e-5),
@@ -197,6 +214,10 @@ def write_gguf(path: Path, arch: str = "llama", tied: bool = True, pre: str = "s
         add(value)
     for hf, g, _ in table:
         array = weights[hf]
+        if "{e}" in hf:  # stacked experts: the HF weights are per expert
+            for e in range(array.shape[0]):
+                weights[hf.format(e=e)] = array[e]
+            del weights[hf]
         if arch == "llama" and hf.endswith(("q_proj.weight", "k_proj.weight")):
             array = llamacpp_permute(array, 4 if "q_proj" in hf else 2)
         w.add_tensor(g, np.ascontiguousarray(array))
@@ -215,10 +236,12 @@ def tiny_gguf(tmp_path: Path) -> Path:
     return src
 
 
-@pytest.mark.parametrize("arch,tied", [("llama", True), ("llama", False), ("qwen2", True)])
+@pytest.mark.parametrize("arch,tied", [("llama", True), ("llama", False), ("qwen2", True),
+                                       ("qwen3", False), ("qwen3moe", True)])
 def test_gguf_conversion_restores_hf_weights(tmp_path: Path, arch: str, tied: bool) -> None:
     src = tmp_path / "tiny.gguf"
     expected = write_gguf(src, arch, tied)
+    arch = {"qwen3moe": "qwen3_moe"}.get(arch, arch)
     model = load_model(str(src), tmp_path / "cache")
     assert set(model.weights) == set(expected)
     for name, array in expected.items():
@@ -230,6 +253,10 @@ def test_gguf_conversion_restores_hf_weights(tmp_path: Path, arch: str, tied: bo
     assert model.source == src and model.path.parent == tmp_path / "cache" / "converted"
     hf_config = json.loads((model.path / "config.json").read_text())
     assert hf_config["model_type"] == arch and ModelConfig.from_hf_config(hf_config) == c
+    assert c.qk_norm is arch.startswith("qwen3")
+    if arch == "qwen3_moe":
+        assert (c.moe.num_experts, c.moe.top_k, c.moe.expert_intermediate_size) == (4, 2, 8)
+        assert c.moe.renormalize and all(c.moe_layers)
 
 
 def test_converted_model_is_cached(tmp_path: Path, tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -446,3 +473,25 @@ def test_fetch_failure_is_a_load_error(tmp_path: Path, monkeypatch: pytest.Monke
     with pytest.raises(ModelLoadError, match="No matching distribution") as info:
         load_model(None, tmp_path)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3moe"])
+def test_a_converted_qwen3_gguf_says_what_transformers_says_of_the_conversion(tmp_path, arch):
+    """The conversion (q/k norms; experts split from their stacked tensors)
+    loads in transformers too, and greedy tokens agree."""
+    from transformers import AutoModelForCausalLM
+
+    from carpool import LLM, SamplingParams
+
+    src = tmp_path / "tiny.gguf"
+    write_gguf(src, arch, tied=False)
+    llm = LLM(str(src), dtype="float32", cache_dir=str(tmp_path / "cache"))
+    out = llm.generate([[5, 9, 12, 7, 30, 41]], SamplingParams(max_tokens=5, temperature=0.0,
+                                                                ignore_eos=True))[0]
+    converted = load_model(str(src), tmp_path / "cache").path
+    reference = AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        want = reference.generate(torch.tensor([[5, 9, 12, 7, 30, 41]]), max_new_tokens=5,
+                                  min_new_tokens=5, do_sample=False, eos_token_id=None,
+                                  pad_token_id=0)
+    assert list(out.token_ids) == want[0, 6:].tolist()

@@ -53,16 +53,20 @@ PD_MODES = ("conditional", "always")
 
 @dataclass(frozen=True)
 class KVShape:
-    """A model's KV cache per token: keys and values of every layer."""
+    """A model's KV cache per token: keys and values of every layer
+    (``tensors`` 2), or one latent row per layer (MLA: ``tensors`` 1, one
+    "head" of the latent's width)."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     dtype_bytes: float = 2.0
+    tensors: int = 2
 
     @property
     def bytes_per_token(self) -> float:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        return (self.tensors * self.num_layers * self.num_kv_heads * self.head_dim
+                * self.dtype_bytes)
 
 
 @dataclass(frozen=True)

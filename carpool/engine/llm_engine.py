@@ -272,6 +272,9 @@ class LLMEngine:
                  if k not in CacheConfig.SECRET_FIELDS}  # never a secret on /metrics
         cache["num_gpu_blocks"] = str(self.executor.num_blocks)  # vLLM's name, any device
         cache["cache_dtype"] = str(self.executor.dtype).removeprefix("torch.")
+        # What one token's KV takes over every layer (MLA: its latent rows).
+        cache["kv_bytes_per_token"] = str(self.model_config.kv_bytes_per_token(
+            self.executor.dtype.itemsize))
         settings = self.config.cache
         pin_limits = PinLimits.of(settings.block_size, self.executor.num_blocks,
                                   settings.pinned_prefix_share, settings.max_pinned_prefixes,
@@ -281,8 +284,9 @@ class LLMEngine:
                           self.tokenizer.describe(), cache, step_facts(self),
                           self.executor.num_blocks,
                           self.slo.describe() if self.slo is not None else None,
-                          (self.model_config.num_layers, self.model_config.num_kv_heads,
-                           self.model_config.head_dim, self.executor.dtype.itemsize),
+                          (self.model_config.num_layers, self.model_config.cache_heads,
+                           self.model_config.cache_dim, self.executor.dtype.itemsize,
+                           self.model_config.cache_tensors),
                           pin_limits)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:

@@ -41,8 +41,9 @@ class EngineInfo:
     kv_num_blocks: int
     slo_text: str | None = None  # ``ServingSLO.describe()``; None: controller off
     # The KV cache per token, as the P/D planner prices a transfer
-    # (``carpool.cluster.pd.KVShape``): layers, KV heads, head size, bytes per value.
-    kv_shape: tuple[int, int, int, int] = (0, 0, 0, 0)
+    # (``carpool.cluster.pd.KVShape``): layers, KV heads, head size, bytes per
+    # value, tensors per layer (2: K and V; 1: MLA's latent).
+    kv_shape: tuple[int, int, int, int, int] = (0, 0, 0, 0, 2)
     # What pinned prefixes may take of it (None: an engine that cannot pin).
     pin_limits: PinLimits | None = None
 

@@ -109,6 +109,16 @@ def _free_or_zero(device: torch.device) -> int:
         return 0
 
 
+def _portable_only(config: ModelConfig) -> str | None:
+    """Why attention must take the portable path's masks (which every
+    backend but Triton's runs), or None."""
+    if config.mla is not None:
+        return "the model has latent attention (MLA)"
+    if config.sliding_window is not None:
+        return "the model has sliding-window layers"
+    return None
+
+
 class TorchExecutor(Executor):
     """Holds the model weights and one preallocated KV pool.
 
@@ -151,8 +161,8 @@ class TorchExecutor(Executor):
         if settings.quantization is not None:
             self._quantize_for_decode(settings.quantization)
         self.attention = select_backend(settings.attention_backend, self.device, self.cpu_ops,
-                                        model_config.head_dim,
-                                        sliding=model_config.sliding_window is not None)
+                                        model_config.head_dim, portable_only=_portable_only(
+                                            model_config))
         self.model.ops = self.cpu_ops
         self._pack_for_decode(settings.packed_decode)
         self._block_weights(settings.blocked_weights)
@@ -161,19 +171,27 @@ class TorchExecutor(Executor):
 
             self.model.ops = TritonOps()
         self.num_blocks = self._num_blocks(model_config, cache)
-        # Layouts: see carpool/model/attention.py (K blocks are stored transposed).
-        heads, dim = model_config.num_kv_heads, model_config.head_dim
-        total = self.num_blocks + SCRATCH_BLOCKS
-        k_shape = (heads, total, dim, self.block_size)
-        v_shape = (heads, total, self.block_size, dim)
-        self.kv_caches = [(self._cache_tensor(k_shape), self._cache_tensor(v_shape))
-                          for _ in range(model_config.num_layers)]
+        self.kv_caches = self._kv_caches(model_config)
         self.sampler = Sampler(model_config.vocab_size)
         if self.cpu_ops is not None and self.device.type == "cpu":
             self.sampler.row_argmax = self.cpu_ops.row_argmax
         moe_blocks = [layer.moe for layer in self.model.layers if layer.moe is not None]
         self.expert_load = ExpertLoad(moe_blocks) if moe_blocks else None
         self.graphs = self._capture_graphs(settings, max_model_len, max_num_seqs, graph_type)
+
+    def _kv_caches(self, config: ModelConfig) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer (K, V); layouts: see carpool/model/attention.py (K blocks
+        are stored transposed). MLA: one latent tensor in V's layout, given
+        as both (``KVBlockIO`` and attention know it by ``K is V``)."""
+        heads, dim = config.cache_heads, config.cache_dim
+        total = self.num_blocks + SCRATCH_BLOCKS
+        v_shape = (heads, total, self.block_size, dim)
+        if config.mla is not None:
+            return [(latent, latent) for latent in
+                    (self._cache_tensor(v_shape) for _ in range(config.num_layers))]
+        k_shape = (heads, total, dim, self.block_size)
+        return [(self._cache_tensor(k_shape), self._cache_tensor(v_shape))
+                for _ in range(config.num_layers)]
 
     def _cache_tensor(self, shape: tuple[int, ...]) -> torch.Tensor:
         """One layer's K or V cache, zeroed; on huge pages on CPU, where
@@ -258,8 +276,7 @@ class TorchExecutor(Executor):
         if cache.num_blocks is not None:
             return cache.num_blocks
         elem = torch.tensor([], dtype=self.dtype).element_size()
-        per_block = 2 * config.num_layers * self.block_size * config.num_kv_heads \
-            * config.head_dim * elem
+        per_block = self.block_size * config.kv_bytes_per_token(elem)
         if cache.gpu_memory_utilization is not None:
             free = free_memory(self.device)
             budget = int(free * cache.gpu_memory_utilization)

@@ -21,20 +21,30 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.floa
 class KVBlockIO:
     """Gathers and scatters whole blocks of ``kv_caches`` (a list of
     (K, V) per layer, K shaped (heads, blocks, head_dim, block_size) and V
-    (heads, blocks, block_size, head_dim))."""
+    (heads, blocks, block_size, head_dim); or, for a latent cache (MLA),
+    one tensor in V's layout given as both, ``K is V``)."""
 
     def __init__(self, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         if not kv_caches:
             raise ValueError("a KV cache has at least one layer")
         k, v = kv_caches[0]
-        heads, _, dim, size = k.shape
+        self.latent = k is v
+        if self.latent:
+            heads, _, size, dim = v.shape
+        else:
+            heads, _, dim, size = k.shape
         if tuple(v.shape) != (heads, k.shape[1], size, dim) or k.dtype not in _DTYPE_NAMES:
             raise ValueError(f"unexpected KV cache layout: K {tuple(k.shape)}, V "
                              f"{tuple(v.shape)}, {k.dtype}")
         self.kv_caches = kv_caches
-        self.layout = BlockLayout(len(kv_caches), heads, dim, size, _DTYPE_NAMES[k.dtype])
+        self.layout = BlockLayout(len(kv_caches), heads, dim, size, _DTYPE_NAMES[k.dtype],
+                                  tensors=1 if self.latent else 2)
         self.device = k.device
         self.dtype = k.dtype
+
+    def _tensors(self, layer: int) -> tuple[torch.Tensor, ...]:
+        k, v = self.kv_caches[layer]
+        return (v,) if self.latent else (k, v)
 
     def read(self, block_ids: Sequence[int]) -> list[bytes]:
         """Each block's data, in order (a copy: the blocks may change after)."""
@@ -43,25 +53,25 @@ class KVBlockIO:
         count, layout = len(block_ids), self.layout
         per_tensor = layout.layer_bytes // layout.element_bytes
         ids = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
-        out = torch.empty((count, layout.num_layers, 2, per_tensor), dtype=self.dtype,
-                          device=self.device)
-        for layer, (k, v) in enumerate(self.kv_caches):
-            out[:, layer, 0] = k.index_select(1, ids).transpose(0, 1).reshape(count, -1)
-            out[:, layer, 1] = v.index_select(1, ids).transpose(0, 1).reshape(count, -1)
+        out = torch.empty((count, layout.num_layers, layout.tensors, per_tensor),
+                          dtype=self.dtype, device=self.device)
+        for layer in range(layout.num_layers):
+            for index, cache in enumerate(self._tensors(layer)):
+                out[:, layer, index] = cache.index_select(1, ids).transpose(0, 1).reshape(count,
+                                                                                          -1)
         raw = out.view(count, -1).view(torch.uint8).cpu().numpy()
         return [raw[i].tobytes() for i in range(count)]
 
     def read_layer(self, block_ids: Sequence[int], layer: int) -> list[bytes]:
-        """Each block's data of one layer (its K block then its V block):
-        the part of ``read``'s data for that layer, so the parts of every
-        layer joined in order are the block's data."""
+        """Each block's data of one layer (its K block then its V block, or
+        its latent block): the part of ``read``'s data for that layer, so the
+        parts of every layer joined in order are the block's data."""
         if not block_ids:
             return []
         count = len(block_ids)
         ids = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
-        k, v = self.kv_caches[layer]
-        out = torch.cat([k.index_select(1, ids).transpose(0, 1).reshape(count, -1),
-                         v.index_select(1, ids).transpose(0, 1).reshape(count, -1)], dim=1)
+        out = torch.cat([cache.index_select(1, ids).transpose(0, 1).reshape(count, -1)
+                         for cache in self._tensors(layer)], dim=1)
         raw = out.view(torch.uint8).cpu().numpy()
         return [raw[i].tobytes() for i in range(count)]
 
@@ -77,14 +87,13 @@ class KVBlockIO:
             raise ValueError(f"{count} blocks of this layout are {count * layout.data_bytes} "
                              f"bytes, got {len(joined)}")
         src = torch.frombuffer(joined, dtype=torch.uint8).view(self.dtype)
-        src = src.view(count, layout.num_layers, 2, -1).to(self.device)
+        src = src.view(count, layout.num_layers, layout.tensors, -1).to(self.device)
         ids = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
-        heads, dim, size = layout.num_kv_heads, layout.head_dim, layout.block_size
-        for layer, (k, v) in enumerate(self.kv_caches):
-            k.index_copy_(1, ids, src[:, layer, 0].reshape(count, heads, dim, size)
-                          .transpose(0, 1))
-            v.index_copy_(1, ids, src[:, layer, 1].reshape(count, heads, size, dim)
-                          .transpose(0, 1))
+        for layer in range(layout.num_layers):
+            for index, cache in enumerate(self._tensors(layer)):
+                block_shape = (count, *cache.shape[:1], *cache.shape[2:])
+                cache.index_copy_(1, ids, src[:, layer, index].reshape(block_shape)
+                                  .transpose(0, 1))
 
 
 def weights_fingerprint(model: torch.nn.Module, description: str) -> bytes:

@@ -7,14 +7,16 @@ silently, so every payload carries what its reader must match and the
 reader refuses on any difference (``KVPayloadError``, with the reason):
 
     header (little-endian, 64 bytes, ``_HEADER``):
-      magic  b"CPKV", format version (u16), dtype code (u8), reserved (u8)
+      magic  b"CPKV", format version (u16), dtype code (u8),
+      layout code (u8: 0 K and V per layer, 1 one latent per layer: MLA)
       block key (u64: the fleet's chained block hash)
       model fingerprint (16 bytes: ``model_fingerprint``)
       num_layers, num_kv_heads, head_dim, block_size (u16 each)
       data length (u64), CRC-32 of the data (u32), reserved (u32)
     data: for each layer, its K block then its V block, as the cache holds
       them (``BlockLayout``: K transposed, heads x head_dim x block_size;
-      V heads x block_size x head_dim), raw elements.
+      V heads x block_size x head_dim), raw elements; a latent layout
+      (``tensors`` 1) holds one block per layer, in V's layout.
 
 Plain Python (struct, zlib, hashlib): no torch, no pickle.
 """
@@ -49,8 +51,11 @@ class BlockLayout:
     head_dim: int
     block_size: int
     dtype: str  # float32 | bfloat16 | float16
+    tensors: int = 2  # per layer: K and V, or 1 (MLA's latent)
 
     def __post_init__(self) -> None:
+        if self.tensors not in (1, 2):
+            raise ValueError(f"a KV block holds 1 or 2 tensors per layer, got {self.tensors}")
         if self.dtype not in _DTYPE_CODES:
             raise ValueError(f"a KV block's dtype must be one of {sorted(_DTYPE_CODES)}, "
                              f"got {self.dtype!r}")
@@ -69,8 +74,8 @@ class BlockLayout:
 
     @property
     def data_bytes(self) -> int:
-        """A whole block's data: K and V of every layer."""
-        return 2 * self.num_layers * self.layer_bytes
+        """A whole block's data: K and V (or the latent) of every layer."""
+        return self.tensors * self.num_layers * self.layer_bytes
 
 
 def model_fingerprint(description: str, weight_samples: bytes = b"") -> bytes:
@@ -91,7 +96,7 @@ def encode_block(key: int, fingerprint: bytes, layout: BlockLayout, data: bytes)
     if len(data) != layout.data_bytes:
         raise ValueError(f"a block of this layout holds {layout.data_bytes} bytes, "
                          f"got {len(data)}")
-    header = _HEADER.pack(MAGIC, FORMAT_VERSION, _DTYPE_CODES[layout.dtype], 0,
+    header = _HEADER.pack(MAGIC, FORMAT_VERSION, _DTYPE_CODES[layout.dtype], 2 - layout.tensors,
                           key & (1 << 64) - 1, fingerprint, layout.num_layers,
                           layout.num_kv_heads, layout.head_dim, layout.block_size, len(data),
                           zlib.crc32(data), 0)
@@ -105,8 +110,8 @@ def decode_block(payload: bytes | memoryview, key: int, fingerprint: bytes,
     view = memoryview(payload)
     if len(view) < HEADER_BYTES:
         raise KVPayloadError(f"a KV payload is at least {HEADER_BYTES} bytes, got {len(view)}")
-    (magic, version, dtype_code, _, got_key, got_print, layers, heads, dim, size, length, crc,
-     _) = _HEADER.unpack_from(view)
+    (magic, version, dtype_code, layout_code, got_key, got_print, layers, heads, dim, size,
+     length, crc, _) = _HEADER.unpack_from(view)
     if magic != MAGIC or version != FORMAT_VERSION:
         raise KVPayloadError(f"not a carpool KV block of format {FORMAT_VERSION} "
                              f"(magic {magic!r}, version {version})")
@@ -115,12 +120,12 @@ def decode_block(payload: bytes | memoryview, key: int, fingerprint: bytes,
     if got_print != fingerprint:
         raise KVPayloadError("the block was computed by another model (fingerprints differ)")
     dtype = DTYPES.get(dtype_code, ("unknown",))[0]
-    theirs = (layers, heads, dim, size, dtype)
+    theirs = (layers, heads, dim, size, dtype, 2 - layout_code)
     ours = (layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.block_size,
-            layout.dtype)
+            layout.dtype, layout.tensors)
     if theirs != ours:
         raise KVPayloadError(f"the block's layout (layers, kv heads, head dim, block size, "
-                             f"dtype) {theirs} is not this cache's {ours}")
+                             f"dtype, tensors per layer) {theirs} is not this cache's {ours}")
     data = view[HEADER_BYTES:]
     if len(data) != length or length != layout.data_bytes:
         raise KVPayloadError(f"the block's data is {len(data)} bytes, expected {length} "

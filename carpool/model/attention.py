@@ -199,6 +199,32 @@ class TorchAttention:
             out[rows] = self._prefill(q[rows], k_cache, v_cache, chunk, scale, mask)
         return out
 
+    def latent_forward(self, q: torch.Tensor, rows: torch.Tensor, cache: torch.Tensor,
+                       meta: AttentionMetadata, scale: float, value_dim: int) -> torch.Tensor:
+        """Multi-head latent attention (carpool/model/mla.py) on every backend:
+        q [T, H, D]; ``rows`` [T, 1, D], the step's latent rows, written to
+        ``cache`` [1, blocks, block_size, D] (V's layout) first; each head
+        attends with the whole row as key and its first ``value_dim``
+        values as value. Returns [T, H, value_dim]."""
+        cache[:, meta.slot_blocks, meta.slot_offsets, :] = rows.transpose(0, 1)
+        out = q.new_empty(q.shape[0], q.shape[1], value_dim)
+        if meta.num_decodes:
+            n = meta.num_decodes
+            keys = self._gather_blocks(cache, meta).flatten(2, 3)[0]  # [B, L, D]
+            scores = torch.matmul(q[:n], keys.transpose(1, 2)).float() * scale  # [B, H, L]
+            scores.masked_fill_(~meta.decode_mask[:, None, :], float("-inf"))
+            probs = torch.softmax(scores, dim=-1).to(q.dtype)
+            out[:n] = torch.matmul(probs, keys[..., :value_dim])
+        for chunk in meta.prefills:
+            span = slice(chunk.q_start, chunk.q_start + chunk.q_len)
+            keys = cache[:, chunk.gather_blocks, chunk.gather_offsets, :][None]  # [1, 1, L, D]
+            attended = F.scaled_dot_product_attention(
+                q[span].transpose(0, 1)[None], keys, keys[..., :value_dim],
+                attn_mask=chunk.causal_mask, is_causal=chunk.causal_mask is None, scale=scale,
+                enable_gqa=True)
+            out[span] = attended[0].transpose(0, 1)
+        return out
+
     @staticmethod
     def _gather_blocks(cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """[KVH, B, max_blocks, *block] blocks of the decodes' contexts."""

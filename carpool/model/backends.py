@@ -11,17 +11,16 @@ from carpool.model.triton_attention import TritonAttention, triton_unavailable
 
 
 def select_backend(name: str, device: torch.device, cpu_ops=None,  # noqa: ANN001
-                   head_dim: int = 64, sliding: bool = False) -> TorchAttention:
+                   head_dim: int = 64, portable_only: str | None = None) -> TorchAttention:
     """``auto``: on CUDA our Triton kernels when Triton is installed, else
     SDPA; on CPU our C++ decode kernel when ``cpu_ops`` (the compiled
     extension) is available, else the portable torch path. ``cpu_ops`` may
     be a ``SwitchingCpuOps`` (the kernels still compiling): ``auto`` then
     runs the portable path until they are built, ``cpu`` waits for them.
-    ``sliding``: the model has sliding-window layers (which every backend
-    but Triton serves, through the portable path's masks)."""
+    ``portable_only``: why the model needs the portable path's attention
+    (sliding windows, MLA), which every backend but Triton runs; or None."""
     if name == "triton" or (name == "auto" and device.type == "cuda"):
-        why = ("the model has sliding-window layers" if sliding
-               else triton_unavailable(device, head_dim))
+        why = portable_only or triton_unavailable(device, head_dim)
         if why is None:
             return TritonAttention()
         if name == "triton":

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 from typing import Any
 
 from carpool.model.arch import ARCHITECTURES, architecture_of
 from carpool.model.arch.base import FULL, SLIDING
+from carpool.model.arch.deepseek import MLASpec
 from carpool.model.moe_spec import MoESpec
 
 
@@ -45,7 +47,9 @@ class ModelConfig:
     (``tanh(logits / cap) * cap``) and the sliding layers' own rope
     (``local_rope_theta``; None: as the full layers). ``moe``: the
     mixture-of-experts MLP of the layers ``moe_layers`` marks (the others
-    keep a dense MLP of ``intermediate_size``), or None.
+    keep a dense MLP of ``intermediate_size``), or None. ``mla``: multi-head
+    latent attention's sizes (DeepSeek), or None; its cache holds one latent
+    per token and layer (``cache_dim`` wide) instead of K and V per KV head.
     """
 
     architecture: str
@@ -77,6 +81,7 @@ class ModelConfig:
     local_rope_scaling: dict | None = None
     moe: MoESpec | None = None
     moe_layers: tuple[bool, ...] = ()
+    mla: MLASpec | None = None
 
     def __post_init__(self) -> None:
         if not self.layer_types:
@@ -111,8 +116,36 @@ class ModelConfig:
 
     @property
     def scale(self) -> float:
-        """The attention's score scale."""
-        return self.attention_scale if self.attention_scale is not None else self.head_dim ** -0.5
+        """The attention's score scale (MLA: over its whole q/k head, with
+        yarn's ``mscale_all_dim`` correction squared, as DeepSeek does)."""
+        if self.attention_scale is not None:
+            return self.attention_scale
+        if self.mla is None:
+            return self.head_dim ** -0.5
+        scale = self.mla.qk_head_dim ** -0.5
+        scaling = self.rope_scaling or {}
+        if scaling.get("mscale_all_dim"):
+            mscale = yarn_mscale(scaling["factor"], scaling["mscale_all_dim"])
+            scale *= mscale * mscale
+        return scale
+
+    # The KV cache's geometry: per layer, ``cache_tensors`` tensors (K and V,
+    # or MLA's one latent) of ``cache_heads`` x ``cache_dim`` per token.
+    @property
+    def cache_tensors(self) -> int:
+        return 1 if self.mla is not None else 2
+
+    @property
+    def cache_heads(self) -> int:
+        return 1 if self.mla is not None else self.num_kv_heads
+
+    @property
+    def cache_dim(self) -> int:
+        return self.mla.latent_dim if self.mla is not None else self.head_dim
+
+    def kv_bytes_per_token(self, element_bytes: int) -> int:
+        return (self.num_layers * self.cache_tensors * self.cache_heads * self.cache_dim
+                * element_bytes)
 
     def to_hf_config(self) -> dict[str, Any]:
         """A ``config.json``-compatible dict that transformers can load."""
@@ -146,3 +179,8 @@ class ModelConfig:
         if "rope_parameters" in out:  # the family writes rope per layer type
             del out["rope_theta"], out["rope_scaling"]
         return out
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature: ``0.1 * mscale * ln(factor) + 1`` (1 below factor 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0

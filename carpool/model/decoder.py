@@ -29,6 +29,7 @@ from carpool.model.hf_names import (
     o_proj_has_bias,
 )
 from carpool.model.layers import RMSNorm, Rotary, StepKind
+from carpool.model.mla import LatentAttention
 from carpool.model.moe import MoEBlock
 
 __all__ = ["DecoderLayer", "DecoderModel", "RMSNorm", "Rotary", "StepKind"]
@@ -41,9 +42,12 @@ class DecoderLayer(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.q_size = c.num_heads * c.head_dim
         self.kv_size = c.num_kv_heads * c.head_dim
-        self.qkv_proj = nn.Linear(c.hidden_size, self.q_size + 2 * self.kv_size,
-                                  bias=c.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, c.hidden_size, bias=o_proj_has_bias(c))
+        # Attention: grouped-query (q/k/v fused), or latent (MLA: DeepSeek).
+        self.mla = LatentAttention(c) if c.mla is not None else None
+        if self.mla is None:
+            self.qkv_proj = nn.Linear(c.hidden_size, self.q_size + 2 * self.kv_size,
+                                      bias=c.attention_bias)
+            self.o_proj = nn.Linear(self.q_size, c.hidden_size, bias=o_proj_has_bias(c))
         # The MLP: dense (gate/up fused) or a mixture of experts.
         self.moe = MoEBlock(c.moe, c.hidden_size) if c.is_moe_layer(index) else None
         if self.moe is None:
@@ -67,8 +71,9 @@ class DecoderLayer(nn.Module):
     def linear_names(self) -> tuple[str, ...]:
         """The dense linear layers decode paths may replace (quantized,
         packed, blocked copies): the experts' weights are not among them."""
+        attention = () if self.mla is not None else ("qkv_proj", "o_proj")
         mlp = () if self.moe is not None else ("gate_up_proj", "down_proj")
-        return ("qkv_proj", "o_proj", *mlp)
+        return (*attention, *mlp)
 
     def forward(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata, kv: tuple[torch.Tensor, torch.Tensor],
@@ -79,6 +84,12 @@ class DecoderLayer(nn.Module):
         # ``DecoderModel.forward``); every op but attention is row by row, so
         # they never touch a real row, and attention sees only real ones.
         rows, tokens = hidden.shape[0], meta.positions.shape[0]
+        if self.mla is not None:
+            attn = self.mla(self.input_layernorm(hidden, ops)[:tokens], rope, meta, kv[0],
+                            attention)
+            if rows > tokens:
+                attn = F.pad(attn, (0, 0, 0, rows - tokens))
+            return self._residual_mlp(hidden, attn, tokens, ops)
         qkv = self.qkv_proj(self.input_layernorm(hidden, ops))[:tokens]
         if self.q_norm is not None:
             qkv = self._norm_qk(qkv, ops)
@@ -93,11 +104,16 @@ class DecoderLayer(nn.Module):
             attn = self._attention(qkv, rope, kv, meta, attention, ops)
         if rows > tokens:
             attn = F.pad(attn, (0, 0, 0, rows - tokens))
+        return self._residual_mlp(hidden, self.o_proj(attn), tokens, ops)
+
+    def _residual_mlp(self, hidden: torch.Tensor, attn: torch.Tensor, tokens: int,
+                      ops) -> torch.Tensor:  # noqa: ANN001
+        """The attention's output (projected) added, then the MLP's."""
         if self.sandwich:
-            hidden = hidden + self.post_attention_layernorm(self.o_proj(attn), ops)
+            hidden = hidden + self.post_attention_layernorm(attn, ops)
             out = self._mlp(self.pre_feedforward_layernorm(hidden, ops), tokens, ops)
             return hidden + self.post_feedforward_layernorm(out, ops)
-        hidden = hidden + self.o_proj(attn)
+        hidden = hidden + attn
         return hidden + self._mlp(self.post_attention_layernorm(hidden, ops), tokens, ops)
 
     def _mlp(self, x: torch.Tensor, tokens: int, ops) -> torch.Tensor:  # noqa: ANN001
@@ -218,12 +234,15 @@ class DecoderModel(nn.Module):
             self.lm_head.weight.copy_(take(LM_HEAD))
         for index, layer in enumerate(self.layers):
             n = layer_names(index)
-            layer.qkv_proj.weight.copy_(torch.cat([take(n[p]) for p in "qkv"]))
-            if layer.qkv_proj.bias is not None:
-                layer.qkv_proj.bias.copy_(torch.cat([take(n[f"{p}_bias"]) for p in "qkv"]))
-            layer.o_proj.weight.copy_(take(n["o"]))
-            if layer.o_proj.bias is not None:
-                layer.o_proj.bias.copy_(take(n["o_bias"]))
+            if layer.mla is not None:
+                layer.mla.load_hf_weights(weights, index)
+            else:
+                layer.qkv_proj.weight.copy_(torch.cat([take(n[p]) for p in "qkv"]))
+                if layer.qkv_proj.bias is not None:
+                    layer.qkv_proj.bias.copy_(torch.cat([take(n[f"{p}_bias"]) for p in "qkv"]))
+                layer.o_proj.weight.copy_(take(n["o"]))
+                if layer.o_proj.bias is not None:
+                    layer.o_proj.bias.copy_(take(n["o_bias"]))
             if layer.moe is not None:
                 layer.moe.load_hf_weights(weights, layer_prefix(index))
             else:

@@ -6,9 +6,9 @@ for: the one the model will be served in), tokenizer.json and
 tokenizer_config.json (with the chat template), so the rest of carpool, and
 transformers, load it like any HF checkpoint.
 
-Supported: GGUF architectures "llama" (Llama, Mistral, SmolLM2 and the like)
-and "qwen2", with a byte-level BPE vocabulary (``tokenizer.ggml.model`` =
-"gpt2").
+Supported: the GGUF architectures of carpool/model/gguf_arch.py ("llama":
+Llama, Mistral, SmolLM2 and the like; "qwen2", "qwen3", "qwen3moe"), with a
+byte-level BPE vocabulary (``tokenizer.ggml.model`` = "gpt2").
 """
 
 from __future__ import annotations
@@ -30,6 +30,12 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from carpool.model.config import ModelConfig
+from carpool.model.gguf_arch import (
+    _meta,
+    gguf_model_config,
+    hf_tensors,
+    unpermute_qk,
+)
 
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 _LLAMA3_SPLIT = (
@@ -52,31 +58,8 @@ _PRE_TOKENIZERS = types.MappingProxyType({
        for name in ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone")},
 })
 
-_GLOBAL_TENSORS = types.MappingProxyType({
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-})
-_LAYER_TENSORS = types.MappingProxyType({
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.bias": "self_attn.o_proj.bias",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-})
-# GGUF architecture -> HF model_type. llama.cpp writes Mistral as "llama".
-_ARCHITECTURES = types.MappingProxyType({"llama": "llama", "qwen2": "qwen2"})
 # llama.cpp token types.
 _CONTROL, _USER_DEFINED = 3, 4
-_NO_DEFAULT = object()
 _STALE_TEMP_SECONDS = 6 * 3600
 
 
@@ -145,125 +128,6 @@ def open_gguf(gguf_path: str | Path) -> gguf.GGUFReader:
         raise ValueError(f"truncated or corrupt GGUF file ({exc})") from exc
 
 
-def _meta(reader: gguf.GGUFReader, key: str, default: Any = _NO_DEFAULT) -> Any:
-    field = reader.get_field(key)
-    if field is None:
-        if default is _NO_DEFAULT:
-            raise ValueError(f"GGUF metadata lacks {key!r}")
-        return default
-    return field.contents()
-
-
-def _tensor(reader: gguf.GGUFReader, name: str) -> Any:
-    for tensor in reader.tensors:
-        if tensor.name == name:
-            return tensor
-    return None
-
-
-def gguf_model_config(reader: gguf.GGUFReader) -> ModelConfig:
-    """`ModelConfig` from GGUF metadata; ValueError for an unsupported architecture."""
-    arch = _meta(reader, "general.architecture")
-    if arch not in _ARCHITECTURES:
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(_ARCHITECTURES)}")
-    embed = _tensor(reader, "token_embd.weight")
-    if embed is None:
-        raise ValueError("GGUF has no token_embd.weight tensor")
-    hidden = int(_meta(reader, f"{arch}.embedding_length"))
-    heads = int(_meta(reader, f"{arch}.attention.head_count"))
-    head_dim = int(_meta(reader, f"{arch}.attention.key_length", hidden // heads))
-    theta = float(_meta(reader, f"{arch}.rope.freq_base", 10000.0))
-    context = int(_meta(reader, f"{arch}.context_length"))
-    eos = [_meta(reader, f"tokenizer.ggml.{k}_token_id", None) for k in ("eos", "eot", "eom")]
-    return ModelConfig(
-        architecture=_ARCHITECTURES[arch],
-        vocab_size=int(embed.shape[1]),
-        hidden_size=hidden,
-        intermediate_size=int(_meta(reader, f"{arch}.feed_forward_length")),
-        num_layers=int(_meta(reader, f"{arch}.block_count")),
-        num_heads=heads,
-        num_kv_heads=int(_meta(reader, f"{arch}.attention.head_count_kv", heads)),
-        head_dim=head_dim,
-        rms_norm_eps=float(_meta(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_theta=theta,
-        rope_scaling=_rope_scaling(reader, arch, head_dim, theta),
-        max_position_embeddings=context,
-        tie_word_embeddings=_tensor(reader, "output.weight") is None,
-        attention_bias=arch == "qwen2" or _tensor(reader, "blk.0.attn_q.bias") is not None,
-        bos_token_id=_meta(reader, "tokenizer.ggml.bos_token_id", None),
-        eos_token_ids=list(dict.fromkeys(int(e) for e in eos if e is not None)),
-    )
-
-
-def _rope_scaling(reader: gguf.GGUFReader, arch: str, head_dim: int, theta: float) -> dict | None:
-    freqs = _tensor(reader, "rope_freqs.weight")
-    if freqs is not None:
-        factors = gguf.quants.dequantize(freqs.data, freqs.tensor_type).astype(np.float64).reshape(-1)
-        return llama3_scaling_from_factors(factors, head_dim, theta)
-    kind = _meta(reader, f"{arch}.rope.scaling.type", None)
-    if kind in (None, "none"):
-        return None
-    factor = float(_meta(reader, f"{arch}.rope.scaling.factor"))
-    scaling: dict[str, Any] = {"rope_type": kind, "factor": factor}
-    original = _meta(reader, f"{arch}.rope.scaling.original_context_length", None)
-    if original is not None and kind != "linear":
-        scaling["original_max_position_embeddings"] = int(original)
-    return scaling
-
-
-def llama3_scaling_from_factors(factors: np.ndarray, head_dim: int, theta: float) -> dict | None:
-    """Recover a llama3 ``rope_scaling`` dict from llama.cpp's ``rope_freqs`` tensor.
-
-    llama.cpp stores Llama 3.1's scaling as one divisor per frequency: 1 for
-    short wavelengths, ``factor`` for long ones and, in the band between,
-    ``1 / ((1 - s) / factor + s)`` with ``s = old_len / wavelen / (high - low)
-    - low / (high - low)``. The band fixes ``old_len / (high - low)`` and
-    ``low / (high - low)`` only; every (old_len, low, high) sharing those gives
-    the same frequencies, so old_len is taken as 8192 (Llama 3.1's own).
-    """
-    factor = float(factors.max())
-    if factor <= 1.0:
-        return None
-    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    tol = 1e-5 * factor
-    band = (factors > 1.0 + tol) & (factors < factor - tol)
-    if band.sum() < 2:
-        raise ValueError("cannot recover the rope scaling from rope_freqs (too few interpolated frequencies)")
-    smooth = (1.0 / factors[band] - 1.0 / factor) / (1.0 - 1.0 / factor)
-    slope, intercept = np.polyfit(inv_freq[band] / (2 * np.pi), smooth, 1)
-    old_len = 8192
-    width = old_len / slope
-    low = -intercept * width
-    return {
-        "rope_type": "llama3",
-        "factor": factor,
-        "low_freq_factor": float(f"{low:.6g}"),
-        "high_freq_factor": float(f"{low + width:.6g}"),
-        "original_max_position_embeddings": old_len,
-    }
-
-
-def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
-    """Undo llama.cpp's reordering of q/k rows for its interleaved rotary layout.
-
-    llama.cpp stores each head's rows as (half, pair) swapped to (pair, half);
-    this restores HF's half-split order. Works for weights and 1-D biases.
-    """
-    half = weight.shape[0] // num_heads // 2
-    restored = weight.reshape(num_heads, half, 2, *weight.shape[1:]).swapaxes(1, 2)
-    return np.ascontiguousarray(restored.reshape(weight.shape))
-
-
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """The HF name of a GGUF tensor, or None for one the HF layout has no place for."""
-    if gguf_name in _GLOBAL_TENSORS:
-        return _GLOBAL_TENSORS[gguf_name]
-    parts = gguf_name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_TENSORS:
-        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}"
-    return None
-
-
 def gguf_weights(reader: gguf.GGUFReader, config: ModelConfig, dtype: torch.dtype = torch.float32,
                  progress: bool = False) -> dict[str, torch.Tensor]:
     """Every tensor dequantized to float32 under its HF name, q/k unpermuted for
@@ -277,18 +141,19 @@ def gguf_weights(reader: gguf.GGUFReader, config: ModelConfig, dtype: torch.dtyp
     for tensor in bar:
         if tensor.name == "rope_freqs.weight":
             continue  # folded into config.rope_scaling
-        name = hf_tensor_name(tensor.name)
-        if name is None:
-            raise ValueError(f"unexpected tensor {tensor.name!r} for a {config.architecture} model")
         array = np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32, copy=True)
         expected = tuple(int(n) for n in reversed(tensor.shape))
         if array.shape != expected:
             array = array.reshape(expected)
-        if permuted and ".self_attn.q_proj." in name:
-            array = unpermute_qk(array, config.num_heads)
-        elif permuted and ".self_attn.k_proj." in name:
-            array = unpermute_qk(array, config.num_kv_heads)
-        weights[name] = torch.from_numpy(array).to(dtype)
+        named = hf_tensors(tensor.name, array)
+        if named is None:
+            raise ValueError(f"unexpected tensor {tensor.name!r} for a {config.architecture} model")
+        for name, part in named:
+            if permuted and ".self_attn.q_proj." in name:
+                part = unpermute_qk(part, config.num_heads)
+            elif permuted and ".self_attn.k_proj." in name:
+                part = unpermute_qk(part, config.num_kv_heads)
+            weights[name] = torch.from_numpy(part).to(dtype)
     return weights
 
 

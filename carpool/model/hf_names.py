@@ -40,6 +40,33 @@ def layer_prefix(index: int) -> str:
     return f"model.layers.{index}."
 
 
+def mla_names(index: int) -> dict[str, str]:
+    """Layer ``index``'s MLA tensor names by role."""
+    attn = layer_prefix(index) + "self_attn."
+    names = {role: f"{attn}{role}.weight" for role in (
+        "q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")}
+    names["q_a_layernorm"] = attn + "q_a_layernorm.weight"
+    names["kv_a_layernorm"] = attn + "kv_a_layernorm.weight"
+    return names
+
+
+def mla_shapes(config: ModelConfig, index: int) -> dict[str, tuple[int, ...]]:
+    """The MLA tensors a checkpoint's layer ``index`` must hold, with shapes."""
+    m, hidden, heads = config.mla, config.hidden_size, config.num_heads
+    n = mla_names(index)
+    shapes = {n["kv_a_proj_with_mqa"]: (m.latent_dim, hidden),
+              n["kv_a_layernorm"]: (m.kv_lora_rank,),
+              n["kv_b_proj"]: (heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank),
+              n["o_proj"]: (hidden, heads * m.v_head_dim)}
+    if m.q_lora_rank is None:
+        shapes[n["q_proj"]] = (heads * m.qk_head_dim, hidden)
+    else:
+        shapes.update({n["q_a_proj"]: (m.q_lora_rank, hidden),
+                       n["q_a_layernorm"]: (m.q_lora_rank,),
+                       n["q_b_proj"]: (heads * m.qk_head_dim, m.q_lora_rank)})
+    return shapes
+
+
 def expected_shapes(config: ModelConfig,
                     names: Collection[str] = ()) -> dict[str, tuple[int, ...]]:
     """The tensor names and shapes a checkpoint for ``config`` must contain.
@@ -53,11 +80,12 @@ def expected_shapes(config: ModelConfig,
         shapes[LM_HEAD] = (c.vocab_size, c.hidden_size)
     for i in range(c.num_layers):
         n = layer_names(i)
-        shapes.update({
-            n["input_norm"]: (c.hidden_size,), n["post_norm"]: (c.hidden_size,),
-            n["q"]: (q, c.hidden_size), n["k"]: (kv, c.hidden_size), n["v"]: (kv, c.hidden_size),
-            n["o"]: (c.hidden_size, q),
-        })
+        shapes.update({n["input_norm"]: (c.hidden_size,), n["post_norm"]: (c.hidden_size,)})
+        if c.mla is not None:
+            shapes.update(mla_shapes(c, i))
+        else:
+            shapes.update({n["q"]: (q, c.hidden_size), n["k"]: (kv, c.hidden_size),
+                           n["v"]: (kv, c.hidden_size), n["o"]: (c.hidden_size, q)})
         if c.is_moe_layer(i):
             prefix = layer_prefix(i)
             layout = detect_layout(names, c.moe, prefix) if names else PER_EXPERT
@@ -70,7 +98,7 @@ def expected_shapes(config: ModelConfig,
             shapes.update({n["q_norm"]: (c.head_dim,), n["k_norm"]: (c.head_dim,)})
         if c.sandwich_norms:
             shapes.update({n["pre_ff_norm"]: (c.hidden_size,), n["post_ff_norm"]: (c.hidden_size,)})
-        if c.attention_bias:
+        if c.attention_bias and c.mla is None:
             shapes.update({n["q_bias"]: (q,), n["k_bias"]: (kv,), n["v_bias"]: (kv,)})
         if o_proj_has_bias(c):
             shapes[n["o_bias"]] = (c.hidden_size,)

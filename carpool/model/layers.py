@@ -49,7 +49,8 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    """Inverse rotary frequencies, with the rope scaling applied."""
+    """Inverse rotary frequencies, with the rope scaling applied (yarn's
+    attention factor is ``rope_attention_factor``'s)."""
     dim = head_dim
     inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     scaling = scaling or {}
@@ -60,7 +61,56 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
         return (inv_freq / scaling["factor"]).float()
     if kind == "llama3":
         return _llama3_inv_freq(inv_freq, scaling).float()
-    raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3)")
+    if kind == "yarn":
+        return _yarn_inv_freq(head_dim, theta, scaling)
+    raise ValueError(f"unsupported rope scaling type {kind!r} "
+                     "(supported: default, linear, llama3, yarn)")
+
+
+def _yarn_factor(scaling: dict) -> float:
+    factor = scaling.get("factor")
+    if factor is None:  # DeepSeek: the context's growth over the pretrained one
+        factor = scaling["max_position_embeddings"] / scaling["original_max_position_embeddings"]
+    return float(factor)
+
+
+def rope_attention_factor(scaling: dict | None) -> float:
+    """What yarn multiplies cos and sin by (1 for every other rope)."""
+    scaling = scaling or {}
+    if scaling.get("rope_type") != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    from carpool.model.config import yarn_mscale
+
+    factor = _yarn_factor(scaling)
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+    return yarn_mscale(factor)
+
+
+def _yarn_inv_freq(dim: int, theta: float, scaling: dict) -> torch.Tensor:
+    # Frequencies that turn fewer than beta_slow times over the pretrained
+    # context are interpolated (divided by factor), those over beta_fast
+    # kept, with a linear ramp between (YaRN's "NTK-by-parts").
+    factor = _yarn_factor(scaling)
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+    original = scaling["original_max_position_embeddings"]
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # the share of the unscaled frequency (fp32, as transformers)
+    pos_freqs = theta ** (torch.arange(0, dim, 2).float() / dim)
+    return (1.0 / (factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -86,8 +136,9 @@ class Rotary(nn.Module):
         super().__init__()
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        factor = rope_attention_factor(scaling)
+        self.register_buffer("cos", freqs.cos() * factor, persistent=False)
+        self.register_buffer("sin", freqs.sin() * factor, persistent=False)
 
     @classmethod
     def of(cls, config, max_positions: int, local: bool = False) -> "Rotary":  # noqa: ANN001

@@ -24,12 +24,8 @@ import torch
 from safetensors.torch import load_file
 
 from carpool.model.config import ModelConfig
-from carpool.model.gguf_convert import (
-    convert_gguf,
-    gguf_model_config,
-    gguf_tokenizer_files,
-    open_gguf,
-)
+from carpool.model.gguf_arch import gguf_model_config
+from carpool.model.gguf_convert import convert_gguf, gguf_tokenizer_files, open_gguf
 from carpool.model.hf_names import expected_shapes
 from carpool.model.hf_repo import download_model, is_repo_id
 from carpool.model.hub import DEFAULT_MODEL_NAME, ModelFetchError, fetch_default_model

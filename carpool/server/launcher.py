@@ -138,8 +138,10 @@ class _Runner:
         host, port = self.server.servers[0].sockets[0].getsockname()[:2]
         ctx = self.ctx
         stats = ctx.engine.stats
-        log.info("serving %r on http://%s:%s (context %d tokens, KV cache %d blocks)",
-                 ctx.model_name, host, port, ctx.max_model_len, stats.kv_num_blocks)
+        per_token = ctx.engine.info.cache_info.get("kv_bytes_per_token", "?")
+        log.info("serving %r on http://%s:%s (context %d tokens, KV cache %d blocks, %s bytes "
+                 "per token)", ctx.model_name, host, port, ctx.max_model_len,
+                 stats.kv_num_blocks, per_token)
         slo_text = ctx.engine.info.slo_text
         if slo_text is not None:
             log.info("%s (--adaptive false for plain batching)", slo_text)

@@ -144,8 +144,7 @@ class PDFleet:
             if store_server is not None:
                 store_server.stop()
             raise failure
-        layers, heads, head_dim, dtype_bytes = pools[1].info.kv_shape
-        planner = PDPlanner(router, KVShape(layers, heads, head_dim, dtype_bytes), link,
+        planner = PDPlanner(router, KVShape(*pools[1].info.kv_shape), link,
                             min_remote_tokens, always=mode == "always",
                             stall_weight=stall_weight)
         return cls(*pools, store_server, planner)

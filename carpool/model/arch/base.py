@@ -57,6 +57,12 @@ def common_fields(d: dict, model_type: str, default_max_positions: int) -> dict[
     heads = required(d, "num_attention_heads")
     if d.get("mlp_bias"):
         raise ValueError("unsupported config: mlp_bias=true")
+    quantized = d.get("quantization_config")
+    if quantized:
+        method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else "?"
+        raise ValueError(f"unsupported checkpoint: weights quantized with {method!r} "
+                         "(quantization_config); carpool reads 16/32-bit safetensors or GGUF "
+                         "(dequantize to bf16 first; --quantization quantizes at load)")
     rope_theta, rope_scaling = rope_of(d)
     return {
         "architecture": model_type,
