@@ -280,3 +280,40 @@ def test_each_family_loads_from_a_hub_repo_id(tmp_path, tiny_model_dir, monkeypa
     assert llm.engine.model_config.architecture == model_type
     for out in llm.generate(PROMPTS[:2], GREEDY_LP):
         assert_says_what_transformers_says(reference, out)
+
+
+def test_a_fleet_moves_latent_blocks_between_replicas_through_the_store(deepseek):
+    """``carpool serve --replicas 2 --kv-store local`` on DeepSeek (MLA, MoE):
+    a prompt computed on one replica is served from its latent blocks on the
+    other, with the tokens one engine gives; expert load reaches /metrics."""
+    import time
+
+    from server_utils import ServerProcess
+
+    path, reference = deepseek
+    prompt = list(range(7, 7 + 64)) + [1]
+    want = greedy_reference(reference, prompt, 4)
+    with ServerProcess([str(path), "--dtype", "float32", "--adaptive", "false", "--replicas",
+                        "2", "--routing", "round-robin", "--kv-store", "local",
+                        "--served-model-name", "ds"]) as server, server.client() as http:
+        body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+        first = http.post("/v1/completions", json=body).json()
+        deadline = time.monotonic() + 30
+        while _metric(http, "carpool:kv_store_blocks_saved_total{") < 4:
+            assert time.monotonic() < deadline, "the prompt's blocks never reached the store"
+            time.sleep(0.1)
+        again = http.post("/v1/completions", json=body).json()
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 64
+        assert again["choices"][0]["text"] == first["choices"][0]["text"]
+        metrics = http.get("/metrics").text
+        assert "carpool:moe_expert_tokens_total{" in metrics
+        assert 'kv_bytes_per_token="192"' in metrics  # 2 layers x (16 + 8) x 4 bytes
+    offline = LLM(str(path), dtype="float32").generate(
+        [prompt], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))[0]
+    assert list(offline.token_ids) == want  # one engine says what transformers says
+    assert first["choices"][0]["text"] == offline.text  # and the fleet what one engine says
+
+
+def _metric(http, prefix: str) -> float:
+    lines = [line for line in http.get("/metrics").text.splitlines() if line.startswith(prefix)]
+    return sum(float(line.split()[-1]) for line in lines)
