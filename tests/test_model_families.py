@@ -186,12 +186,15 @@ def test_a_prefill_decode_split_says_what_transformers_says(family, request):
 
 
 @pytest.mark.parametrize("model_type,extra", [
-    ("qwen3", {"head_dim": 16}), ("gemma3_text", GEMMA)], ids=["qwen3", "gemma3"])
+    ("qwen3", {"head_dim": 16}), ("gemma3_text", GEMMA),
+    ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}), ("deepseek_v3", DEEPSEEK)],
+    ids=["qwen3", "gemma3", "mixtral", "deepseek"])
 def test_bf16_logits_stay_close_to_transformers_fp32(tmp_path, tiny_model_dir, model_type, extra):
     """bf16 rounds every matmul: the top-5 log-probabilities of the first
     token within 0.1 nats of transformers' fp32 (measured: at most 0.02
-    for Qwen3, 0.04 for Gemma 3, on log-probabilities spread over 4 and 24
-    nats; dropping the q norm moves them by 1.3 and 3.1)."""
+    for Qwen3, 0.04 for Gemma 3, 0.02 for Mixtral, 0.03 for DeepSeek, on
+    log-probabilities spread over 4 to 24 nats; dropping the q norm moves
+    them by 1.3 and 3.1)."""
     reference = save_random_model(tmp_path, tiny_model_dir, model_type, extra)
     llm = LLM(str(tmp_path), dtype="bfloat16")
     params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=5)
