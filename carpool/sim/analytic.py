@@ -5,14 +5,21 @@ an 8B model), a step is priced with a roofline: the step takes as long as
 the slower of its arithmetic (at a fraction of peak FLOP/s) and its memory
 traffic (at a fraction of peak bandwidth), plus a fixed engine overhead.
 Reports label it ``model_kind == "analytic"``, next to the measured kind of
-carpool/sim/fitted.py. Pure Python: no torch.
+carpool/sim/fitted.py. The model's sizes are a ``ModelShape``
+(carpool/sim/model_shapes.py, re-exported here with the presets
+``MODELS``). Pure Python: no torch.
 
 Assumptions, all deliberately simple:
 
 * Linear layers cost 2 FLOPs per weight per computed token; the LM head
-  runs once per sequence (only the sampled position is projected).
-* Attention costs 4 * layers * heads * head_dim FLOPs per (query, key)
-  pair (scores plus the weighted sum of values). The pairs of a step are
+  runs once per sequence (only the sampled position is projected). A
+  mixture-of-experts layer computes only the weights a token is routed
+  through (``active_body_params``: top_k experts, the shared experts, the
+  router); MLA's absorbed up-projections are its ``kv_b_proj`` weights.
+* Attention costs ``ModelShape.pair_flops`` per (query, key) pair: 4 *
+  layers * heads * head_dim (scores plus the weighted sum of values); with
+  MLA 2 * layers * heads * (2 * kv_lora_rank + qk_rope_head_dim) (absorbed
+  attention: every head scores the whole latent row and sums latents). The pairs of a step are
   estimated as ``context_tokens + P * (P - 1) / 2`` for ``P`` prefill
   tokens: every KV entry of the step is read by at least one query (exact
   for decodes), and the prefill tokens add a causal block as if they were
@@ -22,21 +29,32 @@ Assumptions, all deliberately simple:
   is under-counted (its prefix is counted once, not once per chunk token)
   and several prefill chunks in one step are over-counted (as one block).
   The estimate never decreases when a field of the shape grows.
-* Memory traffic is every weight read once per step (the embedding table
+* Memory traffic is every weight a step uses read once (the embedding table
   only through its gathered rows, unless tied to the LM head) plus every
-  KV entry of the step read once; activations are ignored.
+  KV entry of the step read once; activations are ignored. Of the routed
+  experts only those the step's tokens reach are read: with ``T`` tokens
+  each picking top_k of ``E`` experts uniformly at random, ``E * (1 - (1 -
+  k/E) ** T)`` per MoE layer in expectation (all of them for a large
+  batch). Real routing is skewed, which touches fewer: an upper bound.
+* Expert load imbalance: a grouped MoE GEMM runs as long as its busiest
+  expert, so the routed experts' FLOPs are scaled by ``expert_imbalance``
+  (the busiest expert's tokens over the mean; 1.0: balanced), at most
+  ``E / k`` (no expert takes more than every token).
 * An empty step (no tokens) costs nothing: the engine does not run one.
+* Memory planning (``max_kv_tokens``) holds every weight, all experts
+  included; only compute uses the active ones.
 """
 from __future__ import annotations
 
 import types
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 from carpool.executor.shapes import StepShape
+from carpool.sim.model_shapes import MODELS, ModelShape
 
-if TYPE_CHECKING:
-    from carpool.model.config import ModelConfig
+__all__ = ["HARDWARE", "MODELS", "AnalyticCostModel", "HardwareSpec", "ModelShape",
+           "analytic_from_names"]
 
 # Engineering assumptions, not datasheet values: large bf16 GEMMs reach about
 # half of dense peak end to end, streaming reads about 80% of peak HBM
@@ -91,102 +109,17 @@ class HardwareSpec:
 # Dense bf16 tensor-core FLOP/s, HBM/GDDR bandwidth and capacity (decimal
 # bytes), from the NVIDIA datasheets of each part (SXM form factor where
 # there is a choice; the datasheets quote sparsity FLOP/s at twice these).
+# The 8x presets are one replica over a whole 8-GPU node (models such as
+# DeepSeek-V3 fit nowhere less): eight times each figure, as if tensor or
+# expert parallelism split every step evenly and its communication were
+# free; an optimistic bound.
 HARDWARE = types.MappingProxyType({
     "h100-sxm": HardwareSpec("h100-sxm", 989e12, 3.35e12, memory_bytes=80e9),
     "h200": HardwareSpec("h200", 989e12, 4.8e12, memory_bytes=141e9),
     "a100-80gb": HardwareSpec("a100-80gb", 312e12, 2.039e12, memory_bytes=80e9),
     "l4": HardwareSpec("l4", 121e12, 300e9, memory_bytes=24e9),
-})
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The shape of a Llama-family decoder (GQA attention, SwiGLU MLP).
-
-    head_dim defaults to hidden // heads; qkv_bias adds the q/k/v biases
-    of Qwen2 to the parameter count.
-    """
-
-    name: str
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    intermediate: int
-    vocab: int
-    tied_embeddings: bool
-    head_dim: int = 0
-    qkv_bias: bool = False
-
-    def __post_init__(self) -> None:
-        sizes = (self.layers, self.hidden, self.heads, self.kv_heads, self.intermediate, self.vocab)
-        if min(sizes) <= 0 or self.head_dim < 0:
-            raise ValueError(f"{self.name}: model sizes must be positive")
-        if self.heads % self.kv_heads:
-            raise ValueError(f"{self.name}: heads ({self.heads}) must be a multiple of "
-                             f"kv_heads ({self.kv_heads})")
-        if not self.head_dim:
-            if self.hidden % self.heads:
-                raise ValueError(f"{self.name}: hidden ({self.hidden}) is not a multiple of "
-                                 f"heads ({self.heads}); give head_dim")
-            object.__setattr__(self, "head_dim", self.hidden // self.heads)
-
-    @classmethod
-    def from_config(cls, config: ModelConfig, name: str = "model") -> ModelShape:
-        """The shape of a loaded ``carpool.model.config.ModelConfig``."""
-        return cls(name=name, layers=config.num_layers, hidden=config.hidden_size,
-                   heads=config.num_heads, kv_heads=config.num_kv_heads,
-                   intermediate=config.intermediate_size, vocab=config.vocab_size,
-                   tied_embeddings=config.tie_word_embeddings, head_dim=config.head_dim,
-                   qkv_bias=config.attention_bias)
-
-    @property
-    def q_dim(self) -> int:
-        """Width of the query projection: heads * head_dim."""
-        return self.heads * self.head_dim
-
-    @property
-    def layer_params(self) -> int:
-        """Parameters of one decoder layer (attention, MLP, two norms)."""
-        kv_dim = self.kv_heads * self.head_dim
-        attention = 2 * self.hidden * self.q_dim + 2 * self.hidden * kv_dim
-        if self.qkv_bias:
-            attention += self.q_dim + 2 * kv_dim
-        return attention + 3 * self.hidden * self.intermediate + 2 * self.hidden
-
-    @property
-    def body_params(self) -> int:
-        """Parameters every computed token passes through: the layers and
-        the final norm (no embedding table, no LM head)."""
-        return self.layers * self.layer_params + self.hidden
-
-    @property
-    def params(self) -> int:
-        """All parameters, counting a tied embedding/LM head once."""
-        table = self.vocab * self.hidden
-        return self.body_params + table * (1 if self.tied_embeddings else 2)
-
-    @property
-    def streamed_params(self) -> int:
-        """Parameters read in full by every step: the body and the LM head
-        (the input embedding is only gathered row by row)."""
-        return self.body_params + self.vocab * self.hidden
-
-    def kv_bytes_per_token(self, dtype_bytes: float) -> float:
-        """Bytes of K and V cached per token over all layers."""
-        return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict that ``ModelShape(**d)`` rebuilds."""
-        return asdict(self)
-
-
-# Shapes from each model's published Hugging Face config.json.
-MODELS = types.MappingProxyType({
-    "llama-3-8b": ModelShape("llama-3-8b", 32, 4096, 32, 8, 14336, 128256, False),
-    "llama-3-70b": ModelShape("llama-3-70b", 80, 8192, 64, 8, 28672, 128256, False),
-    "qwen2-7b": ModelShape("qwen2-7b", 28, 3584, 28, 4, 18944, 152064, False, qkv_bias=True),
-    "smollm2-135m": ModelShape("smollm2-135m", 30, 576, 9, 3, 1536, 49152, True),
+    "8xh100-sxm": HardwareSpec("8xh100-sxm", 8 * 989e12, 8 * 3.35e12, memory_bytes=8 * 80e9),
+    "8xh200": HardwareSpec("8xh200", 8 * 989e12, 8 * 4.8e12, memory_bytes=8 * 141e9),
 })
 
 
@@ -194,6 +127,8 @@ MODELS = types.MappingProxyType({
 class AnalyticCostModel:
     """Roofline step cost of ``model`` on ``hardware`` with weights and KV
     cache in ``dtype_bytes`` bytes per value (2 for bf16/fp16).
+    ``expert_imbalance`` (>= 1; MoE only): the busiest expert's tokens over
+    the mean, which scales the routed experts' FLOPs (module docstring).
 
     step = step_overhead_s + max(flops / effective FLOP/s,
                                  bytes / effective bandwidth)
@@ -202,6 +137,7 @@ class AnalyticCostModel:
     hardware: HardwareSpec
     model: ModelShape
     dtype_bytes: float = 2
+    expert_imbalance: float = 1.0
 
     kind: ClassVar[str] = "analytic"
     row_bucket: ClassVar[int] = 1  # prices exact tokens
@@ -209,12 +145,19 @@ class AnalyticCostModel:
     def __post_init__(self) -> None:
         if self.dtype_bytes <= 0:
             raise ValueError(f"dtype_bytes must be positive, got {self.dtype_bytes}")
-        m, hw = self.model, self.hardware
+        if not 1 <= self.expert_imbalance < float("inf"):
+            raise ValueError("expert_imbalance must be finite and >= 1, "
+                             f"got {self.expert_imbalance}")
+        m, hw, size = self.model, self.hardware, self.dtype_bytes
+        # No expert takes more than every token: the factor stops at E / k.
+        imbalance = min(self.expert_imbalance, m.experts / m.top_k) if m.is_moe else 1.0
+        routed = m.active_routed_params
         # Per-step constants, computed once: a simulation prices millions of steps.
-        constants = {"_token_flops": 2 * m.body_params, "_pair_flops": 4 * m.layers * m.q_dim,
-                     "_seq_flops": 2 * m.hidden * m.vocab,
-                     "_weight_bytes": m.streamed_params * self.dtype_bytes,
-                     "_kv_bytes": m.kv_bytes_per_token(self.dtype_bytes),
+        constants = {"_token_flops": 2 * (m.active_body_params - routed + routed * imbalance),
+                     "_pair_flops": m.pair_flops, "_seq_flops": 2 * m.hidden * m.vocab,
+                     "_weight_bytes": (m.streamed_params - m.routed_params) * size,
+                     "_expert_bytes": m.moe_layers * m.expert_params * size,
+                     "_kv_bytes": m.kv_bytes_per_token(size),
                      "_flops_rate": hw.effective_flops, "_bytes_rate": hw.effective_bandwidth}
         for name, value in constants.items():
             object.__setattr__(self, name, value)
@@ -225,9 +168,10 @@ class AnalyticCostModel:
         return self._flops(shape.tokens, shape.seqs, _pairs(shape))
 
     def step_bytes(self, shape: StepShape) -> float:
-        """Memory traffic of one step: the weights once, every KV entry once."""
+        """Memory traffic of one step: the weights it uses once (the routed
+        experts its tokens reach), every KV entry once."""
         _check(shape)
-        return self._bytes(shape.context_tokens)
+        return self._bytes(shape.tokens, shape.context_tokens)
 
     def compute_seconds(self, shape: StepShape) -> float:
         """Seconds the arithmetic alone would take."""
@@ -257,12 +201,15 @@ class AnalyticCostModel:
     def _flops(self, tokens: int, seqs: int, pairs: float) -> float:
         return self._token_flops * tokens + self._pair_flops * pairs + self._seq_flops * seqs
 
-    def _bytes(self, context_tokens: int) -> float:
-        return self._weight_bytes + self._kv_bytes * context_tokens
+    def _bytes(self, tokens: int, context_tokens: int) -> float:
+        weights = self._weight_bytes
+        if self._expert_bytes:  # an MoE model: the experts the tokens reach
+            weights += self._expert_bytes * self.model.touched_experts(tokens)
+        return weights + self._kv_bytes * context_tokens
 
     def _seconds(self, tokens: int, seqs: int, context_tokens: int, pairs: float) -> float:
         compute = self._flops(tokens, seqs, pairs) / self._flops_rate
-        memory = self._bytes(context_tokens) / self._bytes_rate
+        memory = self._bytes(tokens, context_tokens) / self._bytes_rate
         return self.hardware.step_overhead_s + max(compute, memory)
 
     def decode_tokens_per_second(self, batch: int, context: int) -> float:
@@ -275,8 +222,9 @@ class AnalyticCostModel:
 
     def max_kv_tokens(self, memory_fraction: float = 0.9) -> int:
         """KV-cache tokens that fit in ``memory_fraction`` of device memory
-        after the weights (all of them, embedding included); 0 when the
-        capacity is unknown or the weights do not fit."""
+        after the weights (all of them: every expert, the embedding; only
+        compute uses the active ones); 0 when the capacity is unknown or the
+        weights do not fit."""
         if not 0 < memory_fraction <= 1:
             raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
         free = self.hardware.memory_bytes * memory_fraction - self.model.params * self.dtype_bytes
@@ -289,6 +237,7 @@ class AnalyticCostModel:
             "hardware": asdict(self.hardware),
             "model": self.model.to_dict(),
             "dtype_bytes": self.dtype_bytes,
+            "expert_imbalance": self.expert_imbalance,
             "form": _FORM,
         }
 
@@ -301,18 +250,26 @@ class AnalyticCostModel:
         try:
             hardware = HardwareSpec(**data["hardware"])
             model = ModelShape(**data["model"])
-            return cls(hardware, model, data.get("dtype_bytes", 2))
+            return cls(hardware, model, data.get("dtype_bytes", 2),
+                       data.get("expert_imbalance", 1.0))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"malformed analytic cost model: {exc!r}") from None
 
 
 _FORM = ("step = step_overhead_s + max(flops / (peak_flops * flops_efficiency), "
          "bytes / (mem_bandwidth * bandwidth_efficiency)); "
-         "flops = 2 * body_params * tokens + 4 * layers * heads * head_dim * "
-         "(context_tokens + prefill_tokens * (prefill_tokens - 1) / 2) + 2 * hidden * vocab * seqs; "
-         "bytes = (body_params + hidden * vocab) * dtype_bytes + kv_bytes_per_token * context_tokens; "
+         "flops = 2 * (active_body_params + (imbalance - 1) * active_routed_params) * tokens "
+         "+ pair_flops * (context_tokens + prefill_tokens * (prefill_tokens - 1) / 2) "
+         "+ 2 * hidden * vocab * seqs; "
+         "bytes = (body_params - routed_params + hidden * vocab "
+         "+ moe_layers * expert_params * experts * (1 - (1 - top_k / experts) ** tokens)) "
+         "* dtype_bytes "
+         "+ kv_bytes_per_token * context_tokens; "
          "assumes the prefill tokens form one causal chunk of a fresh prompt, the LM head runs once "
-         "per sequence, activations are free, and an empty step costs 0")
+         "per sequence, tokens pick experts uniformly for the weights a step reads, the busiest "
+         "expert sets the routed experts' compute (imbalance = min(expert_imbalance, "
+         "experts / top_k)), "
+         "activations are free, and an empty step costs 0")
 
 
 def _pairs(shape: StepShape) -> float:
@@ -328,11 +285,12 @@ def _check(shape: StepShape) -> None:
         raise ValueError(f"step shape has a negative field: {shape}")
 
 
-def analytic_from_names(hardware: str, model: str, dtype_bytes: float = 2) -> AnalyticCostModel:
+def analytic_from_names(hardware: str, model: str, dtype_bytes: float = 2,
+                        expert_imbalance: float = 1.0) -> AnalyticCostModel:
     """The analytic model of a preset model (``MODELS``) on a preset
     accelerator (``HARDWARE``); ValueError listing the choices otherwise."""
     if hardware not in HARDWARE:
         raise ValueError(f"unknown hardware {hardware!r}; choose one of {', '.join(sorted(HARDWARE))}")
     if model not in MODELS:
         raise ValueError(f"unknown model {model!r}; choose one of {', '.join(sorted(MODELS))}")
-    return AnalyticCostModel(HARDWARE[hardware], MODELS[model], dtype_bytes)
+    return AnalyticCostModel(HARDWARE[hardware], MODELS[model], dtype_bytes, expert_imbalance)

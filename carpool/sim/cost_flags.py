@@ -22,12 +22,16 @@ def add_cost_model_args(parser: argparse.ArgumentParser) -> None:
                             "model when --hardware is given, else the measured model of "
                             "carpool's 2-core development CPU (default model, bf16)")
     group.add_argument("--hardware", default=None,
-                       help="analytic model: accelerator preset (h100-sxm, h200, a100-80gb, l4)")
+                       help="analytic model: accelerator preset (h100-sxm, h200, a100-80gb, l4; "
+                            "8xh100-sxm, 8xh200: a whole node as one replica)")
     group.add_argument("--model-shape", default=None,
                        help="analytic model: model preset (llama-3-8b, llama-3-70b, qwen2-7b, "
-                            "smollm2-135m)")
+                            "smollm2-135m, mixtral-8x7b, qwen3-30b-a3b, deepseek-v3)")
     group.add_argument("--dtype-bytes", type=float, default=2.0,
                        help="analytic model: bytes per weight and KV value")
+    group.add_argument("--expert-imbalance", type=float, default=None,
+                       help="analytic model, MoE presets: the busiest expert's tokens over the "
+                            "mean, scaling the routed experts' FLOPs (default 1.0: balanced)")
 
 
 def cost_model_from_args(args: argparse.Namespace) -> CostModel:
@@ -35,6 +39,10 @@ def cost_model_from_args(args: argparse.Namespace) -> CostModel:
     (or one that does not say) is warned about on stderr."""
     from carpool.sim.costs import load_cost_model, warn_if_elsewhere
 
+    imbalance = getattr(args, "expert_imbalance", None)
+    if imbalance is not None and not (args.hardware or args.model_shape):
+        raise ValueError("--expert-imbalance applies to the analytic model "
+                         "(--hardware/--model-shape)")
     if args.cost_model and (args.hardware or args.model_shape):
         raise ValueError("give either --cost-model or --hardware/--model-shape, not both")
     if args.cost_model:
@@ -46,7 +54,8 @@ def cost_model_from_args(args: argparse.Namespace) -> CostModel:
             raise ValueError("the analytic cost model needs both --hardware and --model-shape")
         from carpool.sim.analytic import analytic_from_names
 
-        return analytic_from_names(args.hardware, args.model_shape, args.dtype_bytes)
+        return analytic_from_names(args.hardware, args.model_shape, args.dtype_bytes,
+                                   1.0 if imbalance is None else imbalance)
     cost = load_cost_model(DEFAULT_COST_MODEL)
     warn_if_elsewhere(cost)
     return cost
@@ -61,7 +70,7 @@ def pool_blocks(config: EngineConfig, cost: CostModel, memory_set: bool) -> int:
     if cache.num_blocks is not None:
         return cache.num_blocks
     if cost.kind == "analytic" and not memory_set:
-        return max(1, cost.max_kv_tokens(0.9) // cache.block_size)
+        return _analytic_blocks(cost, cache.block_size)
     per_token = kv_bytes_per_token(cost)
     if not per_token:
         raise ValueError("the cost model does not say how many KV bytes a token takes; "
@@ -70,3 +79,19 @@ def pool_blocks(config: EngineConfig, cost: CostModel, memory_set: bool) -> int:
     if blocks < 1:
         raise ValueError(f"kv_cache_memory {cache.kv_cache_memory} holds no KV block")
     return blocks
+
+
+def _analytic_blocks(cost, block_size: int) -> int:
+    """KV blocks in 90% of an analytic model's accelerator after every
+    weight (all experts); ValueError when not one fits."""
+    blocks = cost.max_kv_tokens(0.9) // block_size
+    if blocks >= 1:
+        return blocks
+    hardware, weights = cost.hardware, cost.model.params * cost.dtype_bytes
+    if not hardware.memory_bytes:
+        raise ValueError(f"{hardware.name} does not say its memory; pass --kv-cache-memory "
+                         "or --num-blocks")
+    raise ValueError(f"{cost.model.name}'s weights ({weights / 1e9:.0f} GB) leave no KV block "
+                     f"in 90% of {hardware.name}'s {hardware.memory_bytes / 1e9:.0f} GB; choose "
+                     "larger --hardware or smaller --dtype-bytes, or pass --kv-cache-memory "
+                     "or --num-blocks")

@@ -158,8 +158,9 @@ def pd_role(settings: PDSettings | None, index: int) -> str:
 
 def kv_shape_of(cost) -> KVShape | None:
     """The KV layout an analytic cost model's model shape has (None for a
-    measured model)."""
+    measured model); MLA's is one latent row per layer."""
     model = getattr(cost, "model", None)
     if model is None:
         return None
-    return KVShape(model.layers, model.kv_heads, model.head_dim, cost.dtype_bytes)
+    return KVShape(model.layers, model.cache_heads, model.cache_dim, cost.dtype_bytes,
+                   tensors=model.cache_tensors)
