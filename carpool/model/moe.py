@@ -2,7 +2,7 @@
 flat token batch: routing (``route``) and the experts (``MoEBlock``), with
 the weights of every expert stacked into two tensors.
 
-Two execution paths over the same weights, chosen by ``MoEBlock.impl``:
+Three execution paths over the same weights, chosen by ``MoEBlock.impl``:
 
 * ``"grouped"`` (default): sort the T*k (token, expert) pairs by expert,
   gather their rows once into one contiguous buffer, run each expert's
@@ -11,13 +11,19 @@ Two execution paths over the same weights, chosen by ``MoEBlock.impl``:
   act-and-mul over the whole buffer between), scale by the routing weights
   and scatter-add back.
 * ``"loop"``: transformers' eager reference, a boolean mask per expert.
+* ``"triton"``: the fused Triton kernels (carpool/model/triton_moe.py) on
+  the same sorted layout; on the CPU only in Triton's interpreter (tests).
+  ``"grouped"`` takes them itself on a CUDA device where Triton imports
+  and ``gemm`` is ``"auto"`` (without autograd: they have no backward).
 
 Numerics follow transformers 5.25 (see ``route`` and ``MoESpec``'s
-``router_fp32`` / ``weights_in_model_dtype``): in fp32 the two paths and
+``router_fp32`` / ``weights_in_model_dtype``): in fp32 the paths and
 transformers agree to rounding (tests/test_moe_block.py).
 """
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Mapping
 
 import torch
@@ -33,7 +39,25 @@ from carpool.model.moe_spec import (
     moe_weight_names,
 )
 
-IMPLS = ("grouped", "loop")
+IMPLS = ("grouped", "loop", "triton")
+
+
+@functools.cache
+def _triton_imports() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def triton_moe_unavailable(device: torch.device) -> str | None:
+    """Why ``impl="triton"`` cannot run on ``device``, or None when it can."""
+    if not _triton_imports():
+        return "triton is not installed"
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return "no GPU (on the CPU the kernels need TRITON_INTERPRET=1: tests only)"
+    return None
 
 
 def route(router_logits: torch.Tensor, spec: MoESpec,
@@ -130,9 +154,12 @@ class MoEBlock(nn.Module):
         self.spec, self.hidden_size = spec, hidden_size
         self.impl = impl
         # The grouped path's expert GEMMs: "mm" (one per active expert),
-        # "grouped_mm" (torch._grouped_mm, one call) or "auto": grouped_mm where
-        # a first call on this device and dtype shows it works, else mm.
+        # "grouped_mm" (torch._grouped_mm, one call) or "auto": the Triton
+        # kernels on CUDA where Triton imports, else grouped_mm where a first
+        # call on this device and dtype shows it works, else mm.
         self.gemm = "auto"
+        # The Triton kernels' tile sizes (triton_moe.BlockSizes); None: picked per call.
+        self.triton_blocks = None
         self._grouped_mm_works: dict[tuple[str, torch.dtype], bool] = {}
         self.gate = nn.Linear(hidden_size, e, bias=False)
         if spec.correction_bias:
@@ -156,7 +183,9 @@ class MoEBlock(nn.Module):
             weights = weights.to(x.dtype)
         counts = torch.bincount(ids.flatten(), minlength=self.spec.num_experts)
         self.last_expert_counts = counts.cpu()
-        if self.impl == "grouped":
+        if self._uses_triton(x):
+            out = self._triton(x, weights, ids, counts)
+        elif self.impl == "grouped":
             out = self._grouped(x, weights, ids, counts)
         else:
             out = self._loop(x, weights, ids)
@@ -171,6 +200,25 @@ class MoEBlock(nn.Module):
         if self.spec.router_fp32:
             return F.linear(x.float(), self.gate.weight.float())
         return F.linear(x, self.gate.weight.to(x.dtype)).float()
+
+    def _uses_triton(self, x: torch.Tensor) -> bool:
+        """impl "triton" always (or an error saying why it cannot); "grouped"
+        on CUDA with gemm "auto", when Triton imports and nothing needs grad."""
+        device, grad = x.device, _tracks_grad(x, self.w_gate_up, self.w_down)
+        if self.impl == "triton":
+            why = triton_moe_unavailable(device) or (grad and "it has no backward")
+            if why:
+                raise ValueError(f"MoEBlock.impl 'triton' cannot run: {why}")
+            return True
+        return (self.impl == "grouped" and self.gemm == "auto" and device.type == "cuda"
+                and not grad and _triton_imports())
+
+    def _triton(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                counts: torch.Tensor) -> torch.Tensor:
+        from carpool.model.triton_moe import fused_experts
+
+        return fused_experts(x, self.w_gate_up, self.w_down, weights, ids, counts,
+                             self.triton_blocks)
 
     def _grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                  counts: torch.Tensor) -> torch.Tensor:
