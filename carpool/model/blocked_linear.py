@@ -87,6 +87,8 @@ def block_weights(model: nn.Module) -> int:
     blocked weights; returns the bytes of blocked weights made."""
     made = 0
     for layer in model.layers:
+        if layer.moe is not None:
+            made += layer.moe.block_experts()
         for name in layer.linear_names():
             replacement = _dense_of(getattr(layer, name))
             setattr(layer, name, replacement)
