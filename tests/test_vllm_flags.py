@@ -291,8 +291,9 @@ def test_served_name_log_lines_and_pool_on_a_live_server(tiny_model_dir, tmp_pat
             assert server.wait_for_output("tok/s | busy", timeout=20), server.text()
     text = server.text()
     serving = re.search(r"^(\S+ \S+) carpool: serving '(.*)' on http://\S+ \(context \d+ tokens, "
-                        r"KV cache (\d+) blocks\)$", text, re.M)
+                        r"KV cache (\d+) blocks, (\d+) bytes per token\)$", text, re.M)
     assert serving and serving.group(2) == str(tiny_model_dir), text
+    assert int(serving.group(4)) == 2 * 2 * 2 * 16 * 4  # layers x K,V x KV heads x dim x fp32
     for needle in ("loading the model", "adaptive controller off", "running "):
         line = next(x for x in text.splitlines() if needle in x)
         assert STAMPED.match(line), line
