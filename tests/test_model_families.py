@@ -55,13 +55,16 @@ def family_configs(draw):
     if model_type == "deepseek_v3":
         del extra["head_dim"]  # transformers takes it as the rotary part's
         groups = draw(st.sampled_from([1, 2, 4]))
+        topk_group = draw(st.integers(1, groups))
         extra.update(num_key_value_heads=heads, kv_lora_rank=draw(st.sampled_from([8, 24])),
                      q_lora_rank=draw(st.sampled_from([None, 16])),
                      qk_nope_head_dim=draw(st.sampled_from([4, 8])),
                      qk_rope_head_dim=draw(st.sampled_from([4, 8])),
                      v_head_dim=draw(st.sampled_from([4, 12])), n_routed_experts=8,
-                     n_group=groups, topk_group=draw(st.integers(1, groups)),
-                     num_experts_per_tok=draw(st.integers(1, 3)), moe_intermediate_size=16,
+                     n_group=groups, topk_group=topk_group,
+                     # at most the experts of the groups a token may pick from
+                     num_experts_per_tok=draw(st.integers(1, min(3, topk_group * 8 // groups))),
+                     moe_intermediate_size=16,
                      n_shared_experts=draw(st.integers(0, 1)),
                      first_k_dense_replace=draw(st.integers(0, layers)),
                      rope_interleave=draw(st.booleans()))
@@ -320,3 +323,35 @@ def test_a_fleet_moves_latent_blocks_between_replicas_through_the_store(deepseek
 def _metric(http, prefix: str) -> float:
     lines = [line for line in http.get("/metrics").text.splitlines() if line.startswith(prefix)]
     return sum(float(line.split()[-1]) for line in lines)
+
+
+def test_a_multimodal_gemma3_checkpoint_serves_its_text_model(tmp_path, tiny_model_dir):
+    """Gemma3ForConditionalGeneration (gemma-3-4b and up): carpool reads its
+    text model (``language_model.*``) and leaves the vision tower unread; the
+    text it generates is what transformers' whole model generates."""
+    import shutil
+
+    from tokenizers import Tokenizer
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    vocab = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json")).get_vocab_size()
+    config = Gemma3Config(
+        text_config={**GEMMA, "hidden_size": 64, "intermediate_size": 128,
+                     "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": vocab,
+                     "max_position_embeddings": 512, "bos_token_id": 1, "eos_token_id": 2},
+        vision_config={"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                       "num_attention_heads": 2, "image_size": 28, "patch_size": 14},
+        mm_tokens_per_image=4, image_token_index=vocab - 1, boi_token_index=vocab - 3,
+        eoi_token_index=vocab - 2)
+    torch.manual_seed(0)
+    reference = Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for param in reference.parameters():
+            param.normal_(0.0, 0.3)
+    reference.save_pretrained(tmp_path, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_model_dir / name, tmp_path / name)
+    llm = LLM(str(tmp_path), dtype="float32")
+    assert llm.engine.model_config.architecture == "gemma3_text"
+    for out in llm.generate(PROMPTS[:2], GREEDY_LP):
+        assert_says_what_transformers_says(reference, out)

@@ -47,7 +47,7 @@ def test_a_chat_template_given_as_text_or_as_a_file(tiny_model_dir, tmp_path):
 ])
 def test_a_bad_chat_template_fails_before_the_weights_load(tiny_model_dir, monkeypatch, template,
                                                            needle):
-    def no_weights(path: Path) -> None:
+    def no_weights(path: Path, arch: object = None) -> None:
         raise AssertionError("read the weights before checking the template")
 
     monkeypatch.setattr(loader, "_read_weights", no_weights)

@@ -21,8 +21,9 @@ from typing import TypeVar
 
 import tokenizers
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 
+from carpool.model.arch import Architecture, architecture_of
 from carpool.model.config import ModelConfig
 from carpool.model.gguf_arch import gguf_model_config
 from carpool.model.gguf_convert import convert_gguf, gguf_tokenizer_files, open_gguf
@@ -221,8 +222,8 @@ def load_model_dir(path: Path, tokenizer: Tokenizer | None = None) -> LoadedMode
     config_file = path / "config.json"
     if not config_file.is_file():
         raise ModelLoadError(f"cannot load model {path}: no config.json in the directory")
-    config = _guarded(config_file, "bad model config", lambda: _read_config(config_file))
-    weights = _guarded(path, "cannot read the weights", lambda: _read_weights(path))
+    config, arch = _guarded(config_file, "bad model config", lambda: _read_config(config_file))
+    weights = _guarded(path, "cannot read the weights", lambda: _read_weights(path, arch))
     problem = _weights_problem(config, weights)
     if problem:
         raise ModelLoadError(f"cannot load model {path}: {problem}")
@@ -251,12 +252,15 @@ def _one_line(exc: BaseException) -> str:
     return text if isinstance(exc, (ValueError, OSError)) else f"{type(exc).__name__}: {text}"
 
 
-def _read_config(config_file: Path) -> ModelConfig:
+def _read_config(config_file: Path) -> tuple[ModelConfig, Architecture]:
     with open(config_file, encoding="utf-8") as f:
-        return ModelConfig.from_hf_config(json.load(f))
+        raw = json.load(f)
+    return ModelConfig.from_hf_config(raw), architecture_of(raw)
 
 
-def _read_weights(path: Path) -> dict[str, torch.Tensor]:
+def _read_weights(path: Path, arch: Architecture) -> dict[str, torch.Tensor]:
+    """Every tensor the decoder reads, under the name it reads it by
+    (``Architecture.checkpoint_name``: a multimodal checkpoint's text model)."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
         with open(index, encoding="utf-8") as f:
@@ -268,7 +272,11 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
         raise FileNotFoundError("no *.safetensors files (only safetensors checkpoints are supported)")
     weights: dict[str, torch.Tensor] = {}
     for shard in shards:
-        weights.update(load_file(str(shard)))
+        with safe_open(str(shard), framework="pt") as tensors:
+            for key in tensors.keys():  # noqa: SIM118 - safe_open is not a dict
+                name = arch.checkpoint_name(key)
+                if name is not None:
+                    weights[name] = tensors.get_tensor(key)
     return weights
 
 

@@ -8,13 +8,13 @@ import types
 
 from carpool.model.arch.base import Architecture
 from carpool.model.arch.deepseek import DEEPSEEK_V3
-from carpool.model.arch.gemma3 import GEMMA3_TEXT
+from carpool.model.arch.gemma3 import GEMMA3, GEMMA3_TEXT
 from carpool.model.arch.llama import LLAMA, MISTRAL, QWEN2
 from carpool.model.arch.moe_families import MIXTRAL, QWEN3_MOE
 from carpool.model.arch.qwen3 import QWEN3
 
 ARCHITECTURES = types.MappingProxyType({a.model_type: a for a in (
-    LLAMA, QWEN2, MISTRAL, QWEN3, GEMMA3_TEXT, MIXTRAL, QWEN3_MOE, DEEPSEEK_V3)})
+    LLAMA, QWEN2, MISTRAL, QWEN3, GEMMA3_TEXT, GEMMA3, MIXTRAL, QWEN3_MOE, DEEPSEEK_V3)})
 _BY_CLASS = types.MappingProxyType({a.hf_class: a for a in ARCHITECTURES.values()})
 
 

@@ -28,12 +28,23 @@ class Architecture:
     written into ``architectures``; ``parse``: a config dict -> ModelConfig
     keyword arguments (raising ValueError for what the family's forward
     does not implement); ``hf_extras``: a ModelConfig -> the family's own
-    ``config.json`` keys."""
+    ``config.json`` keys. ``weight_prefixes``: (theirs, ours) name prefixes
+    the loader renames (a multimodal checkpoint's text model); any other
+    tensor under ``dropped_prefixes`` (its vision tower) is not read."""
 
     model_type: str
     hf_class: str
     parse: Callable[[dict], dict[str, Any]]
     hf_extras: Callable[[Any], dict[str, Any]]
+    weight_prefixes: tuple[tuple[str, str], ...] = ()
+    dropped_prefixes: tuple[str, ...] = ()
+
+    def checkpoint_name(self, name: str) -> str | None:
+        """A checkpoint tensor's name as the decoder reads it, or None: not read."""
+        for theirs, ours in self.weight_prefixes:
+            if name.startswith(theirs):
+                return ours + name[len(theirs):]
+        return None if name.startswith(self.dropped_prefixes) else name
 
 
 def required(d: dict, key: str) -> int:

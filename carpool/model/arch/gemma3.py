@@ -7,7 +7,9 @@ their own rope base, and an optional final logit soft-cap.
 
 ``gemma3_text`` is the text-only model (Gemma3ForCausalLM: gemma-3-1b and
 the text towers saved alone); the multimodal ``gemma3`` checkpoints nest
-this config under ``text_config`` and are not read here."""
+this config under ``text_config``: ``gemma3`` serves their text model
+(gemma-3-4b/12b/27b), leaving the vision tower unread, as text-only
+serving of those checkpoints."""
 from __future__ import annotations
 
 from typing import Any
@@ -74,3 +76,25 @@ def _hf_extras(c: Any) -> dict[str, Any]:
 
 
 GEMMA3_TEXT = Architecture("gemma3_text", "Gemma3ForCausalLM", _gemma3, _hf_extras)
+
+
+def _gemma3_multimodal(d: dict) -> dict[str, Any]:
+    text = d.get("text_config")
+    if not isinstance(text, dict):
+        raise ValueError("a gemma3 config needs its text_config")
+    merged = {**text, "model_type": "gemma3_text"}
+    for key in ("tie_word_embeddings", "eos_token_id", "bos_token_id"):
+        if merged.get(key) is None and d.get(key) is not None:
+            merged[key] = d[key]
+    return _gemma3(merged)
+
+
+# Hub checkpoints name the text model ``language_model.model.*`` (and its
+# head ``language_model.lm_head``); transformers 5 in memory ``model.language_model.*``.
+GEMMA3 = Architecture("gemma3", "Gemma3ForConditionalGeneration", _gemma3_multimodal,
+                      _hf_extras, weight_prefixes=(
+                          ("language_model.model.", "model."), ("language_model.lm_head.",
+                                                                "lm_head."),
+                          ("model.language_model.", "model.")),
+                      dropped_prefixes=("vision_tower.", "multi_modal_projector.",
+                                        "model.vision_tower.", "model.multi_modal_projector."))
