@@ -1,86 +1,55 @@
-"""What a GGUF file's architecture means to carpool: its metadata read into
-a ``ModelConfig`` and its tensor names mapped to Hugging Face ones (the
-rest of the conversion, weights and tokenizer, is gguf_convert.py's).
+"""What a GGUF file's architecture means to carpool: llama.cpp's
+architecture names mapped to the families of carpool/model/gguf_families.py,
+the metadata every family shares read into a Hugging Face config, and
+tensor names mapped to HF ones (the rest of the conversion, weights and
+tokenizer, is gguf_convert.py's and gguf_tokenizer.py's).
 
 Architectures (llama.cpp's names -> HF model_type): "llama" (Llama,
 Mistral, SmolLM2 and the like; q/k rows permuted for llama.cpp's rotary,
-undone here), "qwen2", "qwen3" (q/k norms per head) and "qwen3moe"
+undone here) and, with ``expert_count`` > 0, "mixtral" (experts stacked or
+one tensor each); "qwen2", "qwen3" (q/k norms per head) and "qwen3moe"
 (experts stacked per layer in three tensors, split here into the hub's
-per-expert names; llama.cpp renormalises the top-k weights).
+per-expert names; llama.cpp renormalises the top-k weights); "gemma3" ->
+"gemma3_text" (norm weights stored as w + 1); "deepseek2" -> "deepseek_v3"
+(MLA, kv_b_proj whole or split into k_b/v_b; sigmoid-routed experts only).
 """
 from __future__ import annotations
 
+import re
 import types
 from typing import Any
 
 import gguf
 import numpy as np
 
+from carpool.model import gguf_families as families
 from carpool.model.config import ModelConfig
-from carpool.model.moe_spec import MoESpec
+from carpool.model.gguf_families import GGUFFamily, find_tensor, meta
 
 _GLOBAL_TENSORS = types.MappingProxyType({
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 })
-_LAYER_TENSORS = types.MappingProxyType({
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.bias": "self_attn.o_proj.bias",
-    "attn_q_norm.weight": "self_attn.q_norm.weight",
-    "attn_k_norm.weight": "self_attn.k_norm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-    "ffn_gate_inp.weight": "mlp.gate.weight",
-})
-# Stacked experts [E, ...] -> the per-expert HF name ({e}: the expert).
-_EXPERT_TENSORS = types.MappingProxyType({
-    "ffn_gate_exps.weight": "mlp.experts.{e}.gate_proj.weight",
-    "ffn_up_exps.weight": "mlp.experts.{e}.up_proj.weight",
-    "ffn_down_exps.weight": "mlp.experts.{e}.down_proj.weight",
-})
-# GGUF architecture -> HF model_type. llama.cpp writes Mistral as "llama".
-ARCHITECTURES = types.MappingProxyType({"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-                                        "qwen3moe": "qwen3_moe"})
-_NO_DEFAULT = object()
-
-
-def _meta(reader: gguf.GGUFReader, key: str, default: Any = _NO_DEFAULT) -> Any:
-    field = reader.get_field(key)
-    if field is None:
-        if default is _NO_DEFAULT:
-            raise ValueError(f"GGUF metadata lacks {key!r}")
-        return default
-    return field.contents()
-
-
-def _tensor(reader: gguf.GGUFReader, name: str) -> Any:
-    for tensor in reader.tensors:
-        if tensor.name == name:
-            return tensor
-    return None
+# GGUF architecture -> its family. llama.cpp writes Mistral, and Mixtral, as
+# "llama"; ``gguf_family`` tells Mixtral by its experts.
+ARCHITECTURES = types.MappingProxyType({
+    "llama": families.LLAMA, "qwen2": families.QWEN2, "qwen3": families.QWEN3,
+    "qwen3moe": families.QWEN3_MOE, "gemma3": families.GEMMA3, "deepseek2": families.DEEPSEEK2})
+_PER_EXPERT_NAME = re.compile(r"(ffn_[a-z]+)\.(\d+)\.weight")
 
 
 def _rope_scaling(reader: gguf.GGUFReader, arch: str, head_dim: int, theta: float) -> dict | None:
-    freqs = _tensor(reader, "rope_freqs.weight")
+    freqs = find_tensor(reader, "rope_freqs.weight")
     if freqs is not None:
         factors = gguf.quants.dequantize(freqs.data, freqs.tensor_type).astype(np.float64).reshape(-1)
         return llama3_scaling_from_factors(factors, head_dim, theta)
-    kind = _meta(reader, f"{arch}.rope.scaling.type", None)
+    kind = meta(reader, f"{arch}.rope.scaling.type", None)
     if kind in (None, "none"):
         return None
-    factor = float(_meta(reader, f"{arch}.rope.scaling.factor"))
+    factor = float(meta(reader, f"{arch}.rope.scaling.factor"))
     scaling: dict[str, Any] = {"rope_type": kind, "factor": factor}
-    original = _meta(reader, f"{arch}.rope.scaling.original_context_length", None)
+    original = meta(reader, f"{arch}.rope.scaling.original_context_length", None)
     if original is not None and kind != "linear":
         scaling["original_max_position_embeddings"] = int(original)
     return scaling
@@ -129,66 +98,75 @@ def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return np.ascontiguousarray(restored.reshape(weight.shape))
 
 
-def gguf_model_config(reader: gguf.GGUFReader) -> ModelConfig:
-    """`ModelConfig` from GGUF metadata; ValueError for an unsupported architecture."""
-    arch = _meta(reader, "general.architecture")
+def gguf_family(reader: gguf.GGUFReader) -> GGUFFamily:
+    """The file's family; ValueError naming the supported architectures."""
+    arch = meta(reader, "general.architecture")
     if arch not in ARCHITECTURES:
         raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: "
                          f"{', '.join(ARCHITECTURES)}")
-    embed = _tensor(reader, "token_embd.weight")
+    if arch == "llama" and int(meta(reader, "llama.expert_count", 0) or 0) > 0:
+        return families.MIXTRAL
+    return ARCHITECTURES[arch]
+
+
+def gguf_hf_config(reader: gguf.GGUFReader) -> dict:
+    """The HF ``config.json`` dict the file's metadata says."""
+    family = gguf_family(reader)
+    arch = meta(reader, "general.architecture")
+    return family.hf_config(reader, arch, _shared_hf_config(reader, arch))
+
+
+def gguf_model_config(reader: gguf.GGUFReader) -> ModelConfig:
+    """`ModelConfig` from GGUF metadata; ValueError for an unsupported architecture."""
+    return ModelConfig.from_hf_config(gguf_hf_config(reader))
+
+
+def _shared_hf_config(reader: gguf.GGUFReader, arch: str) -> dict:
+    """The HF config keys every family reads the same way."""
+    embed = find_tensor(reader, "token_embd.weight")
     if embed is None:
         raise ValueError("GGUF has no token_embd.weight tensor")
-    hidden = int(_meta(reader, f"{arch}.embedding_length"))
-    heads = int(_meta(reader, f"{arch}.attention.head_count"))
-    head_dim = int(_meta(reader, f"{arch}.attention.key_length", hidden // heads))
-    theta = float(_meta(reader, f"{arch}.rope.freq_base", 10000.0))
-    eos = [_meta(reader, f"tokenizer.ggml.{k}_token_id", None) for k in ("eos", "eot", "eom")]
-    moe = _moe_spec(reader, arch)
-    return ModelConfig(
-        architecture=ARCHITECTURES[arch],
-        vocab_size=int(embed.shape[1]),
-        hidden_size=hidden,
-        intermediate_size=int(_meta(reader, f"{arch}.feed_forward_length",
-                                    moe.expert_intermediate_size if moe else _NO_DEFAULT)),
-        num_layers=int(_meta(reader, f"{arch}.block_count")),
-        num_heads=heads,
-        num_kv_heads=int(_meta(reader, f"{arch}.attention.head_count_kv", heads)),
-        head_dim=head_dim,
-        rms_norm_eps=float(_meta(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_theta=theta,
-        rope_scaling=_rope_scaling(reader, arch, head_dim, theta),
-        max_position_embeddings=int(_meta(reader, f"{arch}.context_length")),
-        tie_word_embeddings=_tensor(reader, "output.weight") is None,
-        attention_bias=arch == "qwen2" or _tensor(reader, "blk.0.attn_q.bias") is not None,
-        bos_token_id=_meta(reader, "tokenizer.ggml.bos_token_id", None),
-        eos_token_ids=list(dict.fromkeys(int(e) for e in eos if e is not None)),
-        qk_norm=arch in ("qwen3", "qwen3moe"),
-        moe=moe,
-    )
+    hidden = int(meta(reader, f"{arch}.embedding_length"))
+    heads = int(meta(reader, f"{arch}.attention.head_count"))
+    head_dim = int(meta(reader, f"{arch}.attention.key_length", hidden // heads))
+    theta = float(meta(reader, f"{arch}.rope.freq_base", 10000.0))
+    ffn = meta(reader, f"{arch}.feed_forward_length", None)
+    eos = [meta(reader, f"tokenizer.ggml.{k}_token_id", None) for k in ("eos", "eot", "eom")]
+    return {
+        "vocab_size": int(embed.shape[1]),
+        "hidden_size": hidden,
+        "intermediate_size": None if ffn is None else int(ffn),
+        "num_hidden_layers": int(meta(reader, f"{arch}.block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(meta(reader, f"{arch}.attention.head_count_kv", heads)),
+        "head_dim": head_dim,
+        "rms_norm_eps": float(meta(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": theta,
+        "rope_scaling": _rope_scaling(reader, arch, head_dim, theta),
+        "max_position_embeddings": int(meta(reader, f"{arch}.context_length")),
+        "tie_word_embeddings": find_tensor(reader, "output.weight") is None,
+        "bos_token_id": meta(reader, "tokenizer.ggml.bos_token_id", None),
+        "eos_token_id": list(dict.fromkeys(int(e) for e in eos if e is not None)),
+    }
 
 
-def _moe_spec(reader: gguf.GGUFReader, arch: str) -> MoESpec | None:
-    if arch != "qwen3moe":
-        return None
-    return MoESpec(num_experts=int(_meta(reader, f"{arch}.expert_count")),
-                   top_k=int(_meta(reader, f"{arch}.expert_used_count")),
-                   expert_intermediate_size=int(_meta(reader,
-                                                      f"{arch}.expert_feed_forward_length")),
-                   renormalize=True, family="qwen3_moe")
-
-
-def hf_tensors(gguf_name: str, array: np.ndarray) -> list[tuple[str, np.ndarray]] | None:
+def hf_tensors(family: GGUFFamily, gguf_name: str,
+               array: np.ndarray) -> list[tuple[str, np.ndarray]] | None:
     """The HF tensors a GGUF tensor holds (stacked experts: one per expert),
-    or None for one the HF layout has no place for."""
+    or None for one the family's HF layout has no place for."""
     if gguf_name in _GLOBAL_TENSORS:
         return [(_GLOBAL_TENSORS[gguf_name], array)]
     parts = gguf_name.split(".", 2)
     if len(parts) != 3 or parts[0] != "blk" or not parts[1].isdigit():
         return None
-    prefix = f"model.layers.{parts[1]}."
-    if parts[2] in _LAYER_TENSORS:
-        return [(prefix + _LAYER_TENSORS[parts[2]], array)]
-    if parts[2] in _EXPERT_TENSORS:
-        name = prefix + _EXPERT_TENSORS[parts[2]]
+    prefix, rest = f"model.layers.{parts[1]}.", parts[2]
+    if rest in family.layer_tensors:
+        return [(prefix + family.layer_tensors[rest], array)]
+    if rest in family.expert_tensors:
+        name = prefix + family.expert_tensors[rest]
         return [(name.format(e=e), np.ascontiguousarray(array[e])) for e in range(array.shape[0])]
+    one_expert = _PER_EXPERT_NAME.fullmatch(rest)
+    if one_expert and f"{one_expert[1]}.{{e}}.weight" in family.per_expert_tensors:
+        name = prefix + family.per_expert_tensors[f"{one_expert[1]}.{{e}}.weight"]
+        return [(name.format(e=int(one_expert[2])), array)]
     return None

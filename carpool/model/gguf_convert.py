@@ -7,8 +7,11 @@ tokenizer_config.json (with the chat template), so the rest of carpool, and
 transformers, load it like any HF checkpoint.
 
 Supported: the GGUF architectures of carpool/model/gguf_arch.py ("llama":
-Llama, Mistral, SmolLM2 and the like; "qwen2", "qwen3", "qwen3moe"), with a
-byte-level BPE vocabulary (``tokenizer.ggml.model`` = "gpt2").
+Llama, Mistral, SmolLM2 and the like, and Mixtral; "qwen2", "qwen3",
+"qwen3moe", "gemma3", "deepseek2"), with a byte-level BPE
+(``tokenizer.ggml.model`` = "gpt2") or SentencePiece ("llama") vocabulary
+(carpool/model/gguf_tokenizer.py), in any tensor type the ``gguf`` package
+dequantizes.
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ import shutil
 import sys
 import tempfile
 import time
-import types
 from pathlib import Path
 from typing import Any
 
@@ -30,36 +32,11 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from carpool.model.config import ModelConfig
-from carpool.model.gguf_arch import (
-    _meta,
-    gguf_model_config,
-    hf_tensors,
-    unpermute_qk,
-)
+from carpool.model.gguf_arch import gguf_family, gguf_model_config, hf_tensors, unpermute_qk
+from carpool.model.gguf_families import K_B_PROJ, V_B_PROJ, GGUFFamily
+from carpool.model.gguf_tokenizer import gguf_tokenizer_files
 
-_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-
-# tokenizer.ggml.pre -> (split regexes applied in order, ignore_merges), as
-# llama.cpp's llama-vocab.cpp assigns them. A name not listed gets GPT-2's.
-_PRE_TOKENIZERS = types.MappingProxyType({
-    **{name: ((_LLAMA3_SPLIT,), True) for name in ("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral")},
-    **{name: ((_LLAMA3_SPLIT,), False) for name in ("smaug-bpe", "dbrx")},
-    **{name: ((_QWEN2_SPLIT,), False) for name in ("qwen2", "deepseek-r1-qwen", "stablelm2")},
-    # StarCoder-style vocabularies split every digit off before the GPT-2 regex.
-    **{name: ((r"\p{N}", _GPT2_SPLIT), False)
-       for name in ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone")},
-})
-
-# llama.cpp token types.
-_CONTROL, _USER_DEFINED = 3, 4
+__all__ = ["convert_gguf", "gguf_tokenizer_files", "gguf_weights", "open_gguf", "unpermute_qk"]
 _STALE_TEMP_SECONDS = 6 * 3600
 
 
@@ -130,131 +107,66 @@ def open_gguf(gguf_path: str | Path) -> gguf.GGUFReader:
 
 def gguf_weights(reader: gguf.GGUFReader, config: ModelConfig, dtype: torch.dtype = torch.float32,
                  progress: bool = False) -> dict[str, torch.Tensor]:
-    """Every tensor dequantized to float32 under its HF name, q/k unpermuted for
-    llama, then cast to ``dtype`` (one tensor at a time: the float32 copy of
-    the whole model never exists when ``dtype`` is 16-bit)."""
+    """Every tensor dequantized to float32 under its HF name, with what
+    llama.cpp's converter changed undone (``_restore``), then cast to
+    ``dtype`` (one tensor at a time: the float32 copy of the whole model
+    never exists when ``dtype`` is 16-bit)."""
+    family = gguf_family(reader)
     weights: dict[str, torch.Tensor] = {}
-    permuted = config.architecture == "llama"  # llama.cpp leaves qwen2 q/k as HF has them
     # disable=None: the bar shows on a terminal only, never in logs.
     bar = tqdm(reader.tensors, desc="carpool: converting", unit="tensor", file=sys.stderr,
                disable=None if progress else True, leave=False)
     for tensor in bar:
         if tensor.name == "rope_freqs.weight":
             continue  # folded into config.rope_scaling
-        array = np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32, copy=True)
-        expected = tuple(int(n) for n in reversed(tensor.shape))
-        if array.shape != expected:
-            array = array.reshape(expected)
-        named = hf_tensors(tensor.name, array)
+        named = hf_tensors(family, tensor.name, _dequantized(tensor))
         if named is None:
             raise ValueError(f"unexpected tensor {tensor.name!r} for a {config.architecture} model")
         for name, part in named:
-            if permuted and ".self_attn.q_proj." in name:
-                part = unpermute_qk(part, config.num_heads)
-            elif permuted and ".self_attn.k_proj." in name:
-                part = unpermute_qk(part, config.num_kv_heads)
-            weights[name] = torch.from_numpy(part).to(dtype)
+            weights[name] = torch.from_numpy(_restore(family, config, name, part)).to(dtype)
+    join_split_kv_b(weights, config)
     return weights
 
 
-def gguf_tokenizer_files(reader: gguf.GGUFReader) -> tuple[dict, dict]:
-    """(tokenizer.json, tokenizer_config.json) contents from GGUF metadata."""
-    model = _meta(reader, "tokenizer.ggml.model")
-    if model != "gpt2":
-        raise ValueError(f"unsupported GGUF tokenizer model {model!r}; only byte-level BPE ('gpt2') works")
-    tokens: list[str] = _meta(reader, "tokenizer.ggml.tokens")
-    kinds = _meta(reader, "tokenizer.ggml.token_type", None) or [1] * len(tokens)
-    merges = [merge.split(" ", 1) for merge in _meta(reader, "tokenizer.ggml.merges")]
-    splits, ignore_merges = _PRE_TOKENIZERS.get(_meta(reader, "tokenizer.ggml.pre", "default"), ((), False))
-    add_bos = bool(_meta(reader, "tokenizer.ggml.add_bos_token", False))
-    add_eos = bool(_meta(reader, "tokenizer.ggml.add_eos_token", False))
-    special_ids = _special_token_ids(reader, len(tokens))
-    prefix_space = bool(_meta(reader, "tokenizer.ggml.add_space_prefix", False))
-    framing = [(tokens[special_ids[name]], special_ids[name]) if flag and name in special_ids else None
-               for name, flag in (("bos_token", add_bos), ("eos_token", add_eos))]
-    tokenizer_json = {
-        "version": "1.0",
-        "truncation": None,
-        "padding": None,
-        "added_tokens": _added_tokens(tokens, kinds),
-        "normalizer": None,
-        "pre_tokenizer": _pre_tokenizer(splits, prefix_space),
-        "post_processor": _post_processor(*framing),
-        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
-        "model": {
-            "type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-            "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
-            "ignore_merges": ignore_merges,
-            "vocab": {tok: i for i, tok in enumerate(tokens)},
-            "merges": merges,
-        },
-    }
-    arch = _meta(reader, "general.architecture")
-    tokenizer_config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "add_bos_token": add_bos,
-        "add_eos_token": add_eos,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": int(_meta(reader, f"{arch}.context_length", 2048)),
-        "chat_template": _meta(reader, "tokenizer.chat_template", None),
-        **{name: tokens[token_id] for name, token_id in special_ids.items()},
-    }
-    return tokenizer_json, tokenizer_config
+def _dequantized(tensor: Any) -> np.ndarray:
+    """A GGUF tensor as float32 in HF's (row-major) shape; ValueError for a
+    tensor type the ``gguf`` package cannot dequantize."""
+    try:
+        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError as exc:
+        raise ValueError(f"cannot dequantize tensor {tensor.name!r} of type "
+                         f"{tensor.tensor_type.name}") from exc
+    array = np.array(values, dtype=np.float32, copy=True)
+    expected = tuple(int(n) for n in reversed(tensor.shape))
+    return array if array.shape == expected else array.reshape(expected)
 
 
-def _special_token_ids(reader: gguf.GGUFReader, num_tokens: int) -> dict[str, int]:
-    """tokenizer_config names (bos_token, ...) -> ids, for those the file sets."""
-    ids = {}
-    for name, key in (("bos_token", "bos"), ("eos_token", "eos"), ("unk_token", "unknown"),
-                      ("pad_token", "padding")):
-        token_id = _meta(reader, f"tokenizer.ggml.{key}_token_id", None)
-        if token_id is not None and 0 <= token_id < num_tokens:
-            ids[name] = int(token_id)
-    return ids
+def _restore(family: GGUFFamily, config: ModelConfig, name: str, array: np.ndarray) -> np.ndarray:
+    """Undo llama.cpp's change to one HF tensor: q/k rows permuted for its
+    rotary (llama, Mixtral), norm weights stored shifted (Gemma's 1 + w)."""
+    if family.permuted_qk and ".self_attn.q_proj." in name:
+        return unpermute_qk(array, config.num_heads)
+    if family.permuted_qk and ".self_attn.k_proj." in name:
+        return unpermute_qk(array, config.num_kv_heads)
+    if family.norm_shift and name.endswith("norm.weight"):
+        return array - np.float32(family.norm_shift)
+    return array
 
 
-def _added_tokens(tokens: list[str], kinds: list[int]) -> list[dict]:
-    """Control tokens as special added tokens, user-defined ones as plain added tokens.
-
-    Both are matched whole in the input text, as llama.cpp does; only control
-    tokens are dropped by ``decode(skip_special_tokens=True)``.
-    """
-    return [
-        {"id": i, "content": tok, "single_word": False, "lstrip": False, "rstrip": False,
-         "normalized": False, "special": kind == _CONTROL}
-        for i, (tok, kind) in enumerate(zip(tokens, kinds)) if kind in (_CONTROL, _USER_DEFINED)
-    ]
-
-
-def _pre_tokenizer(splits: tuple[str, ...], add_prefix_space: bool) -> dict:
-    byte_level = {"type": "ByteLevel", "add_prefix_space": add_prefix_space, "trim_offsets": True}
-    if not splits:
-        return {**byte_level, "use_regex": True}
-    steps: list[dict] = [
-        {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": False}
-        for regex in splits
-    ]
-    return {"type": "Sequence", "pretokenizers": [*steps, {**byte_level, "use_regex": False}]}
-
-
-def _post_processor(bos: tuple[str, int] | None, eos: tuple[str, int] | None) -> dict:
-    """BOS/EOS framing for ``encode(add_special_tokens=True)``; ids pass through otherwise."""
-    if bos is None and eos is None:
-        return {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": False, "use_regex": True}
-
-    def framed(seq_id: str, type_id: int) -> list[dict]:
-        head = [{"SpecialToken": {"id": bos[0], "type_id": type_id}}] if bos else []
-        tail = [{"SpecialToken": {"id": eos[0], "type_id": type_id}}] if eos else []
-        return head + [{"Sequence": {"id": seq_id, "type_id": type_id}}] + tail
-
-    return {
-        "type": "TemplateProcessing",
-        "single": framed("A", 0),
-        "pair": framed("A", 0) + framed("B", 1),
-        "special_tokens": {
-            tok: {"id": tok, "ids": [i], "tokens": [tok]} for tok, i in filter(None, (bos, eos))
-        },
-    }
+def join_split_kv_b(weights: dict[str, torch.Tensor], config: ModelConfig) -> None:
+    """Rebuild each layer's ``kv_b_proj`` from llama.cpp's split ``attn_k_b``
+    ([heads, kv_lora_rank, qk_nope]: each head's key rows, transposed) and
+    ``attn_v_b`` ([heads, v_head_dim, kv_lora_rank]), in place. HF's rows
+    are per head: its qk_nope key rows, then its v_head_dim value rows."""
+    for i in range(config.num_layers):
+        prefix = f"model.layers.{i}."
+        if prefix + K_B_PROJ not in weights:
+            continue
+        k_b, v_b = weights.pop(prefix + K_B_PROJ), weights.pop(prefix + V_B_PROJ, None)
+        if v_b is None or k_b.dim() != 3 or v_b.dim() != 3:
+            raise ValueError(f"layer {i}: attn_k_b needs its attn_v_b, both 3-D")
+        per_head = torch.cat([k_b.transpose(1, 2), v_b], dim=1)
+        weights[prefix + "self_attn.kv_b_proj.weight"] = per_head.reshape(-1, k_b.shape[1]).contiguous()
 
 
 def _write_json(path: Path, data: Any) -> None:
