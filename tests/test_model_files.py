@@ -495,3 +495,30 @@ def test_a_converted_qwen3_gguf_says_what_transformers_says_of_the_conversion(tm
                                   min_new_tokens=5, do_sample=False, eos_token_id=None,
                                   pad_token_id=0)
     assert list(out.token_ids) == want[0, 6:].tolist()
+
+
+def test_a_tensor_type_gguf_cannot_dequantize_is_a_one_line_error() -> None:
+    from types import SimpleNamespace
+
+    q8_1 = SimpleNamespace(name="blk.0.ffn_up.weight", tensor_type=gguf.GGMLQuantizationType.Q8_1,
+                           data=np.zeros(36, np.uint8), shape=[32])
+    with pytest.raises(ValueError, match=r"^cannot dequantize tensor 'blk.0.ffn_up.weight' of type Q8_1$"):
+        gguf_convert._dequantized(q8_1)
+
+
+@pytest.mark.parametrize("pattern,sliding", [
+    (None, [True] * 5 + [False, True]),  # llama.cpp's default for gemma3: every sixth global
+    (3, [True, True, False] * 2 + [True]),
+    ([False, True, True, False, True, True, True], [False, True, True, False, True, True, True])])
+def test_gemma3_sliding_layers_follow_llamacpp(tmp_path: Path, pattern: object, sliding: list) -> None:
+    from carpool.model.gguf_families import gemma3_sliding_layers
+
+    src = tmp_path / "gemma3.gguf"
+    w = gguf.GGUFWriter(str(src), "gemma3")
+    if pattern is not None:
+        w.add_sliding_window_pattern(pattern)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert gemma3_sliding_layers(gguf.GGUFReader(str(src)), "gemma3", 7) == sliding
