@@ -66,8 +66,11 @@ class ModelSettings:
     # (CPU: low-bit weights for decode steps of a few rows, carpool/model/quant.py).
     quantization: str | None = None
     # CPU bf16: decode steps of a few rows run our packed-weight kernel
-    # (carpool/model/packed_linear.py; a second copy of the weights).
-    # auto: where the copy fits in a quarter of the available memory; on; off.
+    # (carpool/model/packed_linear.py; a second copy of the weights), and a
+    # MoE model's experts run our fused kernel on packed weights (in place
+    # of the plain ones: carpool/model/moe_cpu.py). auto: the copy where it
+    # fits in a quarter of the available memory, the experts where the CPU
+    # has AVX512-BF16 but no AMX; on; off.
     packed_decode: str = "auto"
     # CPU bf16: the linear layers' weights laid out once in oneDNN's blocked
     # format (carpool/model/blocked_linear.py): bit-identical results,

@@ -192,14 +192,20 @@ def test_a_prefill_decode_split_says_what_transformers_says(family, request):
     ("qwen3", {"head_dim": 16}), ("gemma3_text", GEMMA),
     ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}), ("deepseek_v3", DEEPSEEK)],
     ids=["qwen3", "gemma3", "mixtral", "deepseek"])
-def test_bf16_logits_stay_close_to_transformers_fp32(tmp_path, tiny_model_dir, model_type, extra):
+@pytest.mark.parametrize("packed", ["off", "on"])
+def test_bf16_logits_stay_close_to_transformers_fp32(tmp_path, tiny_model_dir, model_type, extra,
+                                                     packed):
     """bf16 rounds every matmul: the top-5 log-probabilities of the first
     token within 0.1 nats of transformers' fp32 (measured: at most 0.02
     for Qwen3, 0.04 for Gemma 3, 0.02 for Mixtral, 0.03 for DeepSeek, on
     log-probabilities spread over 4 to 24 nats; dropping the q norm moves
-    them by 1.3 and 3.1)."""
+    them by 1.3 and 3.1). ``packed`` on: the packed decode weights, and the
+    MoE experts on the fused kernel (whatever this CPU's instructions)."""
     reference = save_random_model(tmp_path, tiny_model_dir, model_type, extra)
-    llm = LLM(str(tmp_path), dtype="bfloat16")
+    llm = LLM(str(tmp_path), dtype="bfloat16", packed_decode=packed)
+    blocks = [layer.moe for layer in llm.engine.executor.model.layers if layer.moe is not None]
+    assert all((block.cpu_experts.__class__.__name__ == "PackedExperts") == (packed == "on")
+               for block in blocks)
     params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=5)
     for out in llm.generate(PROMPTS, params):
         with torch.inference_mode():

@@ -259,6 +259,63 @@ def test_bf16_grouped_against_fp32():
     assert error < 0.03, error
 
 
+class _Compiling:
+    """The CPU ops while they compile (``SwitchingCpuOps`` before ``active``)."""
+
+    active = False
+
+
+@pytest.mark.parametrize("spec", [
+    MoESpec(num_experts=8, top_k=2, expert_intermediate_size=64, family="mixtral"),
+    MoESpec(num_experts=8, top_k=3, expert_intermediate_size=32, num_shared_experts=1,
+            shared_intermediate_size=16, scoring="sigmoid", correction_bias=True, n_group=4,
+            topk_group=2, renormalize=True, routed_scaling_factor=2.5, family="deepseek_v3")], ids=["mixtral", "deepseek"])
+def test_packed_experts_kernel_against_the_grouped_path(spec):
+    """The fused C++ kernel on packed experts (moe_cpu.PackedExperts) rounds
+    as the grouped bf16 path does at every stage; only its products sum in
+    another order, so at most 1 in 1,000 outputs differ, by one bf16 step.
+    Before the kernels are built, torch on the unpacked weights gives the
+    grouped path's numbers exactly; the weights read back unchanged."""
+    from carpool.model.cpu_kernels import load_cpu_ops
+    from carpool.model.moe_cpu import PackedExperts
+
+    block = _random_block(spec, 64).to(torch.bfloat16)
+    plain = {name: t.clone() for name, t in block.plain_expert_weights().items()}
+    with torch.no_grad():
+        for tokens in (0, 1, 3, 70):
+            x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(tokens))
+            x = x.bfloat16()
+            block.cpu_experts = None
+            block.w_gate_up, block.w_down = (torch.nn.Parameter(plain["w_gate_up"].clone()),
+                                             torch.nn.Parameter(plain["w_down"].clone()))
+            want = block(x)
+            assert block.pack_experts(load_cpu_ops()) > 0 and block.w_gate_up.numel() == 0
+            assert isinstance(block.cpu_experts, PackedExperts)
+            got = block(x)
+            assert got.shape == want.shape and got.dtype == torch.bfloat16
+            differ = got != want
+            assert differ.float().mean() <= 1e-3 if tokens else True
+            step = want.float().abs().clamp(min=1e-3) * 2 ** -7
+            assert ((got.float() - want.float()).abs() <= step)[differ].all()
+            block.cpu_experts.kernels = _Compiling()
+            assert torch.equal(block(x), want)
+            for name, tensor in block.plain_expert_weights().items():
+                assert torch.equal(tensor, plain[name]), name
+    assert int((block.last_expert_counts > 0).sum()) > 1
+
+
+def test_experts_the_kernel_cannot_take_stay_plain():
+    """The packed kernel needs 16-row groups: intermediate 40 is refused, so
+    the block stays on its plain (or oneDNN-blocked) path."""
+    from carpool.model.cpu_kernels import load_cpu_ops
+
+    block = _random_block(MoESpec(num_experts=4, top_k=2, expert_intermediate_size=40),
+                          32).to(torch.bfloat16)
+    assert block.pack_experts(load_cpu_ops()) == 0 and block.cpu_experts is None
+    assert _random_block(MoESpec(num_experts=4, top_k=2, expert_intermediate_size=32),
+                         32).pack_experts(load_cpu_ops()) == 0  # fp32: not packed
+
+
 def test_deepseek_router_stays_fp32_when_cast():
     block = _random_block(_deepseek(num_shared_experts=1, shared_intermediate_size=8), 16)
     low = block.to(torch.bfloat16)

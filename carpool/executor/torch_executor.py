@@ -164,6 +164,7 @@ class TorchExecutor(Executor):
                                         model_config.head_dim, portable_only=_portable_only(
                                             model_config))
         self.model.ops = self.cpu_ops
+        self._pack_experts(settings.packed_decode)
         self._pack_for_decode(settings.packed_decode)
         self._block_weights(settings.blocked_weights)
         if self.attention.name == "triton":  # fused norm, rotary and SwiGLU kernels too
@@ -232,6 +233,26 @@ class TorchExecutor(Executor):
         dtype = str(self.dtype).removeprefix("torch.")
         print(f"carpool: {scheme.upper()} weights for decode steps of up to a few rows "
               f"(+{added / 2**20:.0f} MiB beside the {dtype} weights)", file=sys.stderr)
+
+    def _pack_experts(self, mode: str) -> None:
+        """MoE experts packed for our fused kernel (carpool/model/moe_cpu.py),
+        in place of the plain weights (no extra memory). ``auto``: where the
+        kernel has its AVX512-BF16 path and the CPU has no AMX (whose oneDNN
+        kernels, on blocked experts, win there)."""
+        from carpool.machine import cpu_model_and_flags
+
+        blocks = [layer.moe for layer in self.model.layers if layer.moe is not None]
+        if mode == "off" or not blocks or self.device.type != "cpu" or self.cpu_ops is None:
+            return
+        if self.dtype != torch.bfloat16:
+            return
+        if mode == "auto" and (not _native_bf16_dot(self.cpu_ops)
+                               or "amx_bf16" in cpu_model_and_flags()[1]):
+            return
+        made = sum(block.pack_experts(self.cpu_ops) for block in blocks)
+        if made:
+            print(f"carpool: MoE experts packed for the fused CPU kernel ({made / 2**20:.0f} MiB)",
+                  file=sys.stderr)
 
     def _pack_for_decode(self, mode: str) -> None:
         """Packed bf16 weights for small decode steps (carpool/model/packed_linear.py)."""

@@ -123,7 +123,7 @@ def _plain_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             found.setdefault(name.replace(".dense.", "."), tensor)
     for name, module in model.named_modules():
         plain_experts = getattr(module, "plain_expert_weights", None)
-        if plain_experts is not None and getattr(module, "blocked_experts", None) is not None:
+        if plain_experts is not None and getattr(module, "cpu_experts", None) is not None:
             for param, tensor in plain_experts().items():
                 found[f"{name}.{param}"] = tensor
         blocked = getattr(module, "blocked", None)

@@ -32,8 +32,9 @@ from carpool.paths import default_cache_dir
 
 _SOURCES = [str(Path(__file__).parent / "csrc" / name)
             for name in ("paged_attention.cpp", "elementwise.cpp", "packed_linear.cpp",
-                          "packed_int4.cpp", "decode_block.cpp")]
-_HEADERS = [str(Path(__file__).parent / "csrc" / "bf16.h")]  # a change rebuilds too
+                          "packed_int4.cpp", "decode_block.cpp", "moe_experts.cpp")]
+_HEADERS = [str(Path(__file__).parent / "csrc" / name)  # a change rebuilds too
+            for name in ("bf16.h", "packed_block.h")]
 _NAME = "carpool_cpu_ops"
 # A built extension loads in about a second; past this, serve without it.
 _LOAD_WAIT_S = 10.0

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from carpool.model.moe_cpu import BlockedExperts, PackedExperts, packable_experts, segments_of
 from carpool.model.moe_spec import (
     FUSED,
     PER_EXPERT,
@@ -99,7 +100,7 @@ def _limit_to_groups(choice: torch.Tensor, spec: MoESpec) -> torch.Tensor:
     group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
     best = torch.topk(group_scores, spec.topk_group, dim=-1, sorted=False)[1]
     keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
-    return grouped.masked_fill(~keep[:, :, None], float("-inf")).view(tokens, -1)
+    return grouped.masked_fill(~keep[:, :, None], float("-inf")).view(tokens, spec.num_experts)
 
 
 def _tracks_grad(*tensors: torch.Tensor) -> bool:
@@ -117,43 +118,6 @@ def _segment_mm(rows: torch.Tensor, weight: torch.Tensor,
     for expert, start, end in segments:
         torch.mm(rows[start:end], weight[expert].t(), out=out[start:end])
     return out
-
-
-def _segments(counts: torch.Tensor) -> list[tuple[int, int, int]]:
-    """(expert, start, end) of each active expert's rows, sorted by expert.
-    ``counts``: the CPU copy (no second device sync)."""
-    segments, start = [], 0
-    for expert, count in enumerate(counts.tolist()):
-        if count:
-            segments.append((expert, start, start + count))
-            start += count
-    return segments
-
-
-# oneDNN builds a kernel per matrix shape on first use (5-18 ms on a 2-core
-# CPU; carpool/executor/shapes.py), and each expert's row count changes
-# every step: above EXACT_EXPERT_ROWS a segment is padded to a multiple of
-# EXPERT_ROW_BUCKET rows, so a few dozen shapes serve every step. (The same
-# rule as the dense layers' ``padded_rows``, kept here: the model layer
-# does not import the executor's.)
-EXACT_EXPERT_ROWS, EXPERT_ROW_BUCKET = 32, 16
-
-
-def _blocked_segment_mm(rows: torch.Tensor, blocked: list[tuple[torch.Tensor, torch.Tensor]],
-                        which: int, segments: list[tuple[int, int, int]]) -> torch.Tensor:
-    """``_segment_mm`` on oneDNN-blocked expert weights (``which``: 0 gate_up,
-    1 down), each segment's rows padded to a kernel shape already built."""
-    linear = torch.ops.mkldnn._linear_pointwise
-    parts = []
-    for expert, start, end in segments:
-        count = end - start
-        padded = count if count <= EXACT_EXPERT_ROWS else -(-count // EXPERT_ROW_BUCKET) * (
-            EXPERT_ROW_BUCKET)
-        segment = rows[start:end]
-        if padded > count:  # pad rows: computed, never read
-            segment = F.pad(segment, (0, 0, 0, padded - count))
-        parts.append(linear(segment, blocked[expert][which], None, "none", [], "")[:count])
-    return torch.cat(parts)
 
 
 def _grouped_mm_matches_mm(weight: torch.Tensor) -> bool:
@@ -209,9 +173,10 @@ class MoEBlock(nn.Module):
         self.shared_gate_up = nn.Linear(hidden_size, 2 * s, bias=False) if s else None
         self.shared_down = nn.Linear(s, hidden_size, bias=False) if s else None
         self.last_expert_counts = torch.zeros(e, dtype=torch.int64)
-        # CPU bf16: each expert's two weights in oneDNN's blocked layout
-        # (``block_experts``), which the grouped path then multiplies by; None: plain.
-        self.blocked_experts: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        # CPU bf16: the experts' weights laid out for their kernel once at
+        # load (carpool/model/moe_cpu.py: ``block_experts`` or ``pack_experts``),
+        # the plain stacked ones then dropped; None: plain.
+        self.cpu_experts: BlockedExperts | PackedExperts | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.impl not in IMPLS:
@@ -223,7 +188,9 @@ class MoEBlock(nn.Module):
             weights = weights.to(x.dtype)
         counts = torch.bincount(ids.flatten(), minlength=self.spec.num_experts)
         self.last_expert_counts = counts.cpu()
-        if self._uses_triton(x):
+        if isinstance(self.cpu_experts, PackedExperts):
+            out = self.cpu_experts.forward(x, weights, ids, self.last_expert_counts)
+        elif self._uses_triton(x):
             out = self._triton(x, weights, ids, counts)
         elif self.impl == "grouped":
             out = self._grouped(x, weights, ids, counts)
@@ -289,45 +256,51 @@ class MoEBlock(nn.Module):
 
     def block_experts(self) -> int:
         """Lay each expert's weights out once in oneDNN's blocked format
-        (carpool/model/blocked_linear.py: bit-identical to mm in bf16, and
-        1.1-1.6x faster per expert from 2 to 256 rows on a 2-core AMX Xeon),
-        dropping the stacked plain ones; returns the bytes made. CPU bf16
-        inference only: the grouped path is then the one path."""
-        if self.blocked_experts is not None:
+        (bit-identical to mm in bf16, and 1.1-1.6x faster per expert from 2
+        to 256 rows on a 2-core AMX Xeon), dropping the stacked plain ones;
+        returns the bytes made. CPU bf16 inference only: the grouped path is
+        then the one path."""
+        if self.cpu_experts is not None:
             return 0
-        reorder = torch.ops.mkldnn._reorder_linear_weight
-        self.blocked_experts = [(reorder(self.w_gate_up[e].detach()),
-                                 reorder(self.w_down[e].detach()))
-                                for e in range(self.spec.num_experts)]
+        self.cpu_experts = BlockedExperts(self.w_gate_up, self.w_down)
+        return self._drop_plain_experts()
+
+    def pack_experts(self, kernels) -> int:  # noqa: ANN001 - the CPU ops or a SwitchingCpuOps
+        """Pack every expert once for our fused kernel (moe_cpu.PackedExperts),
+        dropping the stacked plain weights; returns the bytes made (0 where
+        the weights do not fit the kernel's shapes, or are laid out already)."""
+        if self.cpu_experts is not None or not packable_experts(self.w_gate_up, self.w_down):
+            return 0
+        self.cpu_experts = PackedExperts(self.w_gate_up, self.w_down, kernels)
+        return self._drop_plain_experts()
+
+    def _drop_plain_experts(self) -> int:
         made = (self.w_gate_up.numel() + self.w_down.numel()) * self.w_gate_up.element_size()
-        self.plain_shapes = (tuple(self.w_gate_up.shape), tuple(self.w_down.shape))
         empty = torch.empty(0, dtype=self.w_gate_up.dtype)
         self.w_gate_up, self.w_down = nn.Parameter(empty), nn.Parameter(empty.clone())
         return made
 
     def plain_expert_weights(self) -> dict[str, torch.Tensor]:
         """The stacked expert weights by parameter name, read back from the
-        blocked copies when ``block_experts`` ran (for fingerprints)."""
-        if self.blocked_experts is None:
+        laid-out copies where there are (for fingerprints)."""
+        if self.cpu_experts is None:
             return {"w_gate_up": self.w_gate_up, "w_down": self.w_down}
-        return {name: torch.stack([pair[i].to_dense() for pair in self.blocked_experts])
-                for i, name in enumerate(("w_gate_up", "w_down"))}
+        return self.cpu_experts.plain()
 
     def _expert_matmul(self, counts: torch.Tensor):  # noqa: ANN202
         """(rows [N, in] sorted by expert, weight [E, out, in]) -> [N, out]
         for the expert ``counts`` [E] of this forward, by ``self.gemm``
         (blocked experts: their own oneDNN products, expert by expert)."""
-        if self.blocked_experts is not None:
-            segments = _segments(self.last_expert_counts)
+        if isinstance(self.cpu_experts, BlockedExperts):
+            segments = segments_of(self.last_expert_counts)
             which = {id(self.w_gate_up): 0, id(self.w_down): 1}
-            return lambda rows, w: _blocked_segment_mm(rows, self.blocked_experts, which[id(w)],
-                                                       segments)
+            return lambda rows, w: self.cpu_experts.matmul(rows, which[id(w)], segments)
         if self._pick_gemm(counts.device) == "grouped_mm":
             # One call for all experts: on CPU (torch 2.13) 1-6% faster than mm
             # per expert from 8 tokens up (scripts/moe_bench.py), same results.
             offs = counts.cumsum(0).to(torch.int32)
             return lambda rows, w: torch._grouped_mm(rows, w.transpose(-2, -1), offs=offs)
-        segments = _segments(self.last_expert_counts)
+        segments = segments_of(self.last_expert_counts)
         return lambda rows, w: _segment_mm(rows, w, segments)
 
     def _pick_gemm(self, device: torch.device) -> str:

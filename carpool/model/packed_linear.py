@@ -35,6 +35,12 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
             .permute(0, 2, 1, 3).contiguous())
 
 
+def unpack_weight(packed: torch.Tensor) -> torch.Tensor:
+    """``pack_weight``'s inverse: [out / 16, in / 2, 16, 2] -> [out, in]."""
+    groups, pairs = packed.shape[:2]
+    return packed.permute(0, 2, 1, 3).reshape(groups * GROUP, pairs * 2)
+
+
 def packable(weight: torch.Tensor) -> bool:
     """Whether ``weight`` has the shape and dtype the kernel takes."""
     return (weight.dim() == 2 and weight.dtype == torch.bfloat16

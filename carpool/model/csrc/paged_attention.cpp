@@ -325,6 +325,9 @@ torch::Tensor silu_and_mul(torch::Tensor x);
 torch::Tensor row_argmax(torch::Tensor x);
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias);
 bool packed_linear_native();
+torch::Tensor packed_moe_experts(torch::Tensor x, torch::Tensor row_tokens, torch::Tensor counts,
+                                 torch::Tensor row_weights, torch::Tensor gate_up,
+                                 torch::Tensor down);
 torch::Tensor int4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
                           torch::Tensor mins, c10::optional<torch::Tensor> bias);
 torch::Tensor decode_attention_block(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
@@ -343,5 +346,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention_block", &decode_attention_block,
         "Rotary, K/V cache write and paged attention of a decode-only step's layer");
   m.def("int4_linear", &int4_linear, "x [rows, in] bf16 times packed INT4 codes, scales, mins");
+  m.def("packed_moe_experts", &packed_moe_experts,
+        "A MoE layer's routed experts on packed bf16 weights, rows sorted by expert");
   m.def("packed_linear_native", &packed_linear_native, "Whether packed_linear uses AVX512-BF16");
 }
