@@ -35,7 +35,7 @@ from carpool.paths import default_cache_dir, format_bytes, tree_bytes
 
 # Part of every conversion key: bump it when the converter's output changes so
 # stale conversions are not reused.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2
 _KEY_SAMPLE_BYTES = 1 << 20
 _T = TypeVar("_T")
 
