@@ -145,8 +145,9 @@ class ReasoningStream:
         if closed:
             self._pending = after
             self._phase = "content"
+            out = self._trimmed_reasoning(before)
             self._reasoning_whitespace = ""
-            return self._trimmed_reasoning(before)
+            return out
         held = 0 if at_end else _held_tag_length(before, tag)
         self._pending = before[len(before) - held:]
         out = self._trimmed_reasoning(before[:len(before) - held])
