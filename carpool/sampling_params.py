@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from carpool import limits
+from carpool.structured_output import StructuredOutput
 
 # Temperatures below this sample greedily (as vLLM): dividing logits by a
 # temperature that rounds to zero in float32 would give inf/NaN probabilities.
@@ -40,6 +41,8 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # What the output must match (a JSON schema, a regex, ...): None for free text.
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         # Frozen: normalise through object.__setattr__, once, before the check.
@@ -90,3 +93,5 @@ class SamplingParams:
             bad("stop_token_ids", "must be non-negative integers")
         if self.logprobs is not None:
             within("logprobs", limits.LOGPROBS, integer=True)
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            bad("structured", "must be a StructuredOutput")

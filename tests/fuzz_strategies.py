@@ -45,6 +45,22 @@ WILD = st.recursive(
 )
 
 
+# Structured-output fields: valid specs, specs that do not compile (a 400),
+# and ones whose grammar is hard (nested quantifiers, deep recursion).
+_STRUCTURED = {
+    "guided_regex": [r"\d{3}-\d{4}", "([a-z", "(a+)+$", "a{1,99999}", "", "[^]"],
+    "guided_json": [{"type": "object"}, {"type": "nonsense"}, "{not json",
+                    {"$ref": "#/$defs/x", "$defs": {"x": {"type": "array", "items": {
+                        "$ref": "#/$defs/x"}}}}, {"type": "string", "pattern": "(("}],
+    "guided_choice": [["yes", "no"], [], [""], ["a" * 300]],
+    "guided_grammar": ['root ::= "yes" | "no"', "root ::= ", "start: WORD", "root ::= root"],
+    "response_format": [{"type": "json_object"}, {"type": "xml"}, {"type": "json_schema"},
+                        {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+                            "type": "object", "properties": {"a": {"enum": [1, 2]}}}}}],
+    "structured_outputs": [{"regex": "[ab]+"}, {"json": 1}, {"choice": ["a"], "regex": "b"}],
+}
+
+
 class SchemaStrategies:
     """Hypothesis strategies for JSON bodies shaped by an OpenAPI schema.
 
@@ -122,6 +138,8 @@ class SchemaStrategies:
             return st.one_of(st.none(), st.integers(-2, 20))
         if name in ("logprobs", "top_logprobs") and valid:
             return st.one_of(st.none(), st.integers(0, 5), st.booleans())
+        if name in _STRUCTURED:  # plausible specs, broken ones and nothing, each often
+            return st.one_of(st.none(), st.none(), st.sampled_from(_STRUCTURED[name]), WILD)
         return None
 
     def _string(self, schema: dict, valid: bool):

@@ -35,6 +35,7 @@ from carpool.engine.wire import EngineInfo, Handoff
 from carpool.executor.base import BatchItem, Executor, resolve_overlap, step_padding
 from carpool.executor.shapes import StepShape
 from carpool.host_cpu import HostCpu
+from carpool.model.grammar import GrammarCompiler
 from carpool.model.kernel_switch import SwitchingCpuAttention
 from carpool.model.sampler import SamplingRow
 from carpool.sampling_params import SamplingParams
@@ -80,6 +81,7 @@ class LLMEngine:
         through and saves them to; None: none."""
         self.config = config
         self.tokenizer = tokenizer
+        self._grammars: GrammarCompiler | None = None
         self.model_config = model_config
         self.executor = executor
         self.max_model_len = max_model_len
@@ -201,6 +203,8 @@ class LLMEngine:
         detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params, self._pieces)
         state = RequestState(params, seed, detokenizer,
                              logprobs=[] if params.logprobs is not None else None)
+        if params.structured is not None:
+            state.constraint = self.grammars().constraint(params.structured)
         request = Request(request_id, token_ids, params.max_tokens,
                           self.clock() if arrival_time is None else arrival_time, priority,
                           payload=state, session_id=session_id, deadline=deadline,
@@ -253,9 +257,18 @@ class LLMEngine:
         state.sent_tokens = state.num_detokenized = len(outputs)
         for token_id in outputs:  # the prefill replica delivered this text
             state.text_parts.append(state.detokenizer.add_token(token_id)[0])
+            if state.constraint is not None and not state.constraint.accept(token_id):
+                raise ValueError("the handed-off output does not match the request's "
+                                 "structured output")
         if state.logprobs is not None:
             state.logprobs.extend(handoff.logprobs or ())
             state.sent_logprobs = len(state.logprobs)
+
+    def grammars(self) -> GrammarCompiler:
+        """Structured outputs' compiler for this model (made on first use)."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
+        return self._grammars
 
     def check_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
         """``check_prompt`` against this engine's context and vocabulary."""
@@ -471,7 +484,8 @@ class LLMEngine:
         step = len(request.token_ids) - len(prompt)
         row = state.row
         if row is None:
-            row = state.row = SamplingRow(state.params, state.seed, step, prompt)
+            row = state.row = SamplingRow(state.params, state.seed, step, prompt,
+                                          constraint=state.constraint)
         row.step = step
         if row.penalized:  # only penalties read the output tokens: copy them only then
             row.output_token_ids = request.token_ids[len(prompt):]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from carpool.engine.detokenizer import IncrementalDetokenizer
 from carpool.engine.outputs import RequestOutput, TokenLogprob
@@ -48,6 +49,9 @@ class RequestState:
     # and updated in place at each later one (see LLMEngine._batch_items).
     item: BatchItem | None = None
     row: SamplingRow | None = None
+    # Structured outputs: the request's grammar state (carpool/model/grammar.py),
+    # dropped with the request.
+    constraint: Any = None
 
 
 class OutputStage:

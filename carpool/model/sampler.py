@@ -19,10 +19,12 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from carpool.model import row_reductions as rows_ops
+from carpool.model.grammar import apply_token_bitmask, new_bitmask
 from carpool.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -44,14 +46,19 @@ class SamplingRow:
     step: int
     prompt_token_ids: Sequence[int] = ()
     output_token_ids: Sequence[int] = ()
+    # Structured outputs: the request's grammar state (carpool/model/grammar.py
+    # ``Constraint``: ``fill(bitmask, row)``, ``accept(token)``), or None.
+    constraint: Any = None
     # From ``params`` (fixed for a row's life), once: read per row per step,
     # where a property call costs (the engine keeps one row per request).
     penalized: bool = field(init=False)  # params.needs_penalties
-    plain_greedy: bool = field(init=False)  # greedy without penalties
+    edited: bool = field(init=False)  # penalties or a constraint change its logits
+    plain_greedy: bool = field(init=False)  # greedy, logits as they are
 
     def __post_init__(self) -> None:
         self.penalized = self.params.needs_penalties
-        self.plain_greedy = self.params.greedy and not self.penalized
+        self.edited = self.penalized or self.constraint is not None
+        self.plain_greedy = self.params.greedy and not self.edited
 
 
 @dataclass
@@ -202,6 +209,9 @@ class Sampler:
         if work:
             # Logprobs come from the raw logits: keep x untouched when they are asked.
             self._sample_work(x, aliased or bool(logprob_rows), work, rows, tokens)
+        for i, row in enumerate(rows):  # the grammars follow the tokens drawn
+            if row.constraint is not None:
+                row.constraint.accept(tokens[i])
         return self._results(x, tokens, rows, logprob_rows)
 
     def _chunk_rows(self, x: torch.Tensor) -> int:
@@ -221,8 +231,8 @@ class Sampler:
         (off the CPU, DEVICE_CHUNK_ELEMENTS: only memory bounds them).
         Penalized rows are chunked apart, so only their chunks get copied."""
         step = self._chunk_rows(x)
-        penal = [i for i in work if rows[i].penalized]
-        clean = [i for i in work if not rows[i].penalized]
+        penal = [i for i in work if rows[i].edited]
+        clean = [i for i in work if not rows[i].edited]
         for group in (penal, clean):
             for lo in range(0, len(group), step):
                 part = group[lo:lo + step]
@@ -232,7 +242,7 @@ class Sampler:
                 if group is penal:
                     z = z if owned else z.clone()
                     owned = True
-                    self._apply_penalties(z, part_rows, list(range(len(part))))
+                    self._edit(z, part_rows)
                 greedy = [j for j, r in enumerate(part_rows) if r.params.greedy]
                 if greedy:
                     _put(tokens, [part[j] for j in greedy], _argmax(self._take(z, greedy)).tolist())
@@ -263,6 +273,24 @@ class Sampler:
                 results[i].logprob = chosen[k]
                 results[i].top_logprobs = list(zip(top_ids[k][:want], top_vals[k][:want]))
         return results
+
+    def _edit(self, z: torch.Tensor, rows: list[SamplingRow]) -> None:
+        """Penalties, then each constrained row's mask of allowed tokens, in place."""
+        penalized = [j for j, r in enumerate(rows) if r.penalized]
+        if penalized:
+            self._apply_penalties(z, [rows[j] for j in penalized], penalized)
+        constrained = [j for j, r in enumerate(rows) if r.constraint is not None]
+        if constrained:
+            bitmask = new_bitmask(len(constrained), z.shape[1])
+            for k, j in enumerate(constrained):
+                rows[j].constraint.fill(bitmask, k)
+            if len(constrained) == len(rows):
+                apply_token_bitmask(z, bitmask.to(z.device))
+            else:
+                at = torch.tensor(constrained, device=z.device)
+                masked = z.index_select(0, at)
+                apply_token_bitmask(masked, bitmask.to(z.device))
+                z.index_copy_(0, at, masked)
 
     # -- penalties -------------------------------------------------------------------
 

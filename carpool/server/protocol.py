@@ -27,6 +27,7 @@ from pydantic import (
 )
 
 from carpool import limits
+from carpool.structured_output import MAX_CHOICES, StructuredOutput, from_request
 
 # Any integer (clamped to the classes and to the key's privilege) or a class name.
 Priority = (Annotated[int, Field(strict=True, gt=-10**9, lt=10**9)]
@@ -101,6 +102,14 @@ class _SamplingFields(BaseModel):
     max_wait_ms: float | None = Field(None, **limits.MAX_WAIT_MS.field())
     # Prefix-cache namespace within the caller's tenant (vLLM's cache_salt).
     cache_salt: str | None = Field(None, min_length=1, max_length=limits.MAX_CACHE_SALT_CHARS)
+    # Structured outputs: OpenAI's response_format, vLLM's guided_* fields
+    # and its structured_outputs object (carpool/structured_output.py).
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(None, max_length=MAX_CHOICES)
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _neutral_unsupported(self) -> "_SamplingFields":
@@ -108,7 +117,13 @@ class _SamplingFields(BaseModel):
             raise ValueError("best_of is not supported (leave it unset or equal to n)")
         if self.logit_bias:
             raise ValueError("logit_bias is not supported")
+        self.structured_output()  # a ValueError names the malformed field
         return self
+
+    def structured_output(self) -> StructuredOutput | None:
+        """The one constraint the request asks for (or None)."""
+        return from_request(self.response_format, self.guided_json, self.guided_regex,
+                            self.guided_choice, self.guided_grammar, self.structured_outputs)
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -229,7 +244,6 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _chat_unsupported(self) -> "ChatCompletionRequest":
@@ -242,8 +256,6 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("functions are not supported")
         if self.function_call not in (None, "none"):
             raise ValueError("function_call is not supported; leave it unset or 'none'")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ValueError("response_format other than text is not supported")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs: true")
         return self

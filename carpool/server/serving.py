@@ -28,6 +28,7 @@ from carpool.engine.client import EngineClient
 from carpool.engine.llm_engine import ContextLengthError
 from carpool.engine.outputs import RequestOutput
 from carpool.engine.streams import EngineDeadError, RequestStream
+from carpool.model.grammar import GrammarCompiler
 from carpool.sampling_params import SamplingParams
 from carpool.scheduler import RejectedError
 from carpool.scheduler.overload import OverloadGuard
@@ -73,6 +74,7 @@ class ServerContext:
     def __post_init__(self) -> None:
         if self.prep is None:
             self.prep = PrepPool(self.config.prep_workers)
+        self._grammars: GrammarCompiler | None = None
         self.response_cache = ResponseCache(self.config.response_cache_entries,
                                             self.config.response_cache_bytes,
                                             self.config.response_cache_ttl)
@@ -82,6 +84,13 @@ class ServerContext:
         self.metrics.bind_engine(self.engine.step_log, info.cache_info, info.step_facts)
         if hasattr(self.engine, "replica_stats"):  # a fleet: per-replica series too
             self.metrics.replica_stats = self.engine.replica_stats
+
+    def grammars(self) -> GrammarCompiler:
+        """Structured outputs' compiler here, to refuse (400) what the engine
+        could not compile; the engine compiles its own (cached by spec)."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.engine.info.vocab_size)
+        return self._grammars
 
     @property
     def max_prompt_chars(self) -> int:
@@ -134,8 +143,11 @@ class OpenAIServing:
                 seed=body.seed, stop=body.stop_list(), stop_token_ids=body.stop_token_ids or [],
                 ignore_eos=body.ignore_eos, logprobs=logprobs,
                 include_stop_str_in_output=body.include_stop_str_in_output,
-                skip_special_tokens=body.skip_special_tokens)
+                skip_special_tokens=body.skip_special_tokens,
+                structured=body.structured_output())
             self.ctx.engine.check_prompt(prompt, params)
+            if params.structured is not None:  # a 400 now for what cannot compile
+                self.ctx.grammars().compile(params.structured)
         except ContextLengthError as exc:
             raise APIError(400, str(exc), code="context_length_exceeded") from None
         except ValueError as exc:

@@ -1,0 +1,203 @@
+"""Structured outputs: the request forms, the token mask in the sampler, and
+the official ``openai`` client against a live ``carpool serve`` on the real
+default model (``chat.completions.parse`` with a pydantic model, streamed
+and not; vLLM's guided_* fields; 400s for what cannot compile)."""
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+import jsonschema
+import openai
+import pydantic
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from server_utils import ServerProcess
+
+from carpool.model.grammar import apply_token_bitmask, choice_regex
+from carpool.model.sampler import Sampler, SamplingRow
+from carpool.sampling_params import SamplingParams
+from carpool.structured_output import MAX_SPEC_BYTES, StructuredOutput, from_request
+
+MODEL = "SmolLM2-135M-Instruct"
+SCHEMA = {"type": "object", "properties": {
+    "city": {"type": "string", "maxLength": 24},
+    "population": {"type": "integer", "minimum": 0},
+    "tags": {"type": "array", "items": {"enum": ["capital", "port", "old"]}, "maxItems": 3}},
+    "required": ["city", "population", "tags"], "additionalProperties": False}
+
+
+# -- the request forms -----------------------------------------------------------------
+
+def test_every_request_form_becomes_one_constraint():
+    schema_text = json.dumps(SCHEMA, sort_keys=True)
+    assert from_request() is None and from_request({"type": "text"}) is None
+    assert from_request({"type": "json_object"}) == StructuredOutput("json_object")
+    got = from_request({"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA,
+                                                               "strict": True}})
+    assert got == StructuredOutput("json", schema_text)
+    assert from_request(guided_json=SCHEMA) == got == from_request(guided_json=json.dumps(SCHEMA))
+    assert from_request(structured_outputs={"json": SCHEMA}) == got
+    assert from_request(guided_regex=r"\d+") == StructuredOutput("regex", r"\d+")
+    assert from_request(guided_choice=["a", "b"]) == StructuredOutput("choice", '["a", "b"]')
+    assert from_request(structured_outputs={"grammar": 'root ::= "x"'}).kind == "grammar"
+    assert from_request(structured_outputs={"json_object": True}).kind == "json_object"
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"response_format": {"type": "json_schema"}}, "json_schema"),
+    ({"guided_json": "{not json"}, "guided_json is not valid JSON"),
+    ({"guided_json": "[1]"}, "JSON schema object"),
+    ({"guided_regex": "a", "guided_choice": ["b"]}, "not several"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"structured_outputs": {"xml": "<a/>"}}, "unknown field"),
+    ({"guided_regex": "a" * (MAX_SPEC_BYTES + 1)}, "at most"),
+])
+def test_malformed_requests_name_the_field(fields, message):
+    with pytest.raises(ValueError, match=message):
+        from_request(**fields)
+
+
+def test_choice_regex_escapes_every_special_character():
+    import re
+
+    choices = ["a.b", "(x|y)", "1+1=2?", "[z]", "back\\slash", "{n}", "^$", "a/b"]
+    pattern = re.compile(choice_regex(choices))
+    assert all(pattern.fullmatch(c) for c in choices)
+    assert not pattern.fullmatch("axb") and not pattern.fullmatch("x")
+
+
+# -- the mask in the sampler -----------------------------------------------------------
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 4), vocab=st.integers(1, 100), seed=st.integers(0, 2**31))
+def test_bitmask_keeps_exactly_the_allowed_tokens(rows, vocab, seed):
+    gen = torch.Generator().manual_seed(seed)
+    bits = torch.randint(0, 2, (rows, (vocab + 31) // 32 * 32), generator=gen, dtype=torch.int64)
+    words = (bits.view(rows, -1, 32) << torch.arange(32)).sum(-1)
+    bitmask = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    logits = torch.randn(rows, vocab, generator=gen)
+    masked = logits.clone()
+    apply_token_bitmask(masked, bitmask)
+    allowed = bits[:, :vocab].bool()
+    assert torch.equal(masked[allowed], logits[allowed])
+    assert bool(torch.isneginf(masked[~allowed]).all())
+
+
+class _OnlyTokens:
+    """A constraint allowing a fixed set of tokens; records what it accepts."""
+
+    def __init__(self, allowed: list[int]) -> None:
+        self.allowed, self.accepted = allowed, []
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        bitmask[row] = 0
+        for token in self.allowed:
+            bitmask[row, token // 32] |= torch.tensor(1 << (token % 32)).to(torch.int32)
+
+    def accept(self, token: int) -> bool:
+        self.accepted.append(token)
+        return token in self.allowed
+
+
+def test_constrained_rows_draw_allowed_tokens_and_leave_their_batch_mates_alone():
+    vocab = 300
+    sampler = Sampler(vocab)
+    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(0))
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, seed=3),
+              SamplingParams(temperature=0.0, logprobs=2), SamplingParams(temperature=0.7, seed=5)]
+    free = [SamplingRow(p, 7, 0) for p in params]
+    want = [r.token_id for r in sampler.sample(logits, free)]
+    constraints = [_OnlyTokens([5, 77, 290]), None, _OnlyTokens([31, 32]), None]
+    rows = [SamplingRow(p, 7, 0, constraint=c) for p, c in zip(params, constraints)]
+    got = sampler.sample(logits, rows)
+    assert got[0].token_id == max((5, 77, 290), key=lambda t: logits[0, t].item())
+    assert got[2].token_id in (31, 32) and constraints[2].accepted == [got[2].token_id]
+    assert [got[1].token_id, got[3].token_id] == [want[1], want[3]]
+    # Log-probabilities stay the raw distribution's, as without a constraint.
+    raw = torch.log_softmax(logits[2], -1)
+    assert got[2].logprob == pytest.approx(raw[got[2].token_id].item(), abs=1e-5)
+
+
+# -- the live server -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(real_model_path):
+    with ServerProcess([str(real_model_path), "--served-model-name", MODEL,
+                        "--max-num-seqs", "16", "--kv-cache-memory", "256MiB"]) as proc:
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
+                         timeout=300)
+
+
+class City(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid")
+    name: str = pydantic.Field(max_length=30)
+    country: str = pydantic.Field(max_length=30)
+    kind: Literal["capital", "town", "village"]
+    founded: int
+
+
+ASK = [{"role": "user", "content": "Describe Paris as JSON."}]
+
+
+@pytest.mark.real_model
+def test_parse_with_a_pydantic_model_end_to_end(client):
+    reply = client.chat.completions.parse(model=MODEL, messages=ASK, response_format=City,
+                                          max_tokens=120, temperature=0)
+    message = reply.choices[0].message
+    assert reply.choices[0].finish_reason == "stop"
+    assert isinstance(message.parsed, City) and message.parsed.kind in ("capital", "town",
+                                                                        "village")
+
+
+@pytest.mark.real_model
+def test_streamed_json_schema_is_the_non_streamed_text(client):
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA,
+                                                  "strict": True}}
+    kwargs = dict(model=MODEL, messages=ASK, response_format=fmt, max_tokens=120, temperature=0)
+    text = client.chat.completions.create(**kwargs).choices[0].message.content
+    jsonschema.validate(json.loads(text), SCHEMA)
+    chunks = client.chat.completions.create(**kwargs, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+
+
+@pytest.mark.real_model
+def test_vllm_guided_fields_on_both_endpoints(client):
+    choice = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Is the sky blue?"}], max_tokens=8,
+        temperature=0.8, seed=1, extra_body={"guided_choice": ["yes", "no", "it depends"]})
+    assert choice.choices[0].message.content in ("yes", "no", "it depends")
+    phone = client.completions.create(model=MODEL, prompt="Call me at", max_tokens=20,
+                                      temperature=0,
+                                      extra_body={"guided_regex": r" \d{3}-\d{4}"})
+    assert phone.choices[0].text[0] == " " and phone.choices[0].text[4] == "-"
+    obj = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=60, temperature=0,
+                                         response_format={"type": "json_object"})
+    if obj.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    else:  # the budget ran out mid-object: still a valid prefix's length
+        assert obj.usage.completion_tokens == 60
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("extra,needle", [
+    ({"guided_regex": "([a-z"}, "invalid regex"),
+    ({"guided_json": {"type": "nonsense"}}, "invalid json"),
+    ({"guided_grammar": "root ::= "}, "invalid grammar"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+])
+def test_what_cannot_compile_is_a_400(client, extra, needle):
+    with pytest.raises(openai.BadRequestError, match=needle):
+        client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=8,
+                                       extra_body=extra)
+    # The server serves on.
+    assert client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=2).choices
