@@ -84,7 +84,8 @@ ENGINE_FLAGS: list[Flag] = [
        "memory) or int4 (groups of 32, +25%) (default: none)"),
     _f("--packed-decode", "packed_decode", str, "MODE",
        "CPU bf16: decode steps of a few rows on a packed copy of the weights (our AVX512-BF16 "
-       "kernel): auto (where it fits in a quarter of the free memory) | on | off"),
+       "kernel), and MoE experts on our fused kernel: auto (the copy where it fits in a quarter "
+       "of the free memory; the experts where the CPU has AVX512-BF16 but no AMX) | on | off"),
     _f("--blocked-weights", "blocked_weights", str, "MODE",
        "CPU bf16: linear weights laid out once in oneDNN's blocked format (same results, "
        "faster matrix products): auto (where oneDNN has bf16 kernels) | on | off"),
@@ -256,6 +257,13 @@ SERVER_FLAGS: list[Flag] = [
     _f("--special-tokens-in-content", "special_tokens_in_content", flag_bool, "BOOL",
        "parse special-token text (<|im_start|>...) inside chat message content (false: it "
        "is plain text)"),
+    _f("--tool-call-parser", "tool_call_parser", str, "NAME",
+       "the format the model writes tool calls in: hermes | llama3_json | mistral (needed "
+       "by tool_choice auto)"),
+    _f("--enable-auto-tool-choice", "enable_auto_tool_choice", bool, None,
+       "let the model decide when to call tools (tool_choice auto; with --tool-call-parser)"),
+    _f("--reasoning-parser", "reasoning_parser", str, "NAME",
+       "split <think>...</think> off into reasoning_content: qwen3 | deepseek_r1"),
     _f("--shutdown-timeout", "shutdown_timeout", float, "SECONDS",
        "seconds in-flight requests get to finish after SIGTERM"),
     _f("--status-interval", "status_interval", float, "SECONDS",

@@ -164,7 +164,7 @@ class Tokenizer:
             raise ChatTemplateError(f"chat template failed: {exc}") from exc
 
     def encode_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
-                    special_tokens_in_content: bool = False) -> list[int]:
+                    special_tokens_in_content: bool = False, **variables: Any) -> list[int]:
         """Token ids of ``messages`` rendered with the chat template.
 
         By default a special token's text inside a message's content (say
@@ -172,8 +172,9 @@ class Tokenizer:
         cannot forge chat-control tokens; ``special_tokens_in_content``
         restores the raw behaviour (the rendered text tokenized as a whole).
         Content without such text is tokenized exactly as the whole text.
+        ``variables`` (``tools``, ...) go to the template as they are.
         """
-        text = self.apply_chat_template(messages, add_generation_prompt)
+        text = self.apply_chat_template(messages, add_generation_prompt, **variables)
         contents = [str(m.get("content") or "") for m in messages]
         if special_tokens_in_content or not any(self._has_special_text(c) for c in contents):
             return self.encode(text)
@@ -183,7 +184,7 @@ class Tokenizer:
         nonce = secrets.token_hex(8)
         markers = [f"\x00{nonce}:{i}\x00" for i in range(len(messages))]
         marked = [{**m, "content": marker} for m, marker in zip(messages, markers)]
-        rendered = self.apply_chat_template(marked, add_generation_prompt)
+        rendered = self.apply_chat_template(marked, add_generation_prompt, **variables)
         ids: list[int] = []
         for marker, content in zip(markers, contents):
             head, found, rendered = rendered.partition(marker)

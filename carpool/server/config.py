@@ -6,6 +6,8 @@ import os
 from dataclasses import dataclass, field
 
 from carpool import limits
+from carpool.server.reasoning_parsers import REASONING_PARSERS
+from carpool.server.tools import TOOL_PARSERS
 
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 METRICS_PREFIXES = ("carpool", "vllm", "both")
@@ -51,6 +53,13 @@ class ServerConfig:
     # Chat: special-token text inside message content is tokenized as plain
     # text (content cannot forge <|im_start|> and the like) unless true.
     special_tokens_in_content: bool = False
+    # Tool calling (vLLM's flags): the format the model writes calls in
+    # (hermes | llama3_json | mistral), which tool_choice "auto" needs,
+    # with enable_auto_tool_choice; required and named choices need neither.
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
+    # Splits <think>...</think> off into reasoning_content: qwen3 | deepseek_r1.
+    reasoning_parser: str | None = None
     prep_workers: int = 1  # threads that parse, template and tokenize requests
     # The engine runs in a worker process of its own (carpool.engine.worker),
     # so HTTP, tokenizing and the SSE stream never wait on the model's GIL;
@@ -169,6 +178,14 @@ class ServerConfig:
     def validate(self) -> "ServerConfig":
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {sorted(TOOL_PARSERS)}, "
+                             f"got {self.tool_call_parser!r}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs a tool_call_parser")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {sorted(REASONING_PARSERS)}, "
+                             f"got {self.reasoning_parser!r}")
         for name in ("max_body_bytes", "max_header_bytes", "max_n", "max_prompts",
                      "max_messages", "max_stop"):
             if getattr(self, name) < 1:

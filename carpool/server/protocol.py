@@ -1,8 +1,8 @@
 """Request bodies of the OpenAI-compatible API (pydantic, validated on entry).
 
-Fields OpenAI defines but carpool does not implement (``tools``,
-``tool_choice``, ``functions``, ``logit_bias``, ``echo``, a message's
-``tool_calls``...) are accepted only at their neutral value; anything else
+Fields OpenAI defines but carpool does not implement (``functions``,
+``function_call``, ``logit_bias``, ``echo``...) are accepted only at their
+neutral value; anything else
 is a 400 naming the field, never a silently ignored knob. Unknown fields
 are ignored, as OpenAI clients send extras (``user``, ``metadata``...).
 
@@ -13,6 +13,7 @@ million error objects (seconds of CPU and ~1 GB for a 2 MiB body).
 """
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -197,24 +198,38 @@ class TextPart(BaseModel):
     text: str
 
 
+class ToolCallFunction(BaseModel):
+    name: str = Field(max_length=64)
+    arguments: str
+
+
+class MessageToolCall(BaseModel):
+    """A past call in an assistant message (OpenAI's ``tool_calls[i]``)."""
+
+    id: str = Field(max_length=128)
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | Annotated[list[TextPart], Field(fail_fast=True)] | None = None
     name: str | None = None
-    # Tool calling is not supported: a past call in the history is refused
-    # (a 400 naming it), never silently dropped from what the model sees.
-    tool_calls: list[Any] | None = None
+    # An assistant's past calls, and a tool message's answer to one of them:
+    # both go back to the chat template for the next turn.
+    tool_calls: Annotated[list[MessageToolCall], Field(max_length=128, fail_fast=True)] | None \
+        = None
+    tool_call_id: str | None = Field(None, max_length=128)
     function_call: Any = None
 
     @model_validator(mode="after")
-    def _no_tool_calls(self) -> "ChatMessage":
-        if self.tool_calls:
-            raise ValueError("tool_calls in messages are not supported (tool calling is not "
-                             "implemented)")
+    def _no_function_call(self) -> "ChatMessage":
         if self.function_call is not None:
-            raise ValueError("function_call in messages is not supported")
+            raise ValueError("function_call in messages is not supported (use tool_calls)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
         return self
 
     def text(self) -> str:
@@ -225,10 +240,31 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
-def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+def _template_call(call: MessageToolCall) -> dict[str, Any]:
+    """A past call as chat templates read it: the arguments as an object
+    when they are JSON (templates write them with ``tojson``), else as sent."""
+    try:
+        arguments: Any = json.loads(call.function.arguments)
+    except json.JSONDecodeError:
+        arguments = call.function.arguments
+    return {"id": call.id, "type": "function",
+            "function": {"name": call.function.name, "arguments": arguments}}
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """Messages as a chat template expects them ("developer" is "system")."""
-    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            for m in messages]
+    rendered = []
+    for m in messages:
+        entry: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
+                                 "content": m.text()}
+        if m.tool_calls:
+            entry["tool_calls"] = [_template_call(call) for call in m.tool_calls]
+        if m.tool_call_id is not None:
+            entry["tool_call_id"] = m.tool_call_id
+        if m.name is not None and m.role == "tool":
+            entry["name"] = m.name
+        rendered.append(entry)
+    return rendered
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -247,11 +283,6 @@ class ChatCompletionRequest(_SamplingFields):
 
     @model_validator(mode="after")
     def _chat_unsupported(self) -> "ChatCompletionRequest":
-        if self.tools:
-            raise ValueError("tools are not supported")
-        if self.tool_choice not in (None, "none"):
-            raise ValueError("tool_choice is not supported (tool calling is not implemented); "
-                             "leave it unset or 'none'")
         if self.functions:
             raise ValueError("functions are not supported")
         if self.function_call not in (None, "none"):

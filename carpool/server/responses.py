@@ -6,6 +6,7 @@ import time
 from typing import Any
 
 from carpool.engine.outputs import RequestOutput, TokenLogprob
+from carpool.server.chat_output import ChatShape, ChoiceStream
 
 
 def sse(data: dict[str, Any]) -> str:
@@ -19,8 +20,11 @@ class ResponseBuilder:
     """Shapes chunks and final bodies for one API call (chat or completions)."""
 
     def __init__(self, kind: str, request_id: str, model: str, tokenizer,
-                 logprobs: int | None) -> None:
+                 logprobs: int | None, shape: ChatShape | None = None) -> None:
         self.chat = kind == "chat"
+        # Chat: tool calls and reasoning split out of the text (chat_output.py).
+        self.shape = shape if shape is not None and shape.active else None
+        self._streams: dict[int, ChoiceStream] = {}
         self.id = request_id
         self.model = model
         self.created = int(time.time())
@@ -39,6 +43,31 @@ class ResponseBuilder:
         choice = {"index": index, "delta": {"role": "assistant", "content": ""},
                   "logprobs": None, "finish_reason": None}
         return {**self._header(True), "choices": [choice]}
+
+    def chunks(self, index: int, output: RequestOutput) -> list[dict[str, Any]]:
+        """The streaming chunks of what is new in ``output`` (with a chat
+        shape, one per delta it makes; the last carries the finish)."""
+        if self.shape is None:
+            return [self.chunk(index, output)]
+        stream = self._streams.setdefault(index, self.shape.stream())
+        deltas = stream.feed(output.delta_text) if output.delta_text else []
+        if output.finished:
+            deltas += stream.finish()
+        finish = output.finish_reason if output.finished else None
+        if finish == "stop" and stream.called:
+            finish = "tool_calls"
+        logprobs = self._logprobs(index, output.delta_logprobs)
+        if not deltas and not output.finished and logprobs is None:
+            return []
+        deltas = deltas or [{}]
+        chunks = [{**self._header(True), "choices": [
+            {"index": index, "delta": delta, "logprobs": logprobs if i == 0 else None,
+             "finish_reason": None}]} for i, delta in enumerate(deltas)]
+        last = chunks[-1]["choices"][0]
+        last["finish_reason"] = finish
+        if output.finished:
+            last["stop_reason"] = output.stop_reason
+        return chunks
 
     def chunk(self, index: int, output: RequestOutput) -> dict[str, Any]:
         """A streaming chunk with what is new in ``output``."""
@@ -63,8 +92,12 @@ class ResponseBuilder:
         for index, output in enumerate(outputs):
             logprobs = self._logprobs(index, output.logprobs)
             if self.chat:
-                choice = {"index": index, "message": {"role": "assistant", "content": output.text},
-                          "logprobs": logprobs, "finish_reason": output.finish_reason}
+                message, finish = ({"role": "assistant", "content": output.text},
+                                   output.finish_reason)
+                if self.shape is not None:
+                    message, finish = self.shape.message(output.text, finish)
+                choice = {"index": index, "message": message, "logprobs": logprobs,
+                          "finish_reason": finish}
             else:
                 choice = {"index": index, "text": output.text, "logprobs": logprobs,
                           "finish_reason": output.finish_reason}

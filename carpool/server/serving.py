@@ -33,6 +33,7 @@ from carpool.sampling_params import SamplingParams
 from carpool.scheduler import RejectedError
 from carpool.scheduler.overload import OverloadGuard
 from carpool.server.auth import ANONYMOUS, Principal
+from carpool.server.chat_output import ChatPlan, ChatShape, plan_chat
 from carpool.server.config import ServerConfig
 from carpool.server.errors import APIError, bad_request
 from carpool.server.metrics import Metrics, RequestTracker
@@ -51,6 +52,7 @@ from carpool.server.protocol import (
 )
 from carpool.server.response_cache import ResponseCache, cache_key, is_deterministic
 from carpool.server.responses import SSE_DONE, ResponseBuilder, sse, usage_of
+from carpool.structured_output import StructuredOutput
 
 # The emergency switch's step that answers from the response cache.
 RESPONSE_CACHE_STAGE = OverloadGuard.STAGES.index("response_cache")
@@ -125,7 +127,8 @@ class OpenAIServing:
             raise bad_request(f"at most {cfg.max_stop} stop strings", "stop")
 
     def _sampling(self, body: _SamplingFields, max_tokens: int | None, logprobs: int | None,
-                  prompt: list[int]) -> SamplingParams:
+                  prompt: list[int], structured: StructuredOutput | None = None,
+                  ) -> SamplingParams:
         """The sampling parameters of one prompt, which must fit the context."""
         cfg = self.ctx.config
         if logprobs is not None and logprobs > cfg.max_logprobs:
@@ -144,7 +147,7 @@ class OpenAIServing:
                 ignore_eos=body.ignore_eos, logprobs=logprobs,
                 include_stop_str_in_output=body.include_stop_str_in_output,
                 skip_special_tokens=body.skip_special_tokens,
-                structured=body.structured_output())
+                structured=structured or body.structured_output())
             self.ctx.engine.check_prompt(prompt, params)
             if params.structured is not None:  # a 400 now for what cannot compile
                 self.ctx.grammars().compile(params.structured)
@@ -178,23 +181,39 @@ class OpenAIServing:
                                   self.ctx.tokenizer, body.logprobs)
         return _Call(prompts, params, builder)
 
-    def chat_prompt(self, messages, add_generation_prompt: bool) -> list[int]:
-        """Token ids of chat messages, within the server's limits."""
+    def chat_prompt(self, messages, add_generation_prompt: bool,
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Token ids of chat messages (and tools), within the server's limits."""
         if len(messages) > self.ctx.config.max_messages:
             raise bad_request(f"at most {self.ctx.config.max_messages} messages", "messages")
         check_chars(sum(len(m.text()) for m in messages), self.ctx.max_prompt_chars,
                     "messages")
         return chat_tokens(self.ctx.tokenizer, messages, add_generation_prompt,
-                           self.ctx.config.special_tokens_in_content)
+                           self.ctx.config.special_tokens_in_content, tools)
+
+    def _chat_plan(self, body: ChatCompletionRequest) -> ChatPlan:
+        cfg = self.ctx.config
+        try:
+            plan = plan_chat(body.tools, body.tool_choice, cfg.tool_call_parser,
+                             cfg.enable_auto_tool_choice, cfg.reasoning_parser)
+        except ValueError as exc:
+            field = "tool_choice" if "tool_choice" in str(exc) else "tools"
+            raise bad_request(str(exc), field) from None
+        if plan.structured is not None and body.structured_output() is not None:
+            raise bad_request("a forced tool_choice and a structured output cannot both "
+                              "constrain the reply", "tool_choice")
+        return plan
 
     def prepare_chat(self, body: ChatCompletionRequest) -> _Call:
         self._check_common(body)
-        prompt = self.chat_prompt(body.messages, body.add_generation_prompt)
+        plan = self._chat_plan(body)
+        prompt = self.chat_prompt(body.messages, body.add_generation_prompt,
+                                  plan.template_tools())
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens or body.max_tokens
-        params = self._sampling(body, max_tokens, logprobs, prompt)
+        params = self._sampling(body, max_tokens, logprobs, prompt, plan.structured)
         builder = ResponseBuilder("chat", f"chatcmpl-{uuid.uuid4().hex}", self.ctx.model_name,
-                                  self.ctx.tokenizer, logprobs)
+                                  self.ctx.tokenizer, logprobs, ChatShape(plan))
         return _Call([prompt], [params], builder)
 
     # -- endpoints -------------------------------------------------------------------
@@ -394,7 +413,8 @@ async def _stream_events(first: tuple[int, RequestOutput], merged, builder: Resp
             if output.finished:
                 finals[index] = output
             if output.delta_text or output.finished or output.delta_logprobs:
-                yield sse(builder.chunk(index, output))
+                for chunk in builder.chunks(index, output):
+                    yield sse(chunk)
             item = await anext(merged, None)
         if include_usage:
             yield sse(builder.usage_chunk(usage_of(finals, n)))
