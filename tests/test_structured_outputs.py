@@ -201,3 +201,51 @@ def test_what_cannot_compile_is_a_400(client, extra, needle):
                                        extra_body=extra)
     # The server serves on.
     assert client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=2).choices
+
+
+# -- P/D: the decode replica replays the prefill's token into its grammar ----------------
+
+@pytest.mark.real_model
+def test_a_constrained_request_split_between_prefill_and_decode(real_model_path):
+    from carpool import LLM
+    from carpool.engine.llm_engine import LLMEngine
+    from carpool.engine.wire import Handoff
+    from carpool.kv_transfer.blocks import KVBlockIO, weights_fingerprint
+    from carpool.kv_transfer.connector import StoreConnector
+    from carpool.kv_transfer.stores import MemoryStore
+
+    llm = LLM(str(real_model_path), kv_cache_memory="64MiB",
+              block_hash_key="00112233445566778899aabbccddeeff")
+    choices = ["Paris is the capital", "Lyon is a city", "Nice"]
+    so = StructuredOutput("choice", json.dumps(choices))
+    prompt = llm.engine.tokenizer.encode_chat(
+        [{"role": "user", "content": "Name a French city."}], True)
+    params = SamplingParams(max_tokens=16, temperature=0.0, structured=so)
+    whole = llm.generate([prompt], params)[0].text
+    store = MemoryStore(64 << 20)
+
+    def replica() -> LLMEngine:
+        base, executor = llm.engine, llm.engine.executor
+        fingerprint = weights_fingerprint(executor.model, f"{base.model_config!r}")
+        connector = StoreConnector(store, KVBlockIO(executor.kv_caches), fingerprint,
+                                   handoff_wait_s=5.0, model=executor.model)
+        return LLMEngine(base.config, base.tokenizer, base.model_config, executor,
+                         base.max_model_len, kv_connector=connector)
+
+    def run(engine, params, handoff, request_id):
+        engine.add_request(prompt, params, request_id=request_id, handoff=handoff)
+        outputs = []
+        while engine.has_unfinished:
+            outputs += engine.step()
+        return outputs[-1]
+
+    prefill = replica()
+    first = run(prefill, SamplingParams(max_tokens=1, temperature=0.0, structured=so),
+                Handoff("prefill"), "p")
+    prefill.kv_connector.flush()
+    decode = replica()
+    final = run(decode, params, Handoff("decode", list(first.token_ids)), "d")
+    assert final.text == whole and final.text in choices
+    with pytest.raises(ValueError, match="does not match"):  # a token the grammar refuses
+        replica().add_request(prompt, params, request_id="x",
+                              handoff=Handoff("decode", [llm.engine.tokenizer.encode("zzz")[0]]))
