@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from server_utils import ServerProcess
 
-from carpool.model.grammar import apply_token_bitmask, choice_regex
+from carpool.model.grammar import GrammarCompiler, apply_token_bitmask, new_bitmask
 from carpool.model.sampler import Sampler, SamplingRow
 from carpool.sampling_params import SamplingParams
 from carpool.structured_output import MAX_SPEC_BYTES, StructuredOutput, from_request
@@ -61,13 +61,59 @@ def test_malformed_requests_name_the_field(fields, message):
         from_request(**fields)
 
 
-def test_choice_regex_escapes_every_special_character():
-    import re
+@pytest.fixture(scope="module")
+def grammars(real_model_path):
+    from carpool.model.loader import load_tokenizer
 
-    choices = ["a.b", "(x|y)", "1+1=2?", "[z]", "back\\slash", "{n}", "^$", "a/b"]
-    pattern = re.compile(choice_regex(choices))
-    assert all(pattern.fullmatch(c) for c in choices)
-    assert not pattern.fullmatch("axb") and not pattern.fullmatch("x")
+    tokenizer = load_tokenizer(str(real_model_path))
+    return GrammarCompiler(tokenizer, tokenizer.vocab_size), tokenizer
+
+
+def _allowed(constraint, vocab: int) -> set[int]:
+    bitmask = new_bitmask(1, vocab)
+    constraint.fill(bitmask, 0)
+    bits = ((bitmask[0].unsqueeze(-1) >> torch.arange(32)) & 1).view(-1)[:vocab]
+    return set(torch.nonzero(bits).flatten().tolist())
+
+
+@pytest.mark.real_model
+def test_choices_take_special_characters_literally(grammars):
+    compiler, tokenizer = grammars
+    choices = ["a.b", "(x|y)", "1+1=2?", "[z]", "back\\slash", "{n}", "^$"]
+    spec = StructuredOutput("choice", json.dumps(choices))
+    for choice in choices:
+        constraint = compiler.constraint(spec)
+        assert all(constraint.accept(t) for t in tokenizer.encode(choice)), choice
+        assert tokenizer.eos_token_ids[0] in _allowed(constraint, tokenizer.vocab_size)
+    assert not compiler.constraint(spec).accept(tokenizer.encode("axb")[0] if
+                                                tokenizer.encode("axb")[0] !=
+                                                tokenizer.encode("a.b")[0] else 0)
+
+
+@pytest.mark.real_model
+def test_special_tokens_never_count_as_text_inside_json(grammars):
+    """Inside a JSON string the grammar allows ordinary text but never a
+    chat-control token (whose text would pass as characters otherwise)."""
+    compiler, tokenizer = grammars
+    constraint = compiler.constraint(StructuredOutput("json", json.dumps(
+        {"type": "object", "properties": {"note": {"type": "string"}}, "required": ["note"]})))
+    for token in tokenizer.encode('{"note": "hel'):
+        assert constraint.accept(token)
+    allowed = _allowed(constraint, tokenizer.vocab_size)
+    assert len(allowed) > 1000
+    for special in ("<|im_start|>", "<|im_end|>", "<|endoftext|>"):
+        assert tokenizer.token_to_id(special) not in allowed, special
+
+
+def test_what_cannot_compile_names_the_problem(grammars):
+    compiler, _ = grammars
+    for spec, needle in [(StructuredOutput("regex", "([a-z"), "invalid regex"),
+                         (StructuredOutput("json", '{"type": "nonsense"}'), "invalid json"),
+                         (StructuredOutput("json", '{"type": "array", "uniqueItems": true}'),
+                          "uniqueItems"),
+                         (StructuredOutput("grammar", "root ::= missing"), "invalid grammar")]:
+        with pytest.raises(ValueError, match=needle):
+            compiler.compile(spec)
 
 
 # -- the mask in the sampler -----------------------------------------------------------
@@ -192,7 +238,7 @@ def test_vllm_guided_fields_on_both_endpoints(client):
 @pytest.mark.parametrize("extra,needle", [
     ({"guided_regex": "([a-z"}, "invalid regex"),
     ({"guided_json": {"type": "nonsense"}}, "invalid json"),
-    ({"guided_grammar": "root ::= "}, "invalid grammar"),
+    ({"guided_grammar": "root ::= missing"}, "invalid grammar"),
     ({"response_format": {"type": "xml"}}, "response_format"),
 ])
 def test_what_cannot_compile_is_a_400(client, extra, needle):

@@ -176,6 +176,7 @@ class TorchExecutor(Executor):
         self.sampler = Sampler(model_config.vocab_size)
         if self.cpu_ops is not None and self.device.type == "cpu":
             self.sampler.row_argmax = self.cpu_ops.row_argmax
+            self.sampler.apply_bitmask = self.cpu_ops.apply_token_bitmask
         moe_blocks = [layer.moe for layer in self.model.layers if layer.moe is not None]
         self.expert_load = ExpertLoad(moe_blocks) if moe_blocks else None
         self.graphs = self._capture_graphs(settings, max_model_len, max_num_seqs, graph_type)

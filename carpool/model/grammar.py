@@ -1,18 +1,27 @@
-"""Structured outputs' grammars (xgrammar): a ``StructuredOutput`` compiled
-against the model's vocabulary, and one matcher per request that gives the
+"""Structured outputs' grammars (llguidance): a ``StructuredOutput`` compiled
+against the model's tokenizer, and one matcher per request that gives the
 sampler each step's allowed tokens as a bitmask and follows the tokens drawn.
 
-Compiling is CPU work that a client's schema sets: it runs on a small pool
-of threads with a time limit (``GrammarCompiler.compile``), compiled
-grammars are cached by their spec (xgrammar's cache, bounded in bytes), and
-a request's matcher is dropped with the request (nothing else holds it).
+Why llguidance (measured against xgrammar on 36 real-world schemas, on a
+2-core AMD EPYC: ``scripts/grammar_bench.py``): it compiles a schema in
+1.4 ms (median; 3.2 ms worst) against 14 ms (92-818 ms worst), refuses what
+it does not implement (a 400) where xgrammar silently drops ``allOf`` or
+``minLength`` beside a ``pattern`` and let raw control characters into
+strings, and it reads the tokenizer's own JSON, so special tokens
+(``<|im_start|>``...) never count as text inside a constrained string.
+
+Compiling runs on a small pool of threads with a time limit
+(``GrammarCompiler.compile``; llguidance releases the GIL), each spec's
+first matcher is kept (an LRU of ``CACHE_ENTRIES``) and a request's
+matcher is a copy of it (microseconds), dropped with the request.
 """
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import json
-import re
 import threading
+import types
 from typing import Any
 
 import torch
@@ -20,29 +29,11 @@ import torch
 from carpool.structured_output import StructuredOutput
 
 COMPILE_TIMEOUT_S = 10.0
-CACHE_LIMIT_BYTES = 256 * 2**20
-_REGEX_SPECIAL = re.compile(r"([\\^$.|?*+()\[\]{}/])")
-_LARK_START = re.compile(r"^\s*[?!]?start\s*:", re.MULTILINE)
-# xgrammar's errors start with a log stamp and a C++ source position.
-_LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ")
-
-
-def _vocab_type(backend_json: dict[str, Any]) -> tuple[str, bool]:
-    """(xgrammar vocab type name, add_prefix_space) from tokenizer.json's decoder."""
-    decoder = backend_json.get("decoder") or {}
-    steps = decoder.get("decoders", [decoder]) if decoder.get("type") == "Sequence" else [decoder]
-    types = {step.get("type") for step in steps if isinstance(step, dict)}
-    if "ByteLevel" in types:
-        return "BYTE_LEVEL", False
-    if "ByteFallback" in types:
-        prefix = any(step.get("type") == "Strip" and step.get("start") for step in steps)
-        return "BYTE_FALLBACK", prefix
-    return "RAW", False
-
-
-def choice_regex(choices: list[str]) -> str:
-    """A regex matching exactly one of ``choices`` (each escaped literally)."""
-    return "(" + "|".join(_REGEX_SPECIAL.sub(r"\\\1", choice) for choice in choices) + ")"
+CACHE_ENTRIES = 512
+# JSON as models write it (", " and ": "), and no other free whitespace: a
+# small model may otherwise spend its whole budget on spaces between tokens.
+_JSON_OPTIONS = types.MappingProxyType({"whitespace_flexible": False, "item_separator": ", ",
+                                        "key_separator": ": "})
 
 
 class Constraint:
@@ -53,15 +44,35 @@ class Constraint:
         self._matcher = matcher
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        self._matcher.fill_next_token_bitmask(bitmask, row)
+        from llguidance.torch import fill_next_token_bitmask
+
+        fill_next_token_bitmask(self._matcher, bitmask, row)
 
     def accept(self, token_id: int) -> bool:
-        """False when the grammar cannot take ``token_id`` (it is left as it was)."""
-        return bool(self._matcher.accept_token(token_id))
+        """False when the grammar cannot take ``token_id`` (the matcher then
+        stays in its error state)."""
+        return bool(self._matcher.consume_token(token_id))
 
     @property
     def terminated(self) -> bool:
-        return bool(self._matcher.is_terminated())
+        return bool(self._matcher.is_stopped())
+
+
+def _grammar_text(spec: StructuredOutput) -> str:
+    import llguidance
+
+    if spec.kind == "json":
+        return llguidance.LLMatcher.grammar_from_json_schema(spec.value, defaults=dict(_JSON_OPTIONS))
+    if spec.kind == "json_object":
+        return llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}',
+                                                             defaults=dict(_JSON_OPTIONS))
+    if spec.kind == "regex":
+        return llguidance.grammar_from("regex", spec.value)
+    if spec.kind == "choice":
+        return llguidance.grammar_from("choice", json.loads(spec.value))
+    # EBNF (GBNF) is converted to Lark; a Lark grammar (a start rule) is taken as is.
+    lark = "start:" in spec.value or "start :" in spec.value
+    return llguidance.grammar_from("lark" if lark else "grammar", spec.value)
 
 
 class GrammarCompiler:
@@ -71,60 +82,63 @@ class GrammarCompiler:
     def __init__(self, tokenizer, vocab_size: int, timeout_s: float = COMPILE_TIMEOUT_S,  # noqa: ANN001
                  workers: int = 2) -> None:
         self.tokenizer, self.vocab_size, self.timeout_s = tokenizer, vocab_size, timeout_s
-        self._compiler: Any = None
+        self._ll_tokenizer: Any = None
         self._lock = threading.Lock()
+        self._templates: collections.OrderedDict[tuple[str, str], Any] = collections.OrderedDict()
         self._pool = concurrent.futures.ThreadPoolExecutor(workers, "carpool-grammar")
 
-    def _xgr_compiler(self) -> Any:
+    def _tokenizer(self) -> Any:
         with self._lock:
-            if self._compiler is None:
-                import xgrammar as xgr
+            if self._ll_tokenizer is None:
+                import llguidance
 
                 backend = self.tokenizer.backend
-                vocab_type, prefix = _vocab_type(json.loads(backend.to_str()))
-                size = backend.get_vocab_size(with_added_tokens=True)
-                encoded = [backend.id_to_token(i) or "" for i in range(size)]
-                info = xgr.TokenizerInfo(encoded, getattr(xgr.VocabType, vocab_type),
-                                         vocab_size=max(self.vocab_size, size),
-                                         stop_token_ids=list(self.tokenizer.eos_token_ids),
-                                         add_prefix_space=prefix)
-                self._compiler = xgr.GrammarCompiler(info, max_threads=1,
-                                                     cache_limit_bytes=CACHE_LIMIT_BYTES)
-            return self._compiler
+                self._ll_tokenizer = llguidance.LLTokenizer(
+                    backend.to_str(), n_vocab=max(self.vocab_size, backend.get_vocab_size()),
+                    eos_token=list(self.tokenizer.eos_token_ids))
+            return self._ll_tokenizer
 
     def _compile_now(self, spec: StructuredOutput) -> Any:
-        compiler = self._xgr_compiler()
-        # Compact JSON (no free whitespace): a small model may otherwise
-        # spend its whole budget on spaces between tokens.
-        if spec.kind == "json":
-            return compiler.compile_json_schema(spec.value, any_whitespace=False)
-        if spec.kind == "json_object":
-            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
-        if spec.kind == "regex":
-            return compiler.compile_regex(spec.value)
-        if spec.kind == "choice":
-            return compiler.compile_regex(choice_regex(json.loads(spec.value)))
-        if _LARK_START.search(spec.value):
-            return compiler.compile_lark(spec.value)
-        return compiler.compile_grammar(spec.value)
+        import llguidance
+
+        try:
+            grammar = _grammar_text(spec)
+        except (ValueError, TypeError) as exc:
+            raise ValueError(str(exc)) from None
+        tokenizer = self._tokenizer()
+        error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
+        if error:
+            raise ValueError(error)
+        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise ValueError(matcher.get_error())
+        return matcher
 
     def compile(self, spec: StructuredOutput) -> Any:
-        """The compiled grammar; ValueError naming the problem when the spec
-        is invalid or takes over ``timeout_s`` to compile."""
+        """A matcher at the grammar's start (a template: copy it per request);
+        ValueError naming the problem when the spec is invalid or takes over
+        ``timeout_s`` to compile."""
+        with self._lock:
+            if spec.key in self._templates:
+                self._templates.move_to_end(spec.key)
+                return self._templates[spec.key]
         future = self._pool.submit(self._compile_now, spec)
         try:
-            return future.result(timeout=self.timeout_s)
+            template = future.result(timeout=self.timeout_s)
         except concurrent.futures.TimeoutError:
             raise ValueError(f"the {spec.kind} constraint took over {self.timeout_s:g} s to "
                              "compile") from None
         except (RuntimeError, ValueError, TypeError) as exc:
-            first = _LOG_PREFIX.sub("", (str(exc).strip().splitlines() or [type(exc).__name__])[0])
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             raise ValueError(f"invalid {spec.kind} constraint: {first[:300]}") from None
+        with self._lock:
+            self._templates[spec.key] = template
+            while len(self._templates) > CACHE_ENTRIES:
+                self._templates.popitem(last=False)
+        return template
 
     def constraint(self, spec: StructuredOutput) -> Constraint:
-        import xgrammar as xgr
-
-        return Constraint(xgr.GrammarMatcher(self.compile(spec)))
+        return Constraint(self.compile(spec).deep_copy())
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from carpool.model.attention import AttentionMetadata, CpuPagedAttention, TorchAttention
+from carpool.model.grammar import apply_token_bitmask
 
 
 class SwitchingCpuOps:
@@ -82,6 +83,12 @@ class SwitchingCpuOps:
         if self._kernels is not None:
             return self._kernels.row_argmax(x)
         return x.max(dim=-1).indices
+
+    def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+        """Structured outputs' mask, in place (the same result either way)."""
+        if self._kernels is not None:
+            return self._kernels.apply_token_bitmask(logits, bitmask)
+        return apply_token_bitmask(logits, bitmask)
 
     def packed_linear(self, *args):  # noqa: ANN002, ANN201
         """The kernel's packed bf16 linear (carpool/model/packed_linear.py);

@@ -181,6 +181,9 @@ class Sampler:
         # kernel's ``row_argmax`` when the executor has it (5x ATen's bf16
         # max on a 64 x 49k batch), else torch.max (the same indices).
         self.row_argmax: Callable[[torch.Tensor], torch.Tensor] = _argmax
+        # Structured outputs' mask (logits [n, V] float32, bitmask [n, V/32]
+        # int32, in place): our CPU kernel when the executor has it, else torch's.
+        self.apply_bitmask: Callable[[torch.Tensor, torch.Tensor], None] = apply_token_bitmask
 
     def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampleResult]:
         """Sample one token per row; ``logits`` is ``[len(rows), >= vocab_size]``, any
@@ -285,11 +288,11 @@ class Sampler:
             for k, j in enumerate(constrained):
                 rows[j].constraint.fill(bitmask, k)
             if len(constrained) == len(rows):
-                apply_token_bitmask(z, bitmask.to(z.device))
+                self.apply_bitmask(z, bitmask.to(z.device))
             else:
                 at = torch.tensor(constrained, device=z.device)
                 masked = z.index_select(0, at)
-                apply_token_bitmask(masked, bitmask.to(z.device))
+                self.apply_bitmask(masked, bitmask.to(z.device))
                 z.index_copy_(0, at, masked)
 
     # -- penalties -------------------------------------------------------------------

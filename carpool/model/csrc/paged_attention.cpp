@@ -323,6 +323,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor silu_and_mul(torch::Tensor x);
 torch::Tensor row_argmax(torch::Tensor x);
+void apply_token_bitmask(torch::Tensor logits, torch::Tensor bitmask);
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias);
 bool packed_linear_native();
 torch::Tensor packed_moe_experts(torch::Tensor x, torch::Tensor row_tokens, torch::Tensor counts,
@@ -342,6 +343,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm over rows, fp32 math");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up for rows of [gate | up]");
   m.def("row_argmax", &row_argmax, "first index of each row's max, as torch.max(dim)");
+  m.def("apply_token_bitmask", &apply_token_bitmask,
+        "-inf, in place, at every token whose bit in the row's bitmask is clear");
   m.def("packed_linear", &packed_linear, "x [rows, in] bf16 times a packed weight (+ bias)");
   m.def("decode_attention_block", &decode_attention_block,
         "Rotary, K/V cache write and paged attention of a decode-only step's layer");
