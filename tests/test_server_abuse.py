@@ -304,7 +304,8 @@ def test_tenants_never_hit_each_others_cached_prefix(server):
 
 # -- 10. smaller ones -----------------------------------------------------------------------
 
-def test_unsupported_tool_fields_are_refused_by_name(ops):
+def test_malformed_tool_fields_are_refused_by_name(ops):
+    """A tool_choice without tools, legacy functions, a past call without its function."""
     user = {"role": "user", "content": "hi"}
     cases = {"tool_choice": {"messages": [user], "tool_choice": "auto"},
              "functions": {"messages": [user], "functions": [{"name": "f"}]},

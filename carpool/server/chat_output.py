@@ -71,6 +71,8 @@ def plan_chat(tools: Any, tool_choice: Any, parser_name: str | None, auto_enable
     """ValueError naming the field for bad tools, an unknown function name
     or a choice this server cannot serve."""
     specs = validate_tools(tools)
+    if not specs and tool_choice not in (None, "none"):
+        raise ValueError("tool_choice needs a non-empty tools list")
     choice = validate_tool_choice(tool_choice, specs)
     reasoning = reasoning_parser(reasoning_name) if reasoning_name else None
     if choice.mode == "none" or not specs:
