@@ -1,7 +1,8 @@
 """``carpool serve --replicas 2``: one API process, two engine workers, carpool's router.
 
 Real processes on the tiny model, driven by the official ``openai`` client:
-streaming through the fleet, session affinity, cache-aware routing (the
+streaming through the fleet, constrained (structured) outputs, session
+affinity, cache-aware routing (the
 replica holding a prefix gets its repeats: ``cached_tokens`` shows the
 hit), and a worker SIGKILLed mid-stream (its request fails with an error
 event, the fleet says degraded, the worker is restarted, nothing else is
@@ -35,6 +36,12 @@ def test_a_two_replica_fleet_streams_keeps_sessions_and_routes_by_cached_prefix(
         chunks = list(api.completions.create(model="tiny", prompt="hello", max_tokens=8,
                                              stream=True, temperature=0))
         assert chunks[-1].choices[0].finish_reason == "length"
+        # Constrained requests route like any other; each replica compiles the grammar.
+        for seed in range(4):
+            reply = api.completions.create(model="tiny", prompt=f"pick {seed}", max_tokens=16,
+                                           seed=seed, extra_body={"guided_choice": [
+                                               "alpha beta", "gamma"]})
+            assert reply.choices[0].text in ("alpha beta", "gamma")
         # A repeated long prefix goes where it is cached.
         prefix = list(range(5, 5 + 64))
         # The prefill's block events come in the same message as its output,
