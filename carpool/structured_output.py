@@ -19,16 +19,23 @@ from typing import Any
 MAX_SPEC_BYTES = 64 * 1024
 MAX_CHOICES = 1024
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
+# Where the constraint starts when a reasoning parser runs (``reasoning``):
+# "" at the first token; "optional": after a thought the output may open
+# with ("<think>...</think>", Qwen3); "inside": after the thought the prompt
+# opened (the output runs to "</think>" first, DeepSeek-R1).
+REASONING_MODES = ("", "optional", "inside")
 
 
 @dataclass(frozen=True)
 class StructuredOutput:
     """``kind``: json (``value`` a JSON schema, as text), json_object (any
     JSON object; ``value`` empty), regex, choice (``value`` a JSON list of
-    strings) or grammar (EBNF / GBNF, or Lark when it says so)."""
+    strings) or grammar (EBNF / GBNF, or Lark when it says so).
+    ``reasoning``: one of ``REASONING_MODES``; the thought is free text."""
 
     kind: str
     value: str = ""
+    reasoning: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -39,6 +46,8 @@ class StructuredOutput:
         if size > MAX_SPEC_BYTES:
             raise ValueError(f"the {self.kind} constraint is {size} bytes; at most "
                              f"{MAX_SPEC_BYTES}")
+        if self.reasoning not in REASONING_MODES:
+            raise ValueError(f"structured output reasoning must be one of {REASONING_MODES}")
         if self.kind != "json_object" and not self.value:
             raise ValueError(f"the {self.kind} constraint is empty")
         if self.kind == "choice":
@@ -48,9 +57,9 @@ class StructuredOutput:
                 raise ValueError(f"guided_choice must be 1 to {MAX_CHOICES} non-empty strings")
 
     @property
-    def key(self) -> tuple[str, str]:
+    def key(self) -> tuple[str, str, str]:
         """The grammar cache's key."""
-        return (self.kind, self.value)
+        return (self.kind, self.value, self.reasoning)
 
 
 def _schema_text(schema: Any, field: str) -> str:

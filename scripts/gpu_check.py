@@ -193,10 +193,24 @@ def check_greedy(ctx) -> dict:
 
 # -- sampler on the device ----------------------------------------------------------------
 
+class _Allowed:
+    """A structured-output constraint allowing a fixed token set (a bitmask row)."""
+
+    def __init__(self, bits) -> None:  # noqa: ANN001
+        self.bits = bits
+
+    def fill(self, bitmask, row: int) -> None:  # noqa: ANN001
+        bitmask[row] = self.bits
+
+    def accept(self, token: int) -> bool:
+        return bool((int(self.bits[token // 32]) >> (token % 32)) & 1)
+
+
 def check_sampler(ctx) -> dict:
     """The sampler on the logits' device vs on the CPU: same tokens (each
     row's uniforms are drawn on the CPU either way), and the time of one
-    batch of 256 rows over Llama 3's vocabulary."""
+    batch of 256 rows over Llama 3's vocabulary, a quarter of them under a
+    structured-output mask (each must draw an allowed token)."""
     import torch
 
     from carpool.model.sampler import Sampler, SamplingRow
@@ -207,8 +221,11 @@ def check_sampler(ctx) -> dict:
              dict(temperature=0.7, top_p=0.9), dict(temperature=1.0, min_p=0.05),
              dict(temperature=0.9, top_p=0.3, repetition_penalty=1.2),
              dict(temperature=0.0, logprobs=5)]
+    bits = torch.randint(-2**31, 2**31 - 1, ((vocab + 31) // 32,), dtype=torch.int32,
+                         generator=torch.Generator().manual_seed(1))
     rows = [SamplingRow(SamplingParams(**kinds[i % len(kinds)]), seed=i, step=3,
-                        prompt_token_ids=[1, 2, 3], output_token_ids=[4, 5])
+                        prompt_token_ids=[1, 2, 3], output_token_ids=[4, 5],
+                        constraint=_Allowed(bits) if i % 4 == 0 else None)
             for i in range(batch)]
     logits = (torch.randn(batch, vocab, generator=torch.Generator().manual_seed(0)) * 3
               ).to(torch.bfloat16)
@@ -223,9 +240,12 @@ def check_sampler(ctx) -> dict:
         sync(ctx)
         timings[where] = (time.perf_counter() - start) * 1e3
     same = sum(a == b for a, b in zip(tokens["cpu"], tokens[ctx.device.type]))
+    allowed = all(r.constraint.accept(tokens[ctx.device.type][i])
+                  for i, r in enumerate(rows) if r.constraint is not None)
     return {"rows": batch, "vocab": vocab, "same_tokens": f"{same}/{batch}",
+            "masked_rows": batch // 4, "masked_tokens_allowed": allowed,
             "cpu_ms": timings["cpu"], "device_ms": timings[ctx.device.type],
-            "ok": same >= 0.9 * batch}
+            "ok": same >= 0.9 * batch and allowed}
 
 
 # -- 3 and 4. throughput and roofline ------------------------------------------------------

@@ -3,6 +3,7 @@ through carpool's engine on the default model: the share of outputs that
 parse and validate against their schema (issue 44's measure).
 
     python scripts/structured_validity.py [--samples 3] [--max-tokens 768]
+        [--repetition-penalty 1.0]
 
 Per schema: one greedy output and ``--samples - 1`` sampled ones
 (temperature 0.8, seeds 1..), all batched together, each asked in a chat
@@ -24,6 +25,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=768)
+    parser.add_argument("--repetition-penalty", type=float, default=1.0)
     args = parser.parse_args(argv)
     import jsonschema
 
@@ -47,7 +49,8 @@ def main(argv: list[str]) -> int:
         for sample in range(args.samples):
             temperature = 0.0 if sample == 0 else 0.8
             params.append(SamplingParams(max_tokens=args.max_tokens, temperature=temperature,
-                                         seed=sample, structured=spec))
+                                         seed=sample, structured=spec,
+                                         repetition_penalty=args.repetition_penalty))
             prompts.append(prompt)
             owners.append((path.stem, schema))
     outputs = llm.generate(prompts, params)

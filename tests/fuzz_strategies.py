@@ -58,6 +58,8 @@ _STRUCTURED = {
                         {"type": "json_schema", "json_schema": {"name": "x", "schema": {
                             "type": "object", "properties": {"a": {"enum": [1, 2]}}}}}],
     "structured_outputs": [{"regex": "[ab]+"}, {"json": 1}, {"choice": ["a"], "regex": "b"}],
+    "chat_template_kwargs": [{"enable_thinking": False}, {"messages": []}, {"not a name": 1},
+                             {"x": "y" * 5000}, {}],
 }
 
 

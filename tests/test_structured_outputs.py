@@ -16,7 +16,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from server_utils import ServerProcess
 
-from carpool.model.grammar import GrammarCompiler, apply_token_bitmask, new_bitmask
+from carpool.model.grammar import (
+    GrammarCompiler,
+    apply_token_bitmask,
+    fill_bitmask,
+    new_bitmask,
+)
 from carpool.model.sampler import Sampler, SamplingRow
 from carpool.sampling_params import SamplingParams
 from carpool.structured_output import MAX_SPEC_BYTES, StructuredOutput, from_request
@@ -103,6 +108,54 @@ def test_special_tokens_never_count_as_text_inside_json(grammars):
     assert len(allowed) > 1000
     for special in ("<|im_start|>", "<|im_end|>", "<|endoftext|>"):
         assert tokenizer.token_to_id(special) not in allowed, special
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("mode,text,ok", [
+    ("optional", '<think>so: } { "a" </thin no</think>\n\n{"a": 5}', True),
+    ("optional", '{"a": 5}', True),  # no thought at all
+    ("optional", 'So {"a": 5}', False),  # text before the answer is a thought, or nothing
+    ("optional", '<think>x</think>{"b": 5}', False),  # the answer still obeys its schema
+    ("inside", 'we need a</think>\n\n{"a": 1}', True),  # the prompt opened the thought
+    ("inside", 'a</think>' + '\n' * 9 + '{"a": 1}', False),  # blank lines are bounded
+    ("inside", '{"a": 1}', False),  # ...so the answer waits for its close tag
+])
+def test_with_a_reasoning_parser_the_constraint_starts_after_the_thought(grammars, mode,
+                                                                          text, ok):
+    compiler, tokenizer = grammars
+    schema = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}},
+                         "required": ["a"], "additionalProperties": False})
+    constraint = compiler.constraint(StructuredOutput("json", schema, mode))
+    taken = all(constraint.accept(t) for t in tokenizer.encode(text))
+    eos = tokenizer.eos_token_ids[0]
+    assert (taken and eos in _allowed(constraint, tokenizer.vocab_size)) == ok
+    # Other kinds wrap the same way; the cache tells the modes apart.
+    choice = compiler.constraint(StructuredOutput("choice", '["yes", "no"]', "optional"))
+    assert all(choice.accept(t) for t in tokenizer.encode("<think>hm</think> no"))
+    assert compiler.compile(StructuredOutput("json", schema)) is not \
+        compiler.compile(StructuredOutput("json", schema, mode))
+
+
+@pytest.mark.real_model
+def test_a_batch_fill_is_each_rows_own(grammars):
+    """The batched fill (llguidance's threads) writes what row-by-row does."""
+    compiler, tokenizer = grammars
+    specs = [(StructuredOutput("json", json.dumps(SCHEMA)), '{"city": "Ro'),
+             (StructuredOutput("regex", "[0-9]{2,4}-[a-z]+"), "12"),
+             (StructuredOutput("choice", '["alpha", "beta"]'), ""),
+             (StructuredOutput("json", json.dumps(SCHEMA), "optional"), "<think>so"),
+             (StructuredOutput("json_object"), '{"a": [1, ')]
+    constraints = []
+    for spec, prefix in specs * 3:
+        constraint = compiler.constraint(spec)
+        assert all(constraint.accept(t) for t in tokenizer.encode(prefix))
+        constraints.append(constraint)
+    batched = new_bitmask(len(constraints), tokenizer.vocab_size)
+    fill_bitmask(constraints, batched)
+    rows = new_bitmask(len(constraints), tokenizer.vocab_size)
+    for k, constraint in enumerate(constraints):
+        constraint.fill(rows, k)
+    assert torch.equal(batched, rows) and not torch.equal(rows[0], rows[1])
 
 
 def test_what_cannot_compile_names_the_problem(grammars):

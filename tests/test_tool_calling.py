@@ -13,7 +13,7 @@ import openai
 import pytest
 from server_utils import ServerProcess
 
-from carpool.server.chat_output import plan_chat
+from carpool.server.chat_output import ChatShape, plan_chat
 from carpool.structured_output import StructuredOutput
 
 pytestmark = pytest.mark.real_model
@@ -31,6 +31,10 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
          {"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+# The server runs a reasoning parser, so a constraint would start after a
+# thought; this small model never closes one, so most requests here close it
+# in the prompt (the template's Qwen3-style switch) and are constrained whole.
+NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
 
 
 def test_plans_follow_vllm_rules():
@@ -44,6 +48,34 @@ def test_plans_follow_vllm_rules():
         plan_chat(TOOLS, "auto", None, False, None)
     with pytest.raises(ValueError, match="not one of the tools"):
         plan_chat(TOOLS, {"type": "function", "function": {"name": "nope"}}, None, False, None)
+
+
+def test_a_forced_call_after_a_thought_keeps_both():
+    """With a reasoning parser a forced choice's constraint starts after the
+    thought: the thought goes to reasoning_content, the rest is the call."""
+    choice = {"type": "function", "function": {"name": "get_time"}}
+    plan = plan_chat(TOOLS, choice, None, False, "qwen3")
+    assert plan.constraint(None).reasoning == "optional"
+    # A template that opens the thought in the prompt: the output starts inside it.
+    opened = plan.opened_by("<|im_start|>assistant\n<think>\n")
+    assert opened.reasoning.starts_in_reasoning and opened.constraint(None).reasoning == "inside"
+    assert plan.opened_by("<|im_start|>assistant\n") is plan
+    closed = plan.opened_by("assistant\n<think>\n\n</think>\n\n")
+    assert closed.constraint(None).reasoning == "" and closed.reasoning is not None
+    text = '<think>UTC is asked.</think>\n\n{"zone": "UTC"}'
+    shape = ChatShape(plan)
+    message, finish = shape.message(text, "stop")
+    assert finish == "tool_calls" and message["content"] is None
+    assert message["reasoning_content"] == "UTC is asked."
+    assert [c["function"] for c in message["tool_calls"]] == [
+        {"name": "get_time", "arguments": '{"zone": "UTC"}'}]
+    stream = shape.stream()
+    deltas = [d for i in range(0, len(text), 5) for d in stream.feed(text[i:i + 5])]
+    deltas += stream.finish()
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "UTC is asked."
+    arguments = "".join(c["function"]["arguments"] for d in deltas
+                        for c in d.get("tool_calls", []))
+    assert arguments == '{"zone": "UTC"}' and stream.called
 
 
 @pytest.fixture(scope="module")
@@ -72,14 +104,15 @@ def _check_calls(calls, names=None):
 def test_a_named_function_is_always_called_with_valid_arguments(client):
     choice = {"type": "function", "function": {"name": "get_weather"}}
     reply = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS,
-                                           tool_choice=choice, max_tokens=60, temperature=0)
+                                           tool_choice=choice, max_tokens=60, temperature=0,
+                                           extra_body=NO_THINK)
     message = reply.choices[0].message
     assert reply.choices[0].finish_reason == "tool_calls" and message.content is None
     _check_calls(message.tool_calls, {"get_weather"})
     # Streamed: the client's own accumulator rebuilds the same call.
     with client.chat.completions.stream(model=MODEL, messages=ASK, tools=TOOLS,
                                         tool_choice=choice, max_tokens=60,
-                                        temperature=0) as stream:
+                                        temperature=0, extra_body=NO_THINK) as stream:
         final = stream.get_final_completion()
     streamed = final.choices[0].message.tool_calls
     assert [(c.function.name, c.function.arguments) for c in streamed] == \
@@ -89,7 +122,7 @@ def test_a_named_function_is_always_called_with_valid_arguments(client):
 
 def test_required_calls_one_of_the_tools_streamed_and_not(client):
     kwargs = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
-                  max_tokens=120, temperature=0)
+                  max_tokens=120, temperature=0, extra_body=NO_THINK)
     message = client.chat.completions.create(**kwargs).choices[0].message
     _check_calls(message.tool_calls, set(SCHEMAS))
     with client.chat.completions.stream(**kwargs) as stream:
@@ -103,7 +136,7 @@ def test_auto_parses_the_models_own_call_format_and_the_result_goes_back(client)
     forced = r'<tool_call>\n\{"name": "get_time", "arguments": \{"zone": "(UTC|CET)"\}\}\n' \
              r'</tool_call>'
     kwargs = dict(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=60, temperature=0,
-                  extra_body={"guided_regex": forced})
+                  extra_body={"guided_regex": forced, **NO_THINK})
     reply = client.chat.completions.create(**kwargs)
     assert reply.choices[0].finish_reason == "tool_calls"
     call = reply.choices[0].message.tool_calls[0]
@@ -121,7 +154,8 @@ def test_auto_parses_the_models_own_call_format_and_the_result_goes_back(client)
 
 def test_reasoning_goes_to_reasoning_content(client):
     kwargs = dict(model=MODEL, messages=ASK, max_tokens=60, temperature=0,
-                  extra_body={"guided_regex": r"<think>[a-z ]{3,20}</think>[A-Z][a-z ]{2,20}"})
+                  extra_body={"guided_regex": r"<think>[a-z ]{3,20}</think>[A-Z][a-z ]{2,20}",
+                              **NO_THINK})
     message = client.chat.completions.create(**kwargs).choices[0].message
     thought = message.model_extra["reasoning_content"]
     assert thought and "<think>" not in thought and "</think>" not in message.content
@@ -132,11 +166,29 @@ def test_reasoning_goes_to_reasoning_content(client):
     assert "".join(d.content or "" for d in deltas) == message.content
 
 
+def test_a_forced_call_leaves_the_thought_free(client):
+    """Thinking allowed (the template leaves the thought open): the grammar
+    waits for the thought, which is free text; this model rambles in it
+    until the budget ends, so the reply is all reasoning and no call."""
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    kwargs = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice, max_tokens=40,
+                  temperature=0)
+    reply = client.chat.completions.create(**kwargs).choices[0]
+    thought = reply.message.model_extra["reasoning_content"]
+    assert reply.finish_reason == "length" and not reply.message.tool_calls
+    assert len(thought.split()) > 5 and not thought.lstrip().startswith("{")
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    assert "".join((c.choices[0].delta.model_extra or {}).get("reasoning_content") or ""
+                   for c in chunks if c.choices) == thought
+
+
 @pytest.mark.parametrize("extra,needle", [
     ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not one of"),
     ({"tool_choice": "sometimes"}, "tool_choice"),
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "name"),
     ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "cannot both"),
+    ({"chat_template_kwargs": {"tools": []}}, "cannot set tools"),
+    ({"chat_template_kwargs": {"x": "y" * 5000}}, "over 4096 bytes"),
 ])
 def test_bad_tool_requests_are_400s(client, extra, needle):
     body = {"tools": TOOLS, **extra}

@@ -40,8 +40,9 @@ class Constraint:
     """One request's grammar state: ``fill`` writes the tokens allowed next
     into a bitmask row, ``accept`` advances past the token drawn."""
 
-    def __init__(self, matcher: Any) -> None:
+    def __init__(self, matcher: Any, executor: Any = None) -> None:
         self._matcher = matcher
+        self.executor = executor  # llguidance's thread pool for batched fills
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         from llguidance.torch import fill_next_token_bitmask
@@ -58,7 +59,34 @@ class Constraint:
         return bool(self._matcher.is_stopped())
 
 
+# The thought before a constrained answer (``StructuredOutput.reasoning``):
+# free text up to and including the close tag, then a little whitespace
+# (bounded: a small model could spend its budget on blank lines), then the
+# answer's own grammar (``@answer``: the first grammar of its set).
+_THOUGHT = 'thought[suffix="</think>"]: /(.|\\n)*/\nGAP: /[ \\t\\r\\n]{0,8}/\n'
+_REASONING_STARTS = types.MappingProxyType({
+    "optional": 'start: ("<think>" thought GAP)? @answer\n',
+    "inside": 'start: "<think>"? thought GAP @answer\n',
+})
+
+
+def _after_reasoning(answer: str, mode: str) -> str:
+    """The grammar set ``answer`` (llguidance's JSON form, or Lark text)
+    behind a thought, as ``mode`` opens it."""
+    grammars = json.loads(answer) if answer.lstrip().startswith("{") else {
+        "grammars": [{"lark_grammar": answer}]}
+    grammars["grammars"][0]["name"] = "answer"
+    outer = {"name": "reasoning", "lark_grammar": _REASONING_STARTS[mode] + _THOUGHT}
+    grammars["grammars"].insert(0, outer)
+    return json.dumps(grammars)
+
+
 def _grammar_text(spec: StructuredOutput) -> str:
+    answer = _answer_text(spec)
+    return _after_reasoning(answer, spec.reasoning) if spec.reasoning else answer
+
+
+def _answer_text(spec: StructuredOutput) -> str:
     import llguidance
 
     if spec.kind == "json":
@@ -86,6 +114,7 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._templates: collections.OrderedDict[tuple[str, str], Any] = collections.OrderedDict()
         self._pool = concurrent.futures.ThreadPoolExecutor(workers, "carpool-grammar")
+        self._executor: Any = None
 
     def _tokenizer(self) -> Any:
         with self._lock:
@@ -138,10 +167,32 @@ class GrammarCompiler:
         return template
 
     def constraint(self, spec: StructuredOutput) -> Constraint:
-        return Constraint(self.compile(spec).deep_copy())
+        template = self.compile(spec)
+        with self._lock:
+            if self._executor is None:
+                import llguidance
+
+                self._executor = llguidance.LLExecutor()
+        return Constraint(template.deep_copy(), self._executor)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def fill_bitmask(constraints: list[Any], bitmask: torch.Tensor) -> None:
+    """Row k of ``bitmask``: the tokens ``constraints[k]`` allows next. One
+    call for the batch where they share an executor (llguidance's threads,
+    the GIL released: 0.96 ms against 2.3 ms row by row at 128 rows)."""
+    executor = getattr(constraints[0], "executor", None)
+    if len(constraints) == 1 or executor is None or any(
+            not isinstance(c, Constraint) or c.executor is not executor for c in constraints):
+        for k, constraint in enumerate(constraints):
+            constraint.fill(bitmask, k)
+        return
+    from llguidance.torch import fill_next_token_bitmask_par
+
+    fill_next_token_bitmask_par(executor, [(c._matcher, k) for k, c in enumerate(constraints)],
+                                bitmask)
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:

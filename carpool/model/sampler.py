@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from carpool.model import row_reductions as rows_ops
-from carpool.model.grammar import apply_token_bitmask, new_bitmask
+from carpool.model.grammar import apply_token_bitmask, fill_bitmask, new_bitmask
 from carpool.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -285,8 +285,7 @@ class Sampler:
         constrained = [j for j, r in enumerate(rows) if r.constraint is not None]
         if constrained:
             bitmask = new_bitmask(len(constrained), z.shape[1])
-            for k, j in enumerate(constrained):
-                rows[j].constraint.fill(bitmask, k)
+            fill_bitmask([rows[j].constraint for j in constrained], bitmask)
             if len(constrained) == len(rows):
                 self.apply_bitmask(z, bitmask.to(z.device))
             else:

@@ -15,11 +15,13 @@ Tool choices, as vLLM serves them:
 * ``none``: plain text, the tools still rendered into the prompt.
 
 Reasoning (``--reasoning-parser``) splits the thought off first; the tool
-parser reads the content after it. Forced tool choices constrain the whole
-output, so they leave no room for a thought: no reasoning parser runs then.
+parser (or a forced choice's reading) takes the content after it. A
+constraint (a forced choice's, or ``response_format``'s) then starts after
+the thought, as vLLM's does: the thought itself is free text.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 from dataclasses import dataclass
@@ -48,6 +50,31 @@ class ChatPlan:
     parser: type[ToolCallStream] | None = None  # auto: the model's own call format
     reasoning: ReasoningFormat | None = None
     structured: StructuredOutput | None = None  # forced tool choices' constraint
+    thought_closed: bool = False  # the prompt closed the thought (no constraint waits for it)
+
+    def opened_by(self, prompt_tail: str) -> ChatPlan:
+        """This plan for a prompt ending in ``prompt_tail``: a template that
+        ends the prompt inside a thought (Qwen3's "Thinking" models) starts
+        the output there, tag or not; one that closed it (Qwen3 with
+        ``enable_thinking: false``) constrains the output from its start."""
+        fmt, tail = self.reasoning, prompt_tail.rstrip()
+        if fmt is None:
+            return self
+        if tail.endswith(fmt.close_tag):
+            return dataclasses.replace(self, thought_closed=True)
+        if not fmt.starts_in_reasoning and tail.endswith(fmt.open_tag):
+            return dataclasses.replace(self, reasoning=reasoning_parser(fmt.name, True))
+        return self
+
+    def constraint(self, requested: StructuredOutput | None) -> StructuredOutput | None:
+        """The reply's constraint (a forced choice's, else ``requested``);
+        with a reasoning parser it starts after the thought, which stays free
+        text (as vLLM's structured outputs do)."""
+        structured = self.structured or requested
+        if structured is None or self.reasoning is None or self.thought_closed:
+            return structured
+        mode = "inside" if self.reasoning.starts_in_reasoning else "optional"
+        return dataclasses.replace(structured, reasoning=mode)
 
     def template_tools(self) -> list[dict[str, Any]] | None:
         """The tools as chat templates take them (OpenAI's request shape)."""
@@ -87,7 +114,7 @@ def plan_chat(tools: Any, tool_choice: Any, parser_name: str | None, auto_enable
         schema = json.dumps(dict(spec.parameters), sort_keys=True, ensure_ascii=False)
     else:
         schema = json.dumps(_required_schema(specs), sort_keys=True, ensure_ascii=False)
-    return ChatPlan(specs, choice, structured=StructuredOutput("json", schema))
+    return ChatPlan(specs, choice, reasoning=reasoning, structured=StructuredOutput("json", schema))
 
 
 def _forced_calls(plan: ChatPlan, text: str, rng: random.Random) -> list[ToolCall]:
@@ -122,18 +149,17 @@ class ChatShape:
     def message(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
         """(the message, the finish reason) of a whole output."""
         plan, message = self.plan, {"role": "assistant", "content": text}
-        if plan.structured is not None:
-            calls = _forced_calls(plan, text, self.rng)
-            if calls:
-                message = {"role": "assistant", "content": None,
-                           "tool_calls": [c.to_openai() for c in calls]}
-                return message, "tool_calls" if finish_reason == "stop" else finish_reason
-            return message, finish_reason
         if plan.reasoning is not None:
             reasoning, text = plan.reasoning.split(text)
             message = {"role": "assistant", "content": text}
             if reasoning is not None:
                 message["reasoning_content"] = reasoning
+        if plan.structured is not None:
+            calls = _forced_calls(plan, text or "", self.rng)
+            if calls:
+                message.update(content=None, tool_calls=[c.to_openai() for c in calls])
+                return message, "tool_calls" if finish_reason == "stop" else finish_reason
+            return message, finish_reason
         if plan.parser is not None and message["content"]:
             parsed = plan.parser.parse(message["content"], self.rng)
             if parsed.calls:
@@ -158,8 +184,6 @@ class ChoiceStream:
         self._forced_id: str | None = None
 
     def feed(self, text: str) -> list[dict[str, Any]]:
-        if self.plan.structured is not None:
-            return self._feed_forced(text)
         deltas: list[dict[str, Any]] = []
         content = text
         if self._reasoning is not None:
@@ -167,11 +191,11 @@ class ChoiceStream:
             if part.reasoning:
                 deltas.append({"reasoning_content": part.reasoning})
             content = part.content
+        if self.plan.structured is not None:
+            return deltas + self._feed_forced(content)
         return deltas + self._content(content, self._tools.feed(content) if self._tools else None)
 
     def finish(self) -> list[dict[str, Any]]:
-        if self.plan.structured is not None:
-            return self._finish_forced()
         deltas: list[dict[str, Any]] = []
         content = ""
         if self._reasoning is not None:
@@ -179,6 +203,8 @@ class ChoiceStream:
             if part.reasoning:
                 deltas.append({"reasoning_content": part.reasoning})
             content = part.content
+        if self.plan.structured is not None:
+            return deltas + self._feed_forced(content) + self._finish_forced()
         if self._tools is None:
             return deltas + ([{"content": content}] if content else [])
         events = (self._tools.feed(content) if content else []) + self._tools.finish()

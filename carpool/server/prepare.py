@@ -156,20 +156,24 @@ def encode_text(tokenizer, text: str, raw_prompt: bool) -> list[int]:
 
 def chat_tokens(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool,
                 special_tokens_in_content: bool = False,
-                tools: list[dict[str, Any]] | None = None) -> list[int]:
-    """Render messages (and ``tools``) with the model's chat template, then
+                tools: list[dict[str, Any]] | None = None,
+                template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """Render messages (and ``tools``, and the client's ``template_kwargs``:
+    ``enable_thinking``...) with the model's chat template, then
     tokenize; special-token text in content stays plain text unless allowed.
     A template that leaves the tools out of the prompt is a 400: the model
     would be asked to call functions it was never shown."""
     for message in messages:
         _check_unicode(message.text())
     rendered = template_messages(messages)
+    extra = dict(template_kwargs or {})
     try:
-        if tools and (tokenizer.apply_chat_template(rendered, add_generation_prompt, tools=tools)
-                      == tokenizer.apply_chat_template(rendered, add_generation_prompt)):
+        if tools and (tokenizer.apply_chat_template(rendered, add_generation_prompt, tools=tools,
+                                                    **extra)
+                      == tokenizer.apply_chat_template(rendered, add_generation_prompt, **extra)):
             raise bad_request("this model's chat template does not render tools; serve it with "
                               "--chat-template set to a template that does", "tools")
-        variables = {"tools": tools} if tools else {}
+        variables = {**extra, "tools": tools} if tools else extra
         return tokenizer.encode_chat(rendered, add_generation_prompt, special_tokens_in_content,
                                      **variables)
     except ValueError as exc:  # ChatTemplateError: the template refused these messages

@@ -278,6 +278,7 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: StrictBool = True
     tools: list[Any] | None = None
     tool_choice: Any = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: template variables
     functions: list[Any] | None = None
     function_call: Any = None
 
@@ -289,7 +290,26 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("function_call is not supported; leave it unset or 'none'")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs: true")
+        _check_template_kwargs(self.chat_template_kwargs)
         return self
+
+
+# Variables the server itself gives the chat template: a client cannot set them.
+_TEMPLATE_OWN = frozenset({"messages", "tools", "add_generation_prompt", "bos_token",
+                           "eos_token", "raise_exception"})
+MAX_TEMPLATE_KWARGS_BYTES = 4096
+
+
+def _check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
+    if not kwargs:
+        return
+    taken = sorted(_TEMPLATE_OWN.intersection(kwargs))
+    if taken:
+        raise ValueError(f"chat_template_kwargs cannot set {', '.join(taken)}")
+    if not all(key.isidentifier() for key in kwargs):
+        raise ValueError("chat_template_kwargs' names must be identifiers")
+    if len(json.dumps(kwargs)) > MAX_TEMPLATE_KWARGS_BYTES:
+        raise ValueError(f"chat_template_kwargs is over {MAX_TEMPLATE_KWARGS_BYTES} bytes")
 
 
 

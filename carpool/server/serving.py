@@ -182,14 +182,15 @@ class OpenAIServing:
         return _Call(prompts, params, builder)
 
     def chat_prompt(self, messages, add_generation_prompt: bool,
-                    tools: list[dict[str, Any]] | None = None) -> list[int]:
+                    tools: list[dict[str, Any]] | None = None,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """Token ids of chat messages (and tools), within the server's limits."""
         if len(messages) > self.ctx.config.max_messages:
             raise bad_request(f"at most {self.ctx.config.max_messages} messages", "messages")
         check_chars(sum(len(m.text()) for m in messages), self.ctx.max_prompt_chars,
                     "messages")
         return chat_tokens(self.ctx.tokenizer, messages, add_generation_prompt,
-                           self.ctx.config.special_tokens_in_content, tools)
+                           self.ctx.config.special_tokens_in_content, tools, template_kwargs)
 
     def _chat_plan(self, body: ChatCompletionRequest) -> ChatPlan:
         cfg = self.ctx.config
@@ -208,10 +209,12 @@ class OpenAIServing:
         self._check_common(body)
         plan = self._chat_plan(body)
         prompt = self.chat_prompt(body.messages, body.add_generation_prompt,
-                                  plan.template_tools())
+                                  plan.template_tools(), body.chat_template_kwargs)
+        plan = plan.opened_by(self.ctx.tokenizer.decode(prompt[-8:], False))
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens or body.max_tokens
-        params = self._sampling(body, max_tokens, logprobs, prompt, plan.structured)
+        params = self._sampling(body, max_tokens, logprobs, prompt,
+                                plan.constraint(body.structured_output()))
         builder = ResponseBuilder("chat", f"chatcmpl-{uuid.uuid4().hex}", self.ctx.model_name,
                                   self.ctx.tokenizer, logprobs, ChatShape(plan))
         return _Call([prompt], [params], builder)
