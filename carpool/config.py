@@ -207,7 +207,7 @@ class SchedulerConfig:
     # serves no more requests, it delays all of them up to the target.
     # None: the target alone.
     surge_ttft_factor: float | None = 1.6
-    # Emergency switch (``scheduler.overload``): after emergency_sustain
+    # Emergency switch (``scheduler.control.overload``): after emergency_sustain
     # seconds with any breaker over its threshold (the queue at
     # emergency_queue_share of max_queue_requests, the engine busier than
     # emergency_busy, the host CPUs busier than emergency_host_cpu), degrade
@@ -302,7 +302,7 @@ class SchedulerConfig:
 
 @dataclass
 class ControllerConfig:
-    """The adaptive controller (``carpool.scheduler.controller``) and the
+    """The adaptive controller (``carpool.scheduler.control.controller``) and the
     latency targets it serves.
 
     ``adaptive``: None (the default) means on under ``carpool serve`` and off
@@ -335,7 +335,7 @@ class ControllerConfig:
     # How alpha (the batch limit's headroom over peak demand: request-level
     # batching, and continuous under an operator's TPOT/E2E target) moves:
     # rule (x1.25 for late first tokens, x0.8 for late tokens) or bandit
-    # (``scheduler.alpha_policy``: learned online from the goodput each move
+    # (``scheduler.control.alpha_policy``: learned online from the goodput each move
     # earned).
     alpha_policy: str = "rule"
     transition_steps: int = 3  # scheduler steps a knob change is spread over (1..3)

@@ -2,7 +2,7 @@
 
 Shared by the metrics exporter (``carpool.server.host_metrics``) and the
 engine, whose emergency switch trips on a busy host
-(``carpool.scheduler.overload``: the HTTP front, the detokenizer and
+(``carpool.scheduler.control.overload``: the HTTP front, the detokenizer and
 anything else on the box share the CPUs with the engine).
 """
 from __future__ import annotations

@@ -17,7 +17,7 @@
 #
 # Threads: one replica gets every core (THREADS, default nproc); each of
 # two replicas half of them, as `carpool serve --replicas 2` splits the
-# cores itself (carpool/server/fleet.py); both are passed explicitly, and
+# cores itself (carpool/fleet/local.py); both are passed explicitly, and
 # the simulator prices each case with a cost model measured at that thread
 # count (`carpool measure --grid GRID --threads N`, just before its runs).
 #

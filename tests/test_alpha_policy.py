@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 from test_controller import controller, signals
 
-from carpool.scheduler.alpha_policy import (
+from carpool.scheduler.control.alpha_policy import (
     ALPHA_START,
     AlphaBandit,
     AlphaControl,

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from carpool.cluster import ReplicaView, Role, Router, RouteRequest
 from carpool.cluster.pd import KVShape, Link, PDPlanner, _prefill_seconds, exposed_transfer_seconds
-from carpool.scheduler.cost_model import StepCostModel
+from carpool.scheduler.control.cost_model import StepCostModel
 
 LLAMA_8B = KVShape(num_layers=32, num_kv_heads=8, head_dim=128)  # 128 KiB per token
 

@@ -17,7 +17,7 @@ from carpool.cluster import (
 )
 from carpool.cluster.hashring import HashRing, stable_hash
 from carpool.cluster.prefix_index import ApproximatePrefixIndex, FleetPrefixIndex
-from carpool.scheduler.cost_model import StepCostModel
+from carpool.scheduler.control.cost_model import StepCostModel
 
 
 def cost_model(per_token: float = 1e-4, per_step: float = 0.01) -> StepCostModel:

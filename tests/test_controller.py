@@ -9,15 +9,15 @@ from hypothesis import strategies as st
 
 from carpool.config import CacheConfig, ControllerConfig, SchedulerConfig
 from carpool.scheduler import RejectedError, Request, RequestStatus, Scheduler
-from carpool.scheduler.controller import (
+from carpool.scheduler.control.controller import (
     MIN_WAIT,
     AdaptiveController,
     KnobRamp,
     LiveKnobs,
 )
-from carpool.scheduler.cost_model import StepCostModel
-from carpool.scheduler.live_window import Signals, percentile
-from carpool.scheduler.modes import PRESETS, ModeSelector
+from carpool.scheduler.control.cost_model import StepCostModel
+from carpool.scheduler.control.live_window import Signals, percentile
+from carpool.scheduler.control.modes import PRESETS, ModeSelector
 from tests.test_scheduler_properties import FakeClock, Ledger
 
 
@@ -221,7 +221,7 @@ def test_alpha_adapts_to_which_target_is_missed() -> None:
 
 def test_every_decision_is_logged_with_its_cause(caplog) -> None:
     ctl = controller(request_level=True, ttft_target=0.5, hysteresis_ticks=1)
-    with caplog.at_level("INFO", logger="carpool.scheduler.controller"):
+    with caplog.at_level("INFO", logger="carpool.scheduler.control.controller"):
         tick(ctl, signals(ttft=0.82, busy=0.5))
     assert ("controller: mode throughput <- balanced: ttft_p95 0.82 s > 0.50 s (1 ticks)"
             in caplog.messages)

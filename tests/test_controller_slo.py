@@ -7,9 +7,9 @@ from dataclasses import replace
 import pytest
 
 from carpool.scheduler import RejectedError, Request
-from carpool.scheduler.live_window import LiveWindow
-from carpool.scheduler.modes import PRESETS
-from carpool.scheduler.slo_policy import latency_limit
+from carpool.scheduler.control.live_window import LiveWindow
+from carpool.scheduler.control.modes import PRESETS
+from carpool.scheduler.control.slo_policy import latency_limit
 from tests.test_controller import (
     adaptive_scheduler,
     controller,

@@ -11,7 +11,7 @@ import pytest
 from test_controller import controller, linear_cost, signals
 
 from carpool.config import ControllerConfig
-from carpool.scheduler.modes import PRESETS, ModeSelector
+from carpool.scheduler.control.modes import PRESETS, ModeSelector
 from carpool.slo import AUTO
 
 

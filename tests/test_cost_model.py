@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from carpool.scheduler.cost_model import StepCostModel
+from carpool.scheduler.control.cost_model import StepCostModel
 
 
 def _true_cost(tokens: int, seqs: int) -> float:

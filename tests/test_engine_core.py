@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from test_scheduler_properties import make_scheduler
 
+from carpool.engine.core import EngineCore
 from carpool.scheduler import Request, RequestStatus
-from carpool.scheduler.core import EngineCore
 
 
 def _core(max_model_len=None) -> EngineCore:

@@ -11,8 +11,8 @@ from carpool.engine.llm_engine import LLMEngine
 from carpool.profiles.schedule import ProfileSchedule
 from carpool.sampling_params import SamplingParams
 from carpool.scheduler import Scheduler
-from carpool.scheduler.live_settings import apply_live_settings
-from carpool.scheduler.shedding import RATIO_SLACK, PredictionError
+from carpool.scheduler.control.live_settings import apply_live_settings
+from carpool.scheduler.control.shedding import RATIO_SLACK, PredictionError
 from tests.test_scheduler_properties import FakeClock
 
 

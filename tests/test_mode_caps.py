@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 from carpool.config import ControllerConfig, SchedulerConfig
-from carpool.scheduler.controller import AdaptiveController, LiveKnobs
-from carpool.scheduler.cost_model import StepCostModel
-from carpool.scheduler.modes import PRESETS
+from carpool.scheduler.control.controller import AdaptiveController, LiveKnobs
+from carpool.scheduler.control.cost_model import StepCostModel
+from carpool.scheduler.control.modes import PRESETS
 from tests.test_controller import linear_cost, signals, tick
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from carpool.scheduler.overload import BusyWindow, OverloadGuard
+from carpool.scheduler.control.overload import BusyWindow, OverloadGuard
 
 
 def test_busy_window_fraction():

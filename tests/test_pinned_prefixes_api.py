@@ -166,8 +166,8 @@ def test_a_ray_replica_follows_the_pins_its_polls_carry(small_pool_engine):
 def test_pd_serving_pins_in_both_pools_or_in_neither():
     from types import SimpleNamespace
 
+    from carpool.fleet.pd import PDFleet
     from carpool.scheduler.pinned_prefixes import PinError, PinSpec
-    from carpool.server.pd_fleet import PDFleet
 
     class Pool:
         def __init__(self, fail: bool) -> None:

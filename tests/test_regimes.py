@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from carpool.scheduler.regimes import BatchGate
+from carpool.scheduler.control.regimes import BatchGate
 from carpool.scheduler.request import Request
 
 
@@ -132,7 +132,7 @@ def test_the_dual_queue_gives_long_prompts_their_own_small_batches():
     """Issue 42: prompts over the threshold batch among themselves (2, or
     fewer after their wait); short ones keep the gate's own size and wait;
     the lane whose batch holds the oldest request goes first."""
-    from carpool.scheduler.regimes import LongLane
+    from carpool.scheduler.control.regimes import LongLane
 
     lane = LongLane(threshold=512, batch_size=2, max_wait=0.2)
     gate = BatchGate("static", preferred_batch_size=3, max_batch_size=8, max_wait=0.5,

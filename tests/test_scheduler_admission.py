@@ -7,7 +7,7 @@ from test_scheduler_properties import make_scheduler, run_step
 
 from carpool.config import SchedulerConfig
 from carpool.scheduler import RejectedError, Request, RequestStatus, Scheduler
-from carpool.scheduler.admission import DepartureRate
+from carpool.scheduler.control.admission import DepartureRate
 
 
 def busy_scheduler(policy: str = "fcfs", **config) -> Scheduler:

@@ -7,10 +7,10 @@ from test_scheduler_properties import FakeClock, run_step, run_step_output
 
 from carpool.config import CacheConfig, ControllerConfig, SchedulerConfig
 from carpool.scheduler import RejectedError, Request, Scheduler
-from carpool.scheduler.admission import MARGIN_MAX_AGE
-from carpool.scheduler.cost_model import StepCostModel
-from carpool.scheduler.overload import BusyWindow
-from carpool.scheduler.shedding import (
+from carpool.scheduler.control.admission import MARGIN_MAX_AGE
+from carpool.scheduler.control.cost_model import StepCostModel
+from carpool.scheduler.control.overload import BusyWindow
+from carpool.scheduler.control.shedding import (
     PredictionError,
     predict_first_token_delay,
     predict_slot_delay,
@@ -262,7 +262,7 @@ def test_prediction_errors_expire_by_age():
 
 
 def test_calm_ttft_learns_only_from_requests_that_arrived_away_from_rejections():
-    from carpool.scheduler.shedding import CalmTTFT
+    from carpool.scheduler.control.shedding import CalmTTFT
 
     calm = CalmTTFT(gap=5.0, min_samples=20)
     for i in range(30):  # calm traffic: 0.1..0.2 s first tokens

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from carpool.cluster.policies import Scored, score_replicas
 from carpool.cluster.router import Router
 from carpool.cluster.view import ReplicaView, Role, RouteDecision, RouteRequest, RoutingError
-from carpool.scheduler.shedding import predict_first_token_delay
+from carpool.scheduler.control.shedding import predict_first_token_delay
 
 # conditional: remote prefill only where it pays; always: every request.
 PD_MODES = ("conditional", "always")

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from carpool.cluster.view import ReplicaView, RouteDecision, RouteRequest
-from carpool.scheduler.shedding import predict_first_token_delay
+from carpool.scheduler.control.shedding import predict_first_token_delay
 
 # The default's preferences for where a request's KV is (its session's home
 # replica; the replica with its longest cached prefix): kept while its

@@ -18,7 +18,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from carpool.scheduler.cost_model import StepCostModel
+from carpool.scheduler.control.cost_model import StepCostModel
 
 
 class Role(enum.Enum):

@@ -23,6 +23,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from carpool.engine.front import RequestIntake
 from carpool.engine.llm_engine import LLMEngine, check_prompt
 from carpool.engine.outputs import RequestOutput
 from carpool.engine.pins import (
@@ -65,7 +66,7 @@ class _Add:
     pin: PinSpec | None = None  # the prefill of this pinned prefix (``LLMEngine.pin_prefix``)
 
 
-class AsyncEngine(PinFront):
+class AsyncEngine(PinFront, RequestIntake):
     """Thread-safe front of an ``LLMEngine``.
 
     ``add_request(...)`` returns a ``RequestStream`` of incremental
@@ -133,6 +134,16 @@ class AsyncEngine(PinFront):
         """Requests added whose final output has not been delivered yet."""
         return len(self._streams)
 
+    @property
+    def degraded(self) -> str | None:
+        return None  # one engine: serving or dead
+
+    def replica_stats(self) -> dict[str, EngineStats]:
+        return {}
+
+    def routing(self) -> dict:
+        return {}
+
     async def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                           request_id: str | None = None, priority: int = 0,
                           session_id: str | None = None, deadline: float | None = None,
@@ -149,13 +160,13 @@ class AsyncEngine(PinFront):
         ``received_at`` (``time.monotonic()``) is when the caller got it (an
         HTTP server: before parsing and tokenizing); its arrival is then.
         """
-        if self.error is not None:
-            raise EngineDeadError(f"engine loop failed: {self.error!r}")
-        params = params or SamplingParams()  # checked when made, and immutable
-        request_id = request_id or self.engine.new_request_id()
-        return await self._submit(_Add(request_id, prompt, params, priority, session_id,
+        request_id, ids, params = self._intake(prompt, params, request_id, self._streams)
+        return await self._submit(_Add(request_id, ids, params, priority, session_id,
                                        deadline, max_wait, cache_salt, None, handoff),
                                   received_at)
+
+    def _new_request_id(self) -> str:
+        return self.engine.new_request_id()  # the engine's own ids (offline calls share it)
 
     async def run_pin(self, spec: PinSpec) -> None:
         """Have the engine compute and hold ``spec``'s prefix (``PinFront``)."""
@@ -215,6 +226,9 @@ class AsyncEngine(PinFront):
             self._stopping = True
             self._wake.notify()
         self._thread.join(timeout)
+
+    async def wait_closed(self, timeout: float = 10.0) -> None:
+        await asyncio.to_thread(self.shutdown, timeout)
 
     # -- engine thread --------------------------------------------------------
 

@@ -29,6 +29,7 @@ import zmq
 import zmq.asyncio
 
 from carpool.config import EngineConfig
+from carpool.engine.front import RequestIntake
 from carpool.engine.llm_engine import ContextLengthError, check_prompt
 from carpool.engine.outputs import RequestOutput, TokenLogprob
 from carpool.engine.pins import (
@@ -96,7 +97,7 @@ class _Live:
     swallow_accept: bool = False
 
 
-class EngineClient(PinFront):
+class EngineClient(PinFront, RequestIntake):
     """Front of one engine worker process (see the module docstring).
 
     Built with ``await EngineClient.start(config, ...)``, which returns once
@@ -147,7 +148,6 @@ class EngineClient(PinFront):
         self._aborts: deque[str] = deque()  # from any thread (RequestStream.__del__)
         self._lag_sent = 0.0
         self._stopping = False
-        self._next_id = 0
         self.pins = PinRegistry()
         self._pin_runs = 0
         self._reader = asyncio.ensure_future(self._read())
@@ -201,6 +201,16 @@ class EngineClient(PinFront):
     def num_in_flight(self) -> int:
         return len(self._live)
 
+    @property
+    def degraded(self) -> str | None:
+        return None  # one worker: serving or dead
+
+    def replica_stats(self) -> dict[str, EngineStats]:
+        return {}
+
+    def routing(self) -> dict:
+        return {}
+
     def check_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
         """``ValueError`` unless the prompt fits the engine (``check_prompt``)."""
         check_prompt(token_ids, params, self.info.max_model_len, self.info.vocab_size)
@@ -215,17 +225,7 @@ class EngineClient(PinFront):
         and ``RejectedError`` when admission turns the request away.
         ``handoff``: a P/D part (``wire.Handoff``); a decode part's outputs
         count its prefill part's tokens, ``delivered_text`` and logprobs."""
-        if self.error is not None:
-            raise EngineDeadError(f"engine loop failed: {self.error!r}")
-        if self._stopping:
-            raise EngineDeadError("the engine is shut down")
-        params = params or SamplingParams()
-        if request_id is None:
-            self._next_id += 1
-            request_id = f"req-{self._next_id}"
-        if request_id in self._live:
-            raise ValueError(f"duplicate request id {request_id!r}")
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        request_id, ids, params = self._intake(prompt, params, request_id, self._live)
         # Arrived when the caller got it (before parsing and tokenizing): see
         # AsyncEngine.add_request. One monotonic clock for both processes.
         now = time.monotonic()

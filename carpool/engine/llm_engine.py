@@ -1,6 +1,6 @@
 """The synchronous live engine: add requests, step, abort.
 
-One ``step()`` drives the engine core (``carpool.scheduler.core``):
+One ``step()`` drives the engine core (``carpool.engine.core``):
 ``EngineCore.begin`` (schedule, pure Python) -> the executor runs the batch
 (``TorchExecutor``) -> ``EngineCore.complete``, whose stop check is this
 engine's: record the sampled token (logprobs, detokenized text) and stop
@@ -19,6 +19,7 @@ from operator import attrgetter
 from pathlib import Path
 
 from carpool.config import CacheConfig, EngineConfig
+from carpool.engine.core import EngineCore
 from carpool.engine.detokenizer import IncrementalDetokenizer, token_pieces
 from carpool.engine.output_stage import OutputStage, RequestState
 from carpool.engine.outputs import RequestOutput
@@ -40,8 +41,7 @@ from carpool.model.kernel_switch import SwitchingCpuAttention
 from carpool.model.sampler import SamplingRow
 from carpool.sampling_params import SamplingParams
 from carpool.scheduler import Request, RequestStatus, Scheduler
-from carpool.scheduler.core import EngineCore
-from carpool.scheduler.live_settings import apply_live_settings
+from carpool.scheduler.control.live_settings import apply_live_settings
 from carpool.scheduler.pinned_prefixes import PinLimits, PinSpec
 from carpool.scheduler.step import ScheduledSpan
 
@@ -96,7 +96,7 @@ class LLMEngine:
         self.kv_connector = kv_connector
         if kv_connector is not None:
             kv_connector.bind(self.scheduler)
-        # The step's rules, shared with the simulator (carpool.scheduler.core).
+        # The step's rules, shared with the simulator (carpool.engine.core).
         self.core = EngineCore(self.scheduler, max_model_len)
         self.counters = EngineCounters()
         # Recent steps' shapes and wall times (GET /carpool/steps).

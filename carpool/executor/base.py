@@ -1,6 +1,6 @@
 """The executor interface: run one scheduled step, return sampled tokens.
 
-Both drivers of the engine core (``carpool.scheduler.core``) run a scheduled
+Both drivers of the engine core (``carpool.engine.core``) run a scheduled
 step through an ``Executor``: the live engine through ``TorchExecutor`` (the
 real model), the simulated replica through ``CostModelExecutor``
 (``carpool/sim/executor.py``: prices the step with a cost model, samples a

@@ -37,7 +37,7 @@ from datetime import datetime, time
 from typing import Any
 
 from carpool.config import SchedulerConfig
-from carpool.scheduler.live_settings import check_live
+from carpool.scheduler.control.live_settings import check_live
 
 DAY = 24 * 3600
 _TIME = re.compile(r"([01]?[0-9]|2[0-4]):([0-5][0-9])(?::([0-5][0-9]))?")

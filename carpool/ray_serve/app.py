@@ -38,6 +38,7 @@ from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouter
 
 from carpool.cli_flags import file_settings
 from carpool.config import EngineConfig, read_yaml
+from carpool.fleet.pd import PDFleet
 from carpool.ray_serve.autoscaling import POLICY_PATH, policy_kwargs
 from carpool.ray_serve.engine import RayEngine
 from carpool.ray_serve.kv_store import store_for, uses_ray_store
@@ -47,7 +48,6 @@ from carpool.ray_serve.wire import AppSettings
 from carpool.server.app import build_app as build_fastapi_app
 from carpool.server.config import ServerConfig
 from carpool.server.metrics import Metrics
-from carpool.server.pd_fleet import PDFleet
 from carpool.server.serving import ServerContext
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"

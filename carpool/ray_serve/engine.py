@@ -48,6 +48,7 @@ from carpool.cluster.router import Router
 from carpool.cluster.view import ReplicaView, RouteDecision, RouteRequest
 from carpool.config import EngineConfig
 from carpool.engine.client import output_of, refusal_error
+from carpool.engine.front import RequestIntake
 from carpool.engine.llm_engine import check_prompt
 from carpool.engine.outputs import TokenLogprob
 from carpool.engine.pins import PinFailed, PinFront, PinRegistry
@@ -55,6 +56,7 @@ from carpool.engine.stats import EngineStats, merge_stats
 from carpool.engine.step_log import StepLog
 from carpool.engine.streams import EngineDeadError, RequestStream
 from carpool.engine.wire import Add, Handoff
+from carpool.fleet.local import routing_report
 from carpool.ray_serve.wire import (
     Accepted,
     Failed,
@@ -86,7 +88,7 @@ class _Live:
     logprobs: list[TokenLogprob] | None = None
 
 
-class RayEngine(PinFront):
+class RayEngine(PinFront, RequestIntake):
     """The engine deployment as one engine (see the module docstring)."""
 
     def __init__(self, handle, config: EngineConfig, first: StatsReply,
@@ -116,7 +118,6 @@ class RayEngine(PinFront):
         self._encoder = msgspec.msgpack.Encoder()
         self._live: dict[str, asyncio.Task] = {}
         self._loop = asyncio.get_running_loop()
-        self._next_id = 0
         self._stopping = False
         self.pins = PinRegistry()  # sent with every stats poll (module docstring)
         self._poller = asyncio.ensure_future(self._poll())
@@ -166,15 +167,7 @@ class RayEngine(PinFront):
         """As ``AsyncEngine.add_request``, on the replica carpool's router picks.
         ``handoff``: a P/D part (``wire.Handoff``); a decode part's outputs
         count its prefill part's tokens, ``delivered_text`` and logprobs."""
-        if self._stopping:
-            raise EngineDeadError("the engine is shut down")
-        params = params or SamplingParams()
-        if request_id is None:
-            self._next_id += 1
-            request_id = f"req-{self._next_id}"
-        if request_id in self._live:
-            raise ValueError(f"duplicate request id {request_id!r}")
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        request_id, ids, params = self._intake(prompt, params, request_id, self._live)
         full_blocks = len(ids) // self.config.cache.block_size
         _, hashes = self._chain.keys(self._chain.root(cache_salt), ids, 0, full_blocks)
         waited = time.monotonic() - received_at if received_at is not None else 0.0
@@ -294,6 +287,10 @@ class RayEngine(PinFront):
     def views(self) -> list[ReplicaView]:
         """The replicas as this ingress has seen them."""
         return list(self.router.views.values())
+
+    def routing(self) -> dict:
+        return routing_report(self.router, self.views(), self.replica_pid, None, self.restarts,
+                              self.rerouted)
 
     def replica_pid(self, name: str) -> int | None:
         """The process of replica ``name`` as its latest stats reply said."""

@@ -190,7 +190,7 @@ class EngineReplica:
         P/D prefill's last layer parts), and an idle engine publishes no
         new snapshot. Plain counters, which the I/O thread only adds to."""
         stats = self.engine.stats
-        connector = getattr(self.engine.engine, "kv_connector", None)
+        connector = self.engine.engine.kv_connector
         if connector is None:
             return stats
         return dataclasses.replace(stats, kv_store=connector.metrics())

@@ -45,7 +45,7 @@ from carpool.cluster.policies import make_policy
 from carpool.cluster.router import Router
 from carpool.cluster.view import ReplicaView, Role, RouteDecision, RouteRequest
 from carpool.ray_serve.wire import REPORT_KEY, ROUTED_KWARG, ReplicaReport, Routed, RouteHint
-from carpool.scheduler.cost_model import StepCostModel
+from carpool.scheduler.control.cost_model import StepCostModel
 
 log = logging.getLogger("carpool.server")
 

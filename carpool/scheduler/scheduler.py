@@ -29,16 +29,16 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 
 from carpool.config import CacheConfig, ControllerConfig, SchedulerConfig
-from carpool.scheduler.admission import AdmissionControl
-from carpool.scheduler.controller import AdaptiveController, LiveKnobs
+from carpool.scheduler.control.admission import AdmissionControl
+from carpool.scheduler.control.controller import AdaptiveController, LiveKnobs
+from carpool.scheduler.control.regimes import BatchGate, GateHook, GateStats, LongLane
+from carpool.scheduler.control.sessions import SessionStats, SessionTracker
 from carpool.scheduler.invariants import check_invariants
 from carpool.scheduler.kv_connector import ExternalKV, PendingLoads
 from carpool.scheduler.kv_manager import KVCacheManager
 from carpool.scheduler.pinned_prefixes import PinnedPrefixes
 from carpool.scheduler.queues import ExpiryQueue, make_queue
-from carpool.scheduler.regimes import BatchGate, GateHook, GateStats, LongLane
 from carpool.scheduler.request import Request, RequestStatus
-from carpool.scheduler.sessions import SessionStats, SessionTracker
 from carpool.scheduler.step import (
     RoomPlan,
     ScheduledSpan,

@@ -13,7 +13,7 @@ from starlette.responses import JSONResponse, Response
 
 import carpool
 from carpool.engine.step_log import STEP_LOG_CAPACITY, steps_document
-from carpool.scheduler.overload import OverloadGuard
+from carpool.scheduler.control.overload import OverloadGuard
 from carpool.server.auth import ANONYMOUS, KeyRing
 from carpool.server.errors import APIError, bad_request
 from carpool.server.middleware import GuardMiddleware
@@ -130,7 +130,7 @@ def _add_info_routes(app: FastAPI, serving: OpenAIServing) -> None:
         reason = health_problem(ctx)
         if reason:
             return APIError(503, reason, code="unhealthy").response()
-        degraded = getattr(ctx.engine, "degraded", None)  # a fleet below its size
+        degraded = ctx.engine.degraded  # a fleet below its size
         if degraded:
             return JSONResponse({"status": "degraded", "reason": degraded})
         return JSONResponse({"status": "ok"})
@@ -203,7 +203,7 @@ def _add_info_routes(app: FastAPI, serving: OpenAIServing) -> None:
                              # the latency targets, their sources and the calibration rule
                              "adaptive": stats.adaptive, "slo": stats.slo,
                              "admission": _admission(stats),
-                             "predictions": stats.predictions, **_routing(ctx.engine)})
+                             "predictions": stats.predictions, **ctx.engine.routing()})
 
 
 def health_problem(ctx: ServerContext) -> str | None:
@@ -217,34 +217,6 @@ def health_problem(ctx: ServerContext) -> str | None:
     if stalled > ctx.config.stall_timeout:
         return f"the engine made no progress for {stalled:.0f} s"
     return None
-
-
-def _routing(engine) -> dict:
-    """A fleet's routing: its replicas as the router sees them, decision
-    counts by cause and the latest decisions (each with its cause); P/D
-    serving: each pool's, and how many requests were handed over."""
-    pools = getattr(engine, "pools", None)
-    if pools is not None:
-        return {"pd": {**engine.report(),
-                       **{name: _routing(pool).get("routing", {})
-                          for name, pool in zip(("prefill", "decode"), pools)}}}
-    router = getattr(engine, "router", None)
-    if router is None:
-        return {}
-    views = [{"replica": v.replica_id, "role": v.role.value, "health": v.health.value,
-              "in_flight": v.in_flight, "waiting": v.waiting, "running": v.running,
-              "kv_usage": v.kv_usage,
-              "pid": engine.replica_pid(v.replica_id)}
-             for v in engine.views()]  # a pool's own (P/D pools share one router)
-    scaling = {}
-    if engine.scaler is not None:
-        scaling = {"scaling": {"replicas": engine.scaler.replicas, "events": [
-            {"time": e.time, "from": e.replicas_from, "to": e.replicas_to, "cause": e.cause}
-            for e in engine.scaler.events[-20:]]}}
-    return {**scaling, "routing": {"policy": router.policy.name, "replicas": views,
-                        "restarts": engine.restarts, "rerouted": engine.rerouted,
-                        "causes": dict(router.causes),
-                        "decisions": list(router.decisions)[-20:]}}
 
 
 def _admission(stats) -> dict:

@@ -69,11 +69,11 @@ class ServerConfig:
     # thread with --no-engine-process) or ray (Ray Serve deployments on a
     # Ray cluster, carpool.ray_serve; pip install -e '.[ray]').
     backend: str = "local"
-    # Engine worker processes behind the router (carpool.server.fleet); 1 =
+    # Engine worker processes behind the router (carpool.fleet.local); 1 =
     # one engine. Each takes its own KV pool and torch threads: on one
     # machine, at most about one per two cores pays.
     replicas: int = 1
-    # P/D serving (carpool.server.pd_fleet): prefill and decode replica pools,
+    # P/D serving (carpool.fleet.pd): prefill and decode replica pools,
     # the KV of each prompt moving from one to the other through the KV
     # store (kv_store: local by default). 0 and 0: colocated (--replicas).
     prefill: int = 0

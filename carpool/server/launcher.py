@@ -22,9 +22,9 @@ from carpool.engine.async_engine import AsyncEngine
 from carpool.engine.client import EngineClient, EngineLaunchError
 from carpool.engine.llm_engine import LLMEngine
 from carpool.engine.worker import build_serving_engine
+from carpool.fleet.local import FleetEngine
 from carpool.server.app import build_app
 from carpool.server.config import LOG_DATE_FORMAT, ServerConfig
-from carpool.server.fleet import FleetEngine
 from carpool.server.http import with_head_timeout
 from carpool.server.metrics import Metrics
 from carpool.server.serving import ServerContext
@@ -235,7 +235,7 @@ async def _serve_with_worker(engine_config: EngineConfig, server_config: ServerC
               "log_format": server_config.log_format, "log_datefmt": LOG_DATE_FORMAT}
     try:
         if server_config.prefill:
-            from carpool.server.pd_fleet import PDFleet
+            from carpool.fleet.pd import PDFleet
 
             client = await PDFleet.start(engine_config, server_config.prefill,
                                          server_config.decode, server_config.routing,

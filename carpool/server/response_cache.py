@@ -1,5 +1,5 @@
 """The emergency switch's last step: identical deterministic requests
-answered from a cache (``carpool.scheduler.overload``, stage 3).
+answered from a cache (``carpool.scheduler.control.overload``, stage 3).
 
 Only while the engine is that deep in degrade mode does a request read the
 cache; every deterministic, non-streamed response is stored in it (so the

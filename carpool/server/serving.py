@@ -23,15 +23,14 @@ from typing import Any
 import anyio
 from starlette.responses import JSONResponse, StreamingResponse
 
-from carpool.engine.async_engine import AsyncEngine
-from carpool.engine.client import EngineClient
+from carpool.engine.front import FrontEngine
 from carpool.engine.llm_engine import ContextLengthError
 from carpool.engine.outputs import RequestOutput
 from carpool.engine.streams import EngineDeadError, RequestStream
 from carpool.model.grammar import GrammarCompiler
 from carpool.sampling_params import SamplingParams
 from carpool.scheduler import RejectedError
-from carpool.scheduler.overload import OverloadGuard
+from carpool.scheduler.control.overload import OverloadGuard
 from carpool.server.auth import ANONYMOUS, Principal
 from carpool.server.chat_output import ChatPlan, ChatShape, plan_chat
 from carpool.server.config import ServerConfig
@@ -63,7 +62,7 @@ _SEED_STRIDE = 0x9E3779B97F4A7C15  # odd: distinct seeds for the n samples of on
 class ServerContext:
     """What every route needs; one per server (no module globals)."""
 
-    engine: AsyncEngine | EngineClient  # the engine on a thread, or in a worker process
+    engine: FrontEngine  # one engine (a thread, a worker process) or a fleet of them
     tokenizer: Any
     model_name: str
     max_model_len: int
@@ -84,8 +83,7 @@ class ServerContext:
         self.metrics.prefix = self.config.metrics_prefix
         info = self.engine.info
         self.metrics.bind_engine(self.engine.step_log, info.cache_info, info.step_facts)
-        if hasattr(self.engine, "replica_stats"):  # a fleet: per-replica series too
-            self.metrics.replica_stats = self.engine.replica_stats
+        self.metrics.replica_stats = self.engine.replica_stats  # a fleet's: one series each
 
     def grammars(self) -> GrammarCompiler:
         """Structured outputs' compiler here, to refuse (400) what the engine

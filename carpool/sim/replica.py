@@ -2,7 +2,7 @@
 executor (``carpool.sim.executor.CostModelExecutor``) in place of the model.
 
 The replica drives the engine core ``LLMEngine.step`` drives
-(``carpool.scheduler.core.EngineCore``), and hands each step to its
+(``carpool.engine.core.EngineCore``), and hands each step to its
 executor through the same ``Executor`` interface, in virtual time: requests that
 arrived while a step ran are added at the next step boundary, a step is
 begun at a boundary and completed when its cost-model time is up, and a
@@ -18,9 +18,9 @@ import math
 from typing import Protocol
 
 from carpool.config import EngineConfig
+from carpool.engine.core import EngineCore
 from carpool.executor.base import batch_items, step_padding
 from carpool.scheduler import RejectedError, Request, Scheduler
-from carpool.scheduler.core import EngineCore
 from carpool.scheduler.fast_forward import horizon
 from carpool.scheduler.kv_connector import ExternalKV
 from carpool.scheduler.step import SchedulerOutput

@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-from carpool.scheduler.live_window import Signals
+from carpool.scheduler.control.live_window import Signals
 
 ALPHA_RANGE = (1.0, 4.0)
 ALPHA_START = 2.0

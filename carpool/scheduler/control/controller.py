@@ -61,19 +61,19 @@ import math
 from collections import Counter, deque
 
 from carpool.config import ControllerConfig, SchedulerConfig
-from carpool.scheduler.alpha_policy import AlphaControl
-from carpool.scheduler.cost_model import StepCostModel
-from carpool.scheduler.knobs import Decision, KnobRamp, LiveKnobs
-from carpool.scheduler.live_window import LiveWindow, SampleWindow, Signals
-from carpool.scheduler.modes import PRESETS, ModePreset, ModeSelector, mode_caps
-from carpool.scheduler.slo_policy import (
+from carpool.scheduler.control.alpha_policy import AlphaControl
+from carpool.scheduler.control.cost_model import StepCostModel
+from carpool.scheduler.control.knobs import Decision, KnobRamp, LiveKnobs
+from carpool.scheduler.control.live_window import LiveWindow, SampleWindow, Signals
+from carpool.scheduler.control.modes import PRESETS, ModePreset, ModeSelector, mode_caps
+from carpool.scheduler.control.slo_policy import (
     LIMIT_STEP_SHARE,
     StepCorrection,
     early_tick_cause,
     latency_limit,
     proven_limit,
 )
-from carpool.scheduler.step_budget import StepBudget
+from carpool.scheduler.control.step_budget import StepBudget
 
 logger = logging.getLogger(__name__)
 MIN_WAIT = 0.005  # seconds: the timeout rules never take max_wait below this

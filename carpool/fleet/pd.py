@@ -68,21 +68,22 @@ from carpool.cluster.pd import PD_MODES, KVShape, Link, PDPlan, PDPlanner
 from carpool.cluster.router import Router
 from carpool.cluster.view import Role, RouteRequest, RoutingError
 from carpool.config import EngineConfig
+from carpool.engine.front import RequestIntake
 from carpool.engine.outputs import RequestOutput
 from carpool.engine.stats import EngineStats, merge_stats
 from carpool.engine.step_log import StepLog
 from carpool.engine.streams import EngineDeadError, RequestStream
 from carpool.engine.wire import Handoff
+from carpool.fleet.local import FleetEngine
+from carpool.fleet.store_host import local_kv_store
 from carpool.sampling_params import SamplingParams
 from carpool.scheduler import RejectedError
 from carpool.scheduler.pinned_prefixes import PinSpec
-from carpool.server.fleet import FleetEngine
-from carpool.server.store_host import local_kv_store
 
 log = logging.getLogger("carpool.server")
 
 
-class PDFleet:
+class PDFleet(RequestIntake):
     """Prefill and decode pools with one engine's interface (module docstring)."""
 
     def __init__(self, prefill: FleetEngine, decode: FleetEngine, store_server=None,
@@ -102,7 +103,6 @@ class PDFleet:
         self.rescued = 0  # requests re-run on a decode replica: their prefill one died
         self._parts: dict[str, asyncio.Task] = {}  # request id -> what moves it along
         self._seeds = random.Random()
-        self._next_id = 0
         self._stopping = False
 
     @classmethod
@@ -158,15 +158,7 @@ class PDFleet:
                           received_at: float | None = None) -> RequestStream:
         """The prefill part is queued (its refusal raised here, as any
         engine's); the rest follows on a task of its own."""
-        if self._stopping:
-            raise EngineDeadError("the engine is shut down")
-        params = params or SamplingParams()
-        if request_id is None:
-            self._next_id += 1
-            request_id = f"req-{self._next_id}"
-        if request_id in self._parts:
-            raise ValueError(f"duplicate request id {request_id!r}")
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        request_id, ids, params = self._intake(prompt, params, request_id, self._parts)
         if params.seed is None:  # one seed for both parts (module docstring)
             params = dataclasses.replace(params, seed=self._seeds.getrandbits(63))
         common = {"priority": priority, "session_id": session_id, "cache_salt": cache_salt}
@@ -320,6 +312,12 @@ class PDFleet:
                 "rescued": self.rescued}
 
     # -- the engine interface's state ------------------------------------------------------
+
+    def routing(self) -> dict:
+        """Both pools' routing (they share one router) and the handoffs."""
+        return {"pd": {**self.report(), **{name: pool.routing().get("routing", {})
+                                           for name, pool in zip(("prefill", "decode"),
+                                                                 self.pools)}}}
 
     @property
     def pools(self) -> tuple[FleetEngine, FleetEngine]:

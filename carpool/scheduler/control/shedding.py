@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from collections import deque
 
-from carpool.scheduler.cost_model import StepCostModel
+from carpool.scheduler.control.cost_model import StepCostModel
 from carpool.slo import class_share
 
 

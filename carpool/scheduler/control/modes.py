@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from carpool.config import ControllerConfig
-from carpool.scheduler.live_window import Signals
+from carpool.scheduler.control.live_window import Signals
 
 MODES = ("latency", "balanced", "throughput")
 # A surge for the mode: arrivals over the fast window at this multiple of

@@ -25,32 +25,53 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from carpool.cluster.autoscaler import AutoscaleConfig, PoolScaler, PoolSignals, make_scaler
 from carpool.cluster.router import Router
 from carpool.cluster.view import Health, ReplicaView, Role, RouteRequest, RoutingError
 from carpool.config import EngineConfig
 from carpool.engine.client import EngineClient
+from carpool.engine.front import RequestIntake
 from carpool.engine.llm_engine import check_prompt
 from carpool.engine.pins import PinFront, PinRegistry, repin, run_pin_everywhere
 from carpool.engine.stats import EngineStats, merge_stats
 from carpool.engine.step_log import StepLog
 from carpool.engine.streams import EngineDeadError, RequestStream
 from carpool.engine.wire import Add, Handoff
+from carpool.fleet.store_host import local_kv_store
 from carpool.sampling_params import SamplingParams
 from carpool.scheduler import RejectedError
-from carpool.scheduler.cost_model import StepCostModel
+from carpool.scheduler.control.cost_model import StepCostModel
 from carpool.scheduler.kv_events import BlockKeyChain, KvEventBatch
 from carpool.scheduler.pinned_prefixes import PinSpec
-from carpool.server.store_host import local_kv_store
 
 log = logging.getLogger("carpool.server")
 
 VIEW_INTERVAL_S = 0.25  # how often replicas' polled stats refresh the router's views
 
 
-class FleetEngine(PinFront):
+def routing_report(router: Router, views: Sequence[ReplicaView],
+                   pid_of: Callable[[str], int | None], scaler: PoolScaler | None,
+                   restarts: int, rerouted: int) -> dict:
+    """A fleet's routing for ``/carpool/policy``: its replicas as the router
+    sees them, decision counts by cause and the latest decisions (each with
+    its cause), and the autoscaler's latest events."""
+    replicas = [{"replica": v.replica_id, "role": v.role.value, "health": v.health.value,
+                 "in_flight": v.in_flight, "waiting": v.waiting, "running": v.running,
+                 "kv_usage": v.kv_usage, "pid": pid_of(v.replica_id)} for v in views]
+    scaling = {}
+    if scaler is not None:
+        scaling = {"scaling": {"replicas": scaler.replicas, "events": [
+            {"time": e.time, "from": e.replicas_from, "to": e.replicas_to, "cause": e.cause}
+            for e in scaler.events[-20:]]}}
+    return {**scaling, "routing": {"policy": router.policy.name, "replicas": replicas,
+                                   "restarts": restarts, "rerouted": rerouted,
+                                   "causes": dict(router.causes),
+                                   "decisions": list(router.decisions)[-20:]}}
+
+
+class FleetEngine(PinFront, RequestIntake):
     """Several engine workers with one engine's interface (module docstring)."""
 
     def __init__(self, launch: dict, config: EngineConfig, router: Router,
@@ -70,7 +91,6 @@ class FleetEngine(PinFront):
         self.rerouted = 0  # requests a dead replica held unstarted, sent to another
         self._chain = BlockKeyChain(config.cache.block_size,
                                     bytes.fromhex(config.cache.block_hash_key))
-        self._next_id = 0
         self._stopping = False
         self._restarting: set[asyncio.Task] = set()
         self.pool, self.role = pool, role
@@ -329,6 +349,10 @@ class FleetEngine(PinFront):
             return None
         return f"{len(self._restarting)} replica(s) restarting, {len(self.clients)} serving"
 
+    def routing(self) -> dict:
+        return routing_report(self.router, self.views(), self.replica_pid, self.scaler,
+                              self.restarts, self.rerouted)
+
     def replica_pid(self, replica_id: str) -> int | None:
         """The worker process of ``replica_id`` (None: not serving now)."""
         return getattr(self.clients.get(replica_id), "pid", None)
@@ -358,12 +382,8 @@ class FleetEngine(PinFront):
         """Route, then ``EngineClient.add_request`` on the chosen replica.
         ``replica_id``: the one a planner chose and counted in the router
         under ``request_id`` already (P/D); routed anew if it left since."""
-        if self._stopping:
-            raise EngineDeadError("the engine is shut down")
-        if request_id is None:
-            self._next_id += 1
-            request_id = f"req-{self._next_id}"
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        # Duplicate ids: the replica's client refuses them (it holds the live ones).
+        request_id, ids, params = self._intake(prompt, params, request_id, ())
         self._arrivals += 1
         if replica_id is None or self.router.replica_of(request_id) != replica_id:
             replica_id = self._route(request_id, ids, session_id, priority, cache_salt)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from carpool.scheduler.controller import LiveKnobs
+from carpool.scheduler.control.controller import LiveKnobs
 
 LIVE_SETTINGS = frozenset({
     "max_num_seqs", "max_num_batched_tokens", "preferred_batch_size", "max_batch_size",

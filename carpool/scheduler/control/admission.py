@@ -9,15 +9,14 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 from carpool.config import SchedulerConfig
-from carpool.scheduler.cost_model import StepCostModel
-from carpool.scheduler.overload import (
+from carpool.scheduler.control.cost_model import StepCostModel
+from carpool.scheduler.control.overload import (
     SHED_ABOVE_PRIORITY,
     BusyWindow,
     OverloadGuard,
     shed_victim,
 )
-from carpool.scheduler.request import Request
-from carpool.scheduler.shedding import (
+from carpool.scheduler.control.shedding import (
     CalmTTFT,
     PredictionError,
     first_broken_promise,
@@ -25,6 +24,7 @@ from carpool.scheduler.shedding import (
     predict_slot_delay,
     ttft_allowance,
 )
+from carpool.scheduler.request import Request
 from carpool.slo import CALIBRATION_PROMPT_TOKENS, class_share
 
 # Seconds a first token's prediction error counts in the margin. The large

@@ -38,7 +38,7 @@ Pure Python; times come from the caller.
 """
 from __future__ import annotations
 
-from carpool.scheduler.cost_model import StepCostModel
+from carpool.scheduler.control.cost_model import StepCostModel
 
 # The share of the TPOT target the feed-forward batch limit sizes a step to,
 # in every mode: a request's TPOT is the mean of its steps, and the ones

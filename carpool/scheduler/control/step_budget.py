@@ -16,9 +16,9 @@ Pure Python.
 """
 from __future__ import annotations
 
-from carpool.scheduler.cost_model import StepCostModel
-from carpool.scheduler.live_window import Signals
-from carpool.scheduler.slo_policy import CALM_SHARE
+from carpool.scheduler.control.cost_model import StepCostModel
+from carpool.scheduler.control.live_window import Signals
+from carpool.scheduler.control.slo_policy import CALM_SHARE
 
 
 class StepBudget:
