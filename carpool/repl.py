@@ -23,7 +23,8 @@ from pathlib import Path
 from types import ModuleType
 
 from carpool.config import EngineConfig
-from carpool.engine.llm_engine import ContextLengthError, LLMEngine
+from carpool.engine.front import ContextLengthError
+from carpool.engine.llm_engine import LLMEngine
 from carpool.sampling_params import SamplingParams
 
 # Lines of input history kept (the history file is cut to this on exit).

@@ -21,7 +21,8 @@ import pytest
 from carpool.config import EngineConfig
 from carpool.engine.async_engine import AsyncEngine
 from carpool.engine.client import EngineClient, EngineLaunchError
-from carpool.engine.llm_engine import ContextLengthError, LLMEngine
+from carpool.engine.front import ContextLengthError
+from carpool.engine.llm_engine import LLMEngine
 from carpool.engine.streams import EngineDeadError
 from carpool.engine.wire import Add, Progress, to_front_decoder, to_worker_decoder
 from carpool.sampling_params import SamplingParams

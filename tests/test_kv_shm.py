@@ -377,9 +377,9 @@ def test_kv_blocks_round_trip_through_the_store_as_the_connector_moves_them():
     connector = StoreConnector(reader, io, PRINT)
     try:
         request = Request("r", list(range(13)), 1, 0.0)
-        assert connector.loadable(request, hashes + [55]) == 3
+        assert connector.scheduler.loadable(request, hashes + [55]) == 3
         server.stop()
-        assert connector.loadable(request, hashes) == 0  # gone: a miss, not an error
+        assert connector.scheduler.loadable(request, hashes) == 0  # gone: a miss, not an error
         assert connector.stats.store_errors == 1
     finally:
         connector.close()

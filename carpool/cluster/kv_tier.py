@@ -115,11 +115,20 @@ class TierClient:
     def loadable(self, request, hashes: Sequence[int]) -> int:
         return self.tier.count(hashes, self.clock())
 
-    def load(self, request, hashes: Sequence[int], first: int = 0) -> float:
+    def load(self, request, hashes: Sequence[int], first: int = 0,
+             block_ids: Sequence[int] = ()) -> float:
         return self.tier.load_seconds(self.tier.lookup(hashes, self.clock()))
 
-    def save(self, request, hashes: Sequence[int], first: int = 0) -> None:
+    def save(self, request, hashes: Sequence[int], first: int = 0,
+             block_ids: Sequence[int] = ()) -> None:
         self.tier.store(hashes, self.clock())
+
+    def filling(self, request, first: int, block_ids: Sequence[int],
+                hashes: Sequence[int]) -> None:
+        """No layer streaming in the simulator: blocks are saved whole."""
+
+    def forget(self, request) -> None:
+        """Nothing kept per request."""
 
     def count(self, hashes: Sequence[int]) -> int:
         """What a router asks: leading blocks of ``hashes`` held now."""

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from carpool.engine.front import RequestIntake
-from carpool.engine.llm_engine import LLMEngine, check_prompt
+from carpool.engine.llm_engine import LLMEngine
 from carpool.engine.outputs import RequestOutput
 from carpool.engine.pins import (
     PIN_PARAMS,
@@ -117,10 +117,6 @@ class AsyncEngine(PinFront, RequestIntake):
         self.info: EngineInfo = self.engine.info()
         self.tokenizer = self.engine.tokenizer
         self.step_log = self.engine.step_log
-
-    def check_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
-        """``ValueError`` unless the prompt fits this engine (``check_prompt``)."""
-        check_prompt(token_ids, params, self.info.max_model_len, self.info.vocab_size)
 
     def first_token_seen(self, first_token_time: float) -> None:
         self.delivery.observe(self.engine.clock() - first_token_time)

@@ -29,8 +29,7 @@ import zmq
 import zmq.asyncio
 
 from carpool.config import EngineConfig
-from carpool.engine.front import RequestIntake
-from carpool.engine.llm_engine import ContextLengthError, check_prompt
+from carpool.engine.front import ContextLengthError, RequestIntake
 from carpool.engine.outputs import RequestOutput, TokenLogprob
 from carpool.engine.pins import (
     PIN_PARAMS,
@@ -210,10 +209,6 @@ class EngineClient(PinFront, RequestIntake):
 
     def routing(self) -> dict:
         return {}
-
-    def check_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
-        """``ValueError`` unless the prompt fits the engine (``check_prompt``)."""
-        check_prompt(token_ids, params, self.info.max_model_len, self.info.vocab_size)
 
     async def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                           request_id: str | None = None, priority: int = 0,

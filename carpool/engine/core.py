@@ -42,6 +42,7 @@ class EngineCore:
         """This step's batch, and the requests rejected since the last step
         (expired in the queue: the driver reports them)."""
         output = self.scheduler.schedule()
+        self.scheduler.kv.note_exports(output.spans)  # P/D prefills' blocks stream per layer
         return output, self.scheduler.pop_rejected()
 
     def complete(self, output: SchedulerOutput, sampled: Iterable[tuple[Request, int]],

@@ -26,6 +26,26 @@ from carpool.sampling_params import SamplingParams
 from carpool.scheduler.pinned_prefixes import PinSpec
 
 
+class ContextLengthError(ValueError):
+    """Prompt plus max_tokens exceed the model's context length."""
+
+
+def check_prompt(token_ids: list[int], params: SamplingParams, max_model_len: int,
+                 vocab_size: int) -> None:
+    """``ValueError`` (``ContextLengthError`` for the length) unless the
+    prompt can run in a ``max_model_len`` context of a ``vocab_size`` model;
+    pure, so callers may check every prompt of a call before queueing any."""
+    if not token_ids:
+        raise ValueError("the prompt is empty")
+    total = len(token_ids) + params.max_tokens
+    if total > max_model_len:  # first: it is O(1), the id range check is not
+        raise ContextLengthError(
+            f"this model's maximum context length is {max_model_len} tokens; the request "
+            f"asks for {total} ({len(token_ids)} in the prompt + {params.max_tokens} max_tokens)")
+    if min(token_ids) < 0 or max(token_ids) >= vocab_size:
+        raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
+
+
 class FrontEngine(Protocol):
     """What the server drives, whatever runs the engine.
 
@@ -98,6 +118,7 @@ class RequestIntake:
     without an id (``req-1``, ``req-2``... per front unless overridden)."""
 
     tokenizer: Any
+    info: EngineInfo
     error: BaseException | None = None
     _stopping = False
     _next_id = 0
@@ -105,6 +126,10 @@ class RequestIntake:
     def _new_request_id(self) -> str:
         self._next_id += 1
         return f"req-{self._next_id}"
+
+    def check_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
+        """``ValueError`` unless the prompt fits this front's engines (``check_prompt``)."""
+        check_prompt(token_ids, params, self.info.max_model_len, self.info.vocab_size)
 
     def _intake(self, prompt: str | Sequence[int], params: SamplingParams | None,
                 request_id: str | None, live: Container[str]

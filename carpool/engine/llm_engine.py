@@ -21,6 +21,7 @@ from pathlib import Path
 from carpool.config import CacheConfig, EngineConfig
 from carpool.engine.core import EngineCore
 from carpool.engine.detokenizer import IncrementalDetokenizer, token_pieces
+from carpool.engine.front import check_prompt
 from carpool.engine.output_stage import OutputStage, RequestState
 from carpool.engine.outputs import RequestOutput
 from carpool.engine.pins import PIN_PARAMS, PIN_PRIORITY
@@ -50,26 +51,6 @@ logger = logging.getLogger(__name__)
 _token_id = attrgetter("token_id")  # of a SampleResult
 
 
-class ContextLengthError(ValueError):
-    """Prompt plus max_tokens exceed the model's context length."""
-
-
-def check_prompt(token_ids: list[int], params: SamplingParams, max_model_len: int,
-                 vocab_size: int) -> None:
-    """``ValueError`` (``ContextLengthError`` for the length) unless the
-    prompt can run in a ``max_model_len`` context of a ``vocab_size`` model;
-    pure, so callers may check every prompt of a call before queueing any."""
-    if not token_ids:
-        raise ValueError("the prompt is empty")
-    total = len(token_ids) + params.max_tokens
-    if total > max_model_len:  # first: it is O(1), the id range check is not
-        raise ContextLengthError(
-            f"this model's maximum context length is {max_model_len} tokens; the request "
-            f"asks for {total} ({len(token_ids)} in the prompt + {params.max_tokens} max_tokens)")
-    if min(token_ids) < 0 or max(token_ids) >= vocab_size:
-        raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
-
-
 class LLMEngine:
     """Owns tokenizer, scheduler and executor of one replica."""
 
@@ -77,8 +58,9 @@ class LLMEngine:
                  max_model_len: int, clock: Callable[[], float] = time.monotonic,
                  kv_connector=None) -> None:
         """``kv_connector``: a live KV connector (``carpool.kv_transfer.
-        connector.StoreConnector``) the scheduler loads prompt blocks
-        through and saves them to; None: none."""
+        connector.StoreConnector``): its scheduler side is the KV manager's
+        external store, its worker side the executor's ``kv_worker``; None:
+        none."""
         self.config = config
         self.tokenizer = tokenizer
         self._grammars: GrammarCompiler | None = None
@@ -90,12 +72,11 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, config.cache, executor.num_blocks, clock,
                                    config.controller,
                                    block_hash_key=config.cache.block_hash_secret(),
-                                   external_kv=kv_connector)
+                                   external_kv=kv_connector.scheduler if kv_connector else None)
         if self.scheduler.overload is not None:  # the emergency switch's CPU breaker
             self.scheduler.overload.cpu_source = HostCpu().utilization
         self.kv_connector = kv_connector
-        if kv_connector is not None:
-            kv_connector.bind(self.scheduler)
+        executor.kv_worker = kv_connector.worker if kv_connector is not None else None
         # The step's rules, shared with the simulator (carpool.engine.core).
         self.core = EngineCore(self.scheduler, max_model_len)
         self.counters = EngineCounters()
@@ -355,14 +336,16 @@ class LLMEngine:
         begun = clock()
         if self._schedule is not None:
             self._follow_schedule()
-        connector = self.kv_connector
+        connector, worker = self.kv_connector, self.executor.kv_worker
         if connector is not None:
-            connector.poll()  # loads fetched meanwhile join this step
+            self._finish_loads(connector.scheduler, worker)  # fetched meanwhile: join this step
         schedule, expired = self.core.begin()
+        if connector is not None:  # this step's orders: loads begun, blocks streamed
+            worker.start(connector.scheduler.take_meta())
         outputs = [self.output_stage.final(r, "rejected") for r in expired]
         if schedule.is_empty:
             if connector is not None and self.scheduler.loading and not self._pending:
-                connector.wait(0.005)  # only loads in flight: no busy loop
+                worker.wait(0.005)  # only loads in flight: no busy loop
             if self._pending:  # nothing runs next: hand out the last step's outputs
                 outputs += self._make_outputs(self._pending)
                 self._pending = None
@@ -372,12 +355,12 @@ class LLMEngine:
         items = self._batch_items(schedule.spans)
         padding = step_padding(schedule.pad_rows, self.config.scheduler.padding_mode)
         built = clock()
-        streaming = connector is not None and connector.begin_forward(schedule.spans)
+        streaming = connector is not None and worker.begin_forward()
         try:
             results = self._execute(items, padding, outputs)
         finally:
             if streaming:  # P/D prefills' blocks went out layer by layer meanwhile
-                connector.end_forward()
+                worker.end_forward()
         executed = clock()
         elapsed = executed - started
         requests = [span.request for span in schedule.spans if span.sample]
@@ -390,6 +373,8 @@ class LLMEngine:
         progressed, _ = self.core.complete(
             schedule, list(zip(requests, map(_token_id, results))), elapsed,
             on_stop=stage.on_stop_token)
+        if connector is not None:  # the prompt blocks just computed: copied out now
+            worker.start(connector.scheduler.take_meta())
         committed = clock()
         if self.overlap:
             self._pending = progressed  # their outputs are made while the next step runs
@@ -413,6 +398,16 @@ class LLMEngine:
                                       committed - executed, output_end - committed,
                                       clock() - output_end)
         return outputs
+
+    def _finish_loads(self, connector, worker) -> None:  # noqa: ANN001 - the two sides
+        """Fetched loads join the running requests; a left request's are dropped."""
+        kept = []
+        for load_id, request, num_tokens in connector.resolve(worker.fetched()):
+            if (request.status is RequestStatus.LOADING
+                    and self.scheduler.requests.get(request.request_id) is request):
+                kept.append(load_id)
+                self.scheduler.loading.complete(request, num_tokens)
+        worker.write(kept)
 
     def _execute(self, items: list[BatchItem], padding, outputs: list[RequestOutput]) -> list:
         """Run the batch; with overlap, launch it and make the previous
@@ -443,8 +438,9 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         """A snapshot for metrics; call it from the thread that steps the engine."""
+        store = self.kv_connector.metrics() if self.kv_connector is not None else None
         stats = engine_stats(self.scheduler, self.counters, self.clock(),
-                             self.config.scheduler, self.slo)
+                             self.config.scheduler, self.slo, store)
         load = getattr(self.executor, "expert_load", None)
         return stats if load is None else dataclasses.replace(stats, **load.stats_fields())
 

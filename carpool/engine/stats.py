@@ -184,7 +184,7 @@ def _decisions(scheduler: Scheduler, latest: int = 20) -> dict:
 
 
 def engine_stats(scheduler: Scheduler, counters: EngineCounters, now: float,
-                 config: SchedulerConfig, slo=None) -> EngineStats:
+                 config: SchedulerConfig, slo=None, kv_store: dict | None = None) -> EngineStats:
     """The engine's snapshot: its scheduler's state, a copy of its counters,
     ``now`` on its clock, the SLO it serves (a ``ServingSLO``) if any.
     ``config`` is the configuration it started with; the batching regime is
@@ -204,16 +204,11 @@ def engine_stats(scheduler: Scheduler, counters: EngineCounters, now: float,
         batches=scheduler.gate_stats.batches,
         adaptive=scheduler.controller is not None,
         slo=slo.as_dict() if slo is not None else None,
-        predictions=_predictions(scheduler), kv_store=_kv_store(scheduler),
+        predictions=_predictions(scheduler), kv_store=kv_store or {},
         arrivals=scheduler.admission.arrivals, deferred_arrivals=scheduler.admission.deferred,
         degrade_stage=scheduler.overload.stage if scheduler.overload is not None else 0,
         pinned=scheduler.pins.stats(), pinned_lookups=scheduler.pins.lookups,
         **_decisions(scheduler))
-
-
-def _kv_store(scheduler: Scheduler) -> dict:
-    metrics = getattr(scheduler.kv.external, "metrics", None)
-    return metrics() if metrics is not None else {}
 
 
 def _summed(dicts) -> dict:

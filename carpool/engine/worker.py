@@ -27,7 +27,8 @@ import time
 import msgspec
 import zmq
 
-from carpool.engine.llm_engine import ContextLengthError, LLMEngine
+from carpool.engine.front import ContextLengthError
+from carpool.engine.llm_engine import LLMEngine
 from carpool.engine.outputs import RequestOutput
 from carpool.engine.wire import (
     MAX_FRAME_BYTES,

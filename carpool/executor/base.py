@@ -78,6 +78,10 @@ class Executor(ABC):
     #: overlap (``overlap: auto``) is on for such executors. Not on a CPU,
     #: whose forward runs on the host and needs every core.
     overlaps_host: bool = False
+    #: The worker side of a live KV connector (``carpool.scheduler.kv_connector.
+    #: KVConnectorWorker``: block I/O, fetches, the layer hook), set by the
+    #: engine that has one; it moves the bytes of the orders each step hands it.
+    kv_worker: Any = None
 
     @abstractmethod
     def execute(self, items: Sequence[BatchItem], padding: Padding | None = None) -> list[Any]:

@@ -33,7 +33,6 @@ from carpool.cluster.view import Health, ReplicaView, Role, RouteRequest, Routin
 from carpool.config import EngineConfig
 from carpool.engine.client import EngineClient
 from carpool.engine.front import RequestIntake
-from carpool.engine.llm_engine import check_prompt
 from carpool.engine.pins import PinFront, PinRegistry, repin, run_pin_everywhere
 from carpool.engine.stats import EngineStats, merge_stats
 from carpool.engine.step_log import StepLog
@@ -368,9 +367,6 @@ class FleetEngine(PinFront, RequestIntake):
     @property
     def num_in_flight(self) -> int:
         return sum(c.num_in_flight for c in self.clients.values())
-
-    def check_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
-        check_prompt(token_ids, params, self.info.max_model_len, self.info.vocab_size)
 
     async def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                           request_id: str | None = None, priority: int = 0,

@@ -276,9 +276,6 @@ class PDFleet(RequestIntake):
     def first_token_seen(self, first_token_time: float) -> None:
         self.prefill.first_token_seen(first_token_time)
 
-    def check_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
-        self.decode.check_prompt(token_ids, params)
-
     async def pin_prefix(self, spec: PinSpec) -> tuple[PinSpec, bool]:
         """Pin in both pools (module docstring): (the pin, whether it is new
         in the prefill pool); a pool that fails leaves it in neither."""

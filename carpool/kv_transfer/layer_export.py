@@ -5,7 +5,7 @@ A request that exports its prompt (``Request.kv_export``) sends each
 block as one part per layer, each its own store entry (a checked payload
 of a one-layer ``BlockLayout`` under ``layer_hash(block hash, layer)``:
 the reader refuses a part of another block, layer, model or layout). The
-engine tells the exporter which blocks a step fills up (``begin``); the
+scheduler side's orders say which blocks a step fills up (``begin``); the
 model calls ``layer_done(i)`` as soon as layer ``i``'s KV is in the cache
 (``DecoderModel.after_layer``), which copies that layer of those blocks out
 on the engine thread (a gather of a few KB per block) and queues the
@@ -16,7 +16,7 @@ transfer time is then split into the part that overlapped the forward
 
 Blocks an exporting request did not compute in a step (found in the
 prefix cache, loaded) go out all layers at once (``export_now``). The
-decode side (``StoreConnector``'s handoff fetch) waits until the last
+decode side (``StoreWorker``'s handoff fetch) waits until the last
 layer of its blocks is in the store (parts go in layer order), then gets
 every part and joins them into whole blocks.
 """
@@ -51,46 +51,27 @@ class _StepExport:
 
 
 class LayerExporter:
-    """Both sides' layer parts for one ``StoreConnector`` (module docstring)."""
+    """Both sides' layer parts for one connector's worker side (``StoreWorker``;
+    module docstring)."""
 
-    def __init__(self, connector) -> None:  # noqa: ANN001 - StoreConnector (a cycle)
+    def __init__(self, connector) -> None:  # noqa: ANN001 - StoreWorker (a cycle)
         self.connector = connector
         self.layer_layout = replace(connector.layout, num_layers=1)
         self.num_layers = connector.layout.num_layers
         self._blocks: list[tuple[int, int]] = []  # (block id, hash) the running step fills
         self._step: _StepExport | None = None
         self._lock = threading.Lock()
-        # Request id -> indices of its blocks streamed already (their save is done).
-        self.streamed: dict[str, set[int]] = {}
 
     def key(self, block_hash: int, layer: int) -> bytes:
         return block_key_bytes(self.connector.fingerprint, layer_hash(block_hash, layer))
 
     # -- prefill side: the engine thread ---------------------------------------------------
 
-    def begin(self, spans: Sequence) -> bool:
-        """Before a step's forward: note the prompt blocks its exporting
-        requests fill up; True when there are some (hook ``layer_done``)."""
-        kv = self.connector.scheduler.kv
-        live = self.connector.scheduler.requests
-        for request_id in [r for r in self.streamed if r not in live]:
-            del self.streamed[request_id]  # ended (aborted) before its save
-        blocks = []
-        for span in spans:
-            request = span.request
-            if not request.kv_export:
-                continue
-            start = span.start // kv.block_size
-            end = min(span.start + span.num_tokens, request.num_prompt_tokens) // kv.block_size
-            if end <= start:
-                continue
-            hashes = kv.block_hashes_of(request, end)
-            table = kv.block_tables[request.request_id]
-            blocks += [(table[i], hashes[i]) for i in range(start, end)]
-            self.streamed.setdefault(request.request_id, set()).update(range(start, end))
-        self._blocks = blocks
+    def begin(self, blocks: Sequence[tuple[int, int]]) -> None:
+        """Before a step's forward: the (block id, hash) pairs of exporting
+        requests' prompt blocks it fills up (the scheduler side's orders)."""
+        self._blocks = list(blocks)
         self._step = _StepExport() if blocks else None
-        return bool(blocks)
 
     def layer_done(self, layer: int) -> None:
         """Layer ``layer``'s KV of the step is written: send it."""

@@ -49,7 +49,6 @@ from carpool.cluster.view import ReplicaView, RouteDecision, RouteRequest
 from carpool.config import EngineConfig
 from carpool.engine.client import output_of, refusal_error
 from carpool.engine.front import RequestIntake
-from carpool.engine.llm_engine import check_prompt
 from carpool.engine.outputs import TokenLogprob
 from carpool.engine.pins import PinFailed, PinFront, PinRegistry
 from carpool.engine.stats import EngineStats, merge_stats
@@ -154,9 +153,6 @@ class RayEngine(PinFront, RequestIntake):
     @property
     def num_in_flight(self) -> int:
         return len(self._live)
-
-    def check_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
-        check_prompt(token_ids, params, self.info.max_model_len, self.info.vocab_size)
 
     async def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                           request_id: str | None = None, priority: int = 0,

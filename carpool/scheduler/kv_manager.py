@@ -181,10 +181,11 @@ class KVCacheManager:
             # A P/D prefill exports its whole prompt: the blocks it found
             # cached here too (computed ones are saved as they fill up).
             self._extend_hashes(request, len(hits))
-            self.external.save(request, request.block_hashes[:len(hits)], 0)
+            self.external.save(request, request.block_hashes[:len(hits)], 0, hits)
         if loadable:
-            seconds = self.external.load(
-                request, request.block_hashes[len(hits):len(hits) + loadable], len(hits))
+            first, table = len(hits), self.block_tables[request.request_id]
+            seconds = self.external.load(request, request.block_hashes[first:first + loadable],
+                                         first, table[first:first + loadable])
             self._loads[request.request_id] = (loadable * self.block_size, seconds)
             self.external_hits += loadable * self.block_size
         return True
@@ -274,7 +275,8 @@ class KVCacheManager:
         if self.external is not None:  # the prompt's blocks (LMCache's default too)
             prompt_blocks = min(full, request.num_prompt_tokens // self.block_size)
             if prompt_blocks > start:
-                self.external.save(request, request.block_hashes[start:prompt_blocks], start)
+                self.external.save(request, request.block_hashes[start:prompt_blocks], start,
+                                   table[start:prompt_blocks])
 
     def free(self, request: Request) -> None:
         """Return all of the request's blocks (cached ones stay revivable)."""
@@ -282,8 +284,26 @@ class KVCacheManager:
         self._num_registered.pop(request.request_id, None)
         self._run_of.pop(request.request_id, None)  # its blocks stay cached in the run
         self._loads.pop(request.request_id, None)
+        if self.external is not None:
+            self.external.forget(request)
         if table:
             self.pool.release(table)
+
+    def note_exports(self, spans) -> None:  # noqa: ANN001 - ScheduledSpan list
+        """Tell the external store which prompt blocks of exporting requests
+        (P/D prefills) this step's spans fill up (``ExternalKV.filling``)."""
+        if self.external is None:
+            return
+        for span in spans:
+            request = span.request
+            if not request.kv_export:
+                continue
+            start = span.start // self.block_size
+            end = min(span.start + span.num_tokens, request.num_prompt_tokens) // self.block_size
+            if end > start:
+                hashes = self.block_hashes_of(request, end)
+                table = self.block_tables[request.request_id]
+                self.external.filling(request, start, table[start:end], hashes[start:end])
 
     def stats(self) -> KVCacheStats:
         return KVCacheStats(

@@ -23,8 +23,7 @@ from typing import Any
 import anyio
 from starlette.responses import JSONResponse, StreamingResponse
 
-from carpool.engine.front import FrontEngine
-from carpool.engine.llm_engine import ContextLengthError
+from carpool.engine.front import ContextLengthError, FrontEngine
 from carpool.engine.outputs import RequestOutput
 from carpool.engine.streams import EngineDeadError, RequestStream
 from carpool.model.grammar import GrammarCompiler

@@ -80,11 +80,20 @@ class TransferInbox:
     def loadable(self, request: Request, hashes: Sequence[int]) -> int:
         return len(hashes) if request.request_id in self._ready_at else 0
 
-    def load(self, request: Request, hashes: Sequence[int], first: int = 0) -> float:
+    def load(self, request: Request, hashes: Sequence[int], first: int = 0,
+             block_ids: Sequence[int] = ()) -> float:
         return max(0.0, self._ready_at.pop(request.request_id) - self.clock())
 
-    def save(self, request: Request, hashes: Sequence[int], first: int = 0) -> None:
+    def save(self, request: Request, hashes: Sequence[int], first: int = 0,
+             block_ids: Sequence[int] = ()) -> None:
         pass  # the decode pool writes nothing back
+
+    def filling(self, request: Request, first: int, block_ids: Sequence[int],
+                hashes: Sequence[int]) -> None:
+        pass  # a prefill leg's transfer is priced by the planner
+
+    def forget(self, request: Request) -> None:
+        self._ready_at.pop(request.request_id, None)  # left (its load, if any, began)
 
 
 class FleetPD:
