@@ -158,6 +158,54 @@ def test_a_batch_fill_is_each_rows_own(grammars):
     assert torch.equal(batched, rows) and not torch.equal(rows[0], rows[1])
 
 
+class _Engine:
+    """What ``WorkerLoop`` asks of an engine when adding requests."""
+
+    def __init__(self, compiler) -> None:  # noqa: ANN001
+        self.compiler, self.added = compiler, []
+
+    def grammars(self):  # noqa: ANN201
+        return self.compiler
+
+    def add_request(self, prompt, params, request_id, **_) -> None:  # noqa: ANN001
+        self.compiler.constraint(params.structured)  # the engine's own use: cached by now
+        self.added.append(request_id)
+
+
+@pytest.mark.real_model
+def test_a_worker_compiles_new_grammars_off_its_engine_thread(real_model_path):
+    """A new spec is compiled on the compiler's threads while the loop goes
+    on; the request is added once it is ready, refused if it fails, and an
+    abort meanwhile refuses it (its front let go)."""
+    from carpool.engine.wire import Add, Progress
+    from carpool.engine.worker import WorkerLoop
+    from carpool.model.loader import load_tokenizer
+
+    tokenizer = load_tokenizer(str(real_model_path))
+    compiler = GrammarCompiler(tokenizer, tokenizer.vocab_size)
+    loop = WorkerLoop.__new__(WorkerLoop)
+    loop.engine, loop._compiling = _Engine(compiler), []
+
+    def add(request_id: str, spec: StructuredOutput) -> Add:
+        return Add(request_id, [1, 2], SamplingParams(max_tokens=4, structured=spec))
+
+    good = StructuredOutput("json", json.dumps(SCHEMA))
+    progress = Progress()
+    loop._add(add("a", good), progress)
+    loop._add(add("bad", StructuredOutput("regex", "([a-z")), progress)
+    loop._add(add("gone", StructuredOutput("choice", '["x", "y"]')), progress)
+    assert loop.engine.added == [] and len(loop._compiling) == 3
+    loop._drop_compiling({"gone"}, progress)
+    for future, _, _ in loop._compiling:
+        future.exception(timeout=10)
+    loop._add_compiled(progress)
+    assert loop.engine.added == ["a"] and progress.accepted == ["a"]
+    assert {r.request_id: r.message.split(":")[0] for r in progress.refused} == {
+        "gone": "aborted", "bad": "invalid regex constraint"}
+    loop._add(add("again", good), progress)  # cached now: added at once
+    assert loop.engine.added == ["a", "again"] and loop._compiling == []
+
+
 def test_what_cannot_compile_names_the_problem(grammars):
     compiler, _ = grammars
     for spec, needle in [(StructuredOutput("regex", "([a-z"), "invalid regex"),

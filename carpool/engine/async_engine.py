@@ -157,6 +157,8 @@ class AsyncEngine(PinFront, RequestIntake):
         HTTP server: before parsing and tokenizing); its arrival is then.
         """
         request_id, ids, params = self._intake(prompt, params, request_id, self._streams)
+        if params.structured is not None:  # a new grammar compiles here, not on the engine thread
+            await asyncio.to_thread(self.engine.grammars().compile, params.structured)
         return await self._submit(_Add(request_id, ids, params, priority, session_id,
                                        deadline, max_wait, cache_salt, None, handoff),
                                   received_at)

@@ -63,7 +63,7 @@ class LLMEngine:
         none."""
         self.config = config
         self.tokenizer = tokenizer
-        self._grammars: GrammarCompiler | None = None
+        self._grammars = GrammarCompiler(tokenizer, model_config.vocab_size)  # llguidance on use
         self.model_config = model_config
         self.executor = executor
         self.max_model_len = max_model_len
@@ -107,6 +107,7 @@ class LLMEngine:
         engine = LLMEngine(config or self.config, self.tokenizer, self.model_config,
                            self.executor, self.max_model_len, self.clock, self.kv_connector)
         engine._pieces, engine._pieces_built = self._pieces, self._pieces_built
+        engine._grammars = self._grammars
         return engine
 
     @classmethod
@@ -246,9 +247,8 @@ class LLMEngine:
             state.sent_logprobs = len(state.logprobs)
 
     def grammars(self) -> GrammarCompiler:
-        """Structured outputs' compiler for this model (made on first use)."""
-        if self._grammars is None:
-            self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
+        """Structured outputs' compiler for this model (thread-safe: fronts
+        compile a new spec off the engine thread first, ``compile_later``)."""
         return self._grammars
 
     def check_prompt(self, token_ids: list[int], params: SamplingParams) -> None:

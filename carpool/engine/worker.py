@@ -23,6 +23,7 @@ import os
 import signal
 import sys
 import time
+from concurrent.futures import Future
 
 import msgspec
 import zmq
@@ -69,6 +70,7 @@ def build_serving_engine(config, slo_sources: dict[str, str] | None = None, sche
     engine = prepare_serving(LLMEngine.from_config(config, kernels_in_background=True,
                                                    kv_store=kv_store),
                              slo_sources, log_line)
+    engine.grammars().prepare()  # not on a first constrained request's step
     if os.environ.get(FAULT_ENV):
         inject_fault(engine, int(os.environ[FAULT_ENV]))
     if schedule is not None:
@@ -118,14 +120,19 @@ class WorkerLoop:
         self.encoder = msgspec.msgpack.Encoder()
         self.steps_sent = engine.step_log.total
         self.stats_sent = 0.0
+        # Adds whose grammar compiles off the engine's thread: (future, add, since).
+        self._compiling: list[tuple[Future, Add, float]] = []
 
     def run(self) -> None:
         engine = self.engine
         while True:
             progress = Progress()
             busy = engine.has_unfinished
-            if not self._receive(progress, 0 if busy else int(HEARTBEAT_S * 1000)):
+            wait_ms = 0 if busy else 1 if self._compiling else int(HEARTBEAT_S * 1000)
+            if not self._receive(progress, wait_ms):
                 return
+            if self._compiling:
+                self._add_compiled(progress)
             if engine.has_unfinished:
                 progress.outputs.extend(map(delta_of, engine.step()))
             now = time.monotonic()
@@ -159,6 +166,7 @@ class WorkerLoop:
             if isinstance(message, Add):
                 self._add(message, progress)
             elif isinstance(message, Abort):
+                self._drop_compiling(set(message.request_ids), progress)
                 for request_id in message.request_ids:
                     output = self.engine.abort_request(request_id)
                     if output is not None:
@@ -172,6 +180,11 @@ class WorkerLoop:
                 return False
 
     def _add(self, add: Add, progress: Progress) -> None:
+        spec = add.params.structured if add.pin is None else None
+        pending = self.engine.grammars().compile_later(spec) if spec is not None else None
+        if pending is not None:  # a new grammar: compiled while the engine steps on
+            self._compiling.append((pending, add, time.monotonic()))
+            return
         try:
             if add.pin is not None:
                 self.engine.pin_prefix(add.pin, add.request_id, add.arrival_time)
@@ -185,6 +198,32 @@ class WorkerLoop:
             progress.refused.append(refusal_of(add.request_id, exc))
         else:
             progress.accepted.append(add.request_id)
+
+
+    def _add_compiled(self, progress: Progress) -> None:
+        """Adds whose grammar is compiled now (or failed, or timed out)."""
+        compiler, waiting = self.engine.grammars(), []
+        for future, add, since in self._compiling:
+            spec = add.params.structured
+            if not future.done():
+                if time.monotonic() - since < compiler.timeout_s:
+                    waiting.append((future, add, since))
+                else:
+                    progress.refused.append(refusal_of(add.request_id, compiler.timed_out(spec)))
+            elif future.exception() is not None:
+                error = compiler.refusal(spec, future.exception())
+                progress.refused.append(refusal_of(add.request_id, error))
+            else:
+                self._add(add, progress)
+        self._compiling = waiting
+
+    def _drop_compiling(self, request_ids: set[str], progress: Progress) -> None:
+        """Aborted while their grammar compiled: refused (their front let go)."""
+        dropped = [add for _, add, _ in self._compiling if add.request_id in request_ids]
+        self._compiling = [entry for entry in self._compiling
+                           if entry[1].request_id not in request_ids]
+        for add in dropped:
+            progress.refused.append(refusal_of(add.request_id, ValueError("aborted")))
 
 
 def _die_with_parent() -> None:

@@ -148,32 +148,61 @@ class GrammarCompiler:
         ValueError naming the problem when the spec is invalid or takes over
         ``timeout_s`` to compile."""
         with self._lock:
-            if spec.key in self._templates:
+            template = self._templates.get(spec.key)
+            if template is not None:
                 self._templates.move_to_end(spec.key)
-                return self._templates[spec.key]
-        future = self._pool.submit(self._compile_now, spec)
+                return template
+        future = self._pool.submit(self._compile_and_keep, spec)
         try:
-            template = future.result(timeout=self.timeout_s)
+            return future.result(timeout=self.timeout_s)
         except concurrent.futures.TimeoutError:
-            raise ValueError(f"the {spec.kind} constraint took over {self.timeout_s:g} s to "
-                             "compile") from None
+            raise self.timed_out(spec) from None
         except (RuntimeError, ValueError, TypeError) as exc:
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            raise ValueError(f"invalid {spec.kind} constraint: {first[:300]}") from None
+            raise self.refusal(spec, exc) from None
+
+    def compile_later(self, spec: StructuredOutput) -> concurrent.futures.Future | None:
+        """Compile ``spec`` on this compiler's threads, its template kept in
+        the cache when done: the future of it, or None when cached already
+        (so an engine thread never compiles: it waits for this first)."""
+        with self._lock:
+            if spec.key in self._templates:
+                return None
+        return self._pool.submit(self._compile_and_keep, spec)
+
+    def timed_out(self, spec: StructuredOutput) -> ValueError:
+        return ValueError(f"the {spec.kind} constraint took over {self.timeout_s:g} s to compile")
+
+    def refusal(self, spec: StructuredOutput, exc: BaseException) -> ValueError:
+        if isinstance(exc, ValueError) and str(exc).startswith("invalid "):
+            return exc
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        return ValueError(f"invalid {spec.kind} constraint: {first[:300]}")
+
+    def prepare(self) -> None:
+        """Build the tokenizer's grammar side now (a quarter second for a
+        50k vocabulary), not on the first constrained request."""
+        self._tokenizer()
+        self._new_executor()
+
+    def _compile_and_keep(self, spec: StructuredOutput) -> Any:
+        template = self._compile_now(spec)
         with self._lock:
             self._templates[spec.key] = template
             while len(self._templates) > CACHE_ENTRIES:
                 self._templates.popitem(last=False)
         return template
 
-    def constraint(self, spec: StructuredOutput) -> Constraint:
-        template = self.compile(spec)
+    def _new_executor(self) -> Any:
         with self._lock:
             if self._executor is None:
                 import llguidance
 
                 self._executor = llguidance.LLExecutor()
-        return Constraint(template.deep_copy(), self._executor)
+            return self._executor
+
+    def constraint(self, spec: StructuredOutput) -> Constraint:
+        template = self.compile(spec)
+        return Constraint(template.deep_copy(), self._new_executor())
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
