@@ -21,7 +21,8 @@ from carpool.model_settings import (  # noqa: F401 - re-exported
     ModelSettings,
     capture_sizes,
 )
-from carpool.slo import AUTO, FALLBACK_TPOT, FALLBACK_TTFT, parse_targets
+from carpool.settings_fields import flag_bool, flag_bool_or_auto, setting
+from carpool.slo import AUTO, FALLBACK_TPOT, FALLBACK_TTFT, parse_target, parse_targets
 
 # Padded execution of static / dynamic batches: where a row's pad tokens sit.
 PADDINGS = ("none", "left", "right", "center")
@@ -48,22 +49,45 @@ BLOCK_HASH_KEY_ENV = "CARPOOL_BLOCK_HASH_KEY"
 class CacheConfig:
     """Paged KV cache: one preallocated pool of fixed-size blocks."""
 
-    block_size: int = 16
-    kv_cache_memory: str = "1GiB"  # budget for the whole pool, all layers, K and V
+    block_size: int = setting(
+        16, "--block-size", "N",
+        "tokens per KV block", parse=int)
+    # budget for the whole pool, all layers, K and V
+    kv_cache_memory: str = setting(
+        "1GiB", "--kv-cache-memory", "SIZE",
+        "KV pool budget, e.g. 512MiB, 2GiB (unless --gpu-memory-utilization or --num-blocks "
+        "is given)")
     # vLLM's --gpu-memory-utilization: the pool is this fraction of the memory
     # free once the weights are loaded (CUDA: mem_get_info; CPU: MemAvailable),
     # and kv_cache_memory is unused (see carpool.cli for the layers' precedence).
-    gpu_memory_utilization: float | None = None
-    num_blocks: int | None = None  # overrides kv_cache_memory and gpu_memory_utilization
-    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float | None = setting(
+        None, "--gpu-memory-utilization", "FRACTION",
+        "size the KV pool as this fraction (0 < f <= 1) of the memory free once the weights "
+        "are loaded (CUDA: free device memory; CPU: MemAvailable); instead of "
+        "--kv-cache-memory (default: unset)", parse=float)
+    # overrides kv_cache_memory and gpu_memory_utilization
+    num_blocks: int | None = setting(
+        None, "--num-blocks", "N",
+        "KV pool size in blocks (overrides --kv-cache-memory and --gpu-memory-utilization)",
+        parse=int)
+    enable_prefix_caching: bool = setting(
+        True, "--enable-prefix-caching", None,
+        "reuse cached KV blocks of shared prefixes", parse=bool, aliases=("--prefix-caching",))
     # Free blocks kept back when admitting new requests, as a fraction of the
     # pool: admitting into the last few blocks only to preempt next step thrashes.
-    watermark: float = 0.01
+    watermark: float = setting(
+        0.01, "--watermark", "FRACTION",
+        "fraction of blocks kept free when admitting", parse=float)
     # Operator-pinned prefixes (POST /carpool/prefixes): the share of the
     # pool all of them may hold together, and how many there may be (each
     # is a metric label: this bounds the label set).
-    pinned_prefix_share: float = 0.25
-    max_pinned_prefixes: int = 32
+    pinned_prefix_share: float = setting(
+        0.25, "--pinned-prefix-share", "FRACTION",
+        "share of the KV pool all operator-pinned prefixes (POST /carpool/prefixes) may hold "
+        "together (0: pinning off)", parse=float)
+    max_pinned_prefixes: int = setting(
+        32, "--max-pinned-prefixes", "N",
+        "most prefixes pinned at once (each one a label of the pinned_prefix_* metrics)", parse=int)
     # Secret key, hex (16 to 64 bytes), of the KV blocks' chained hashes
     # (keyed blake2b): every replica and router of a fleet given the same key
     # names the same prefix by the same hashes, and clients, who do not know
@@ -79,10 +103,24 @@ class CacheConfig:
     # in shared memory: only keys cross the socket) | memory (this process)
     # | tcp://HOST:PORT | shm://HOST:PORT/ARENA | redis://HOST:PORT[/DB]; None: off. Replicas share blocks only with
     # one block_hash_key (a fleet's).
-    kv_store: str | None = None
-    kv_store_ttl: float = 1800.0  # seconds a block stays after its last use
-    kv_store_capacity: str = "1GiB"  # the memory store's (Redis: its maxmemory)
-    kv_store_max_inflight: str = "256MiB"  # blocks being written; more are dropped
+    kv_store: str | None = setting(
+        None, "--kv-store", "URL",
+        "a shared KV store for prompt blocks: local (with --replicas or --prefill/--decode: a"
+        " TCP store the API process serves its replicas) | shm (the same in shared memory) | "
+        "memory | tcp://HOST:PORT | shm://HOST:PORT/ARENA | redis://HOST:PORT[/DB] (default: "
+        "none)")
+    # seconds a block stays after its last use
+    kv_store_ttl: float = setting(
+        1800.0, "--kv-store-ttl", "SECONDS",
+        "seconds a stored block stays after its last use", parse=float)
+    # the memory store's (Redis: its maxmemory)
+    kv_store_capacity: str = setting(
+        "1GiB", "--kv-store-capacity", "SIZE",
+        "the memory KV store's capacity, e.g. 1GiB (Redis: set its maxmemory)")
+    # blocks being written; more are dropped
+    kv_store_max_inflight: str = setting(
+        "256MiB", "--kv-store-max-inflight", "SIZE",
+        "KV blocks being written to the store at most; more are dropped")
 
     # Fields never to show (metrics labels, logs, config dumps).
     SECRET_FIELDS: ClassVar[tuple[str, ...]] = ("block_hash_key",)
@@ -145,50 +183,97 @@ class CacheConfig:
 class SchedulerConfig:
     """One token-budget loop per step (see ``carpool.scheduler.Scheduler``)."""
 
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 1024
-    policy: str = "fcfs"  # fcfs | priority
+    max_num_seqs: int = setting(
+        128, "--max-num-seqs", "N",
+        "most requests running at once", parse=int)
+    max_num_batched_tokens: int = setting(
+        1024, "--max-num-batched-tokens", "N",
+        "token budget of one step", parse=int)
+    # fcfs | priority
+    policy: str = setting(
+        "fcfs", "--scheduling-policy", "POLICY",
+        "fcfs | priority")
     # Admission control, per replica: a new request that would push the
     # waiting queue past either bound is turned away with a retry-after
     # estimate instead of queueing without limit. Requeued (preempted)
     # requests never count as arrivals.
-    max_queue_requests: int = 200  # waiting requests; must be >= 1
-    max_queue_tokens: int | None = None  # prompt tokens waiting; None = unbounded
+    # waiting requests; must be >= 1
+    max_queue_requests: int = setting(
+        200, "--max-queue-requests", "N",
+        "waiting requests beyond which new ones are rejected (HTTP 429)", parse=int)
+    # prompt tokens waiting; None = unbounded
+    max_queue_tokens: int | None = setting(
+        None, "--max-queue-tokens", "N",
+        "waiting prompt tokens beyond which new requests are rejected (default: unbounded)",
+        parse=int)
     # Seconds a request may wait before it is first scheduled; past that it is
     # rejected with reason "queue_timeout". None = wait forever.
-    queue_timeout: float | None = None
+    queue_timeout: float | None = setting(
+        None, "--queue-timeout", "SECONDS",
+        "seconds a request may wait to start before it is rejected (default: no limit)",
+        parse=float)
     # Seconds a session's cached prefix stays protected from eviction after
     # its latest request finished; 0 = no protection (order is still kept).
-    session_ttl: float = 1800.0
+    session_ttl: float = setting(
+        1800.0, "--session-ttl", "SECONDS",
+        "seconds a session's prefix stays preferred in the KV cache", parse=float)
     # Unfinished requests one session may hold (they run one at a time); more
     # are rejected ("session_full"), so one session cannot fill the queue.
-    max_session_requests: int = 8
+    max_session_requests: int = setting(
+        8, "--max-session-requests", "N",
+        "unfinished requests one session may hold (more get 429 session_full)", parse=int)
     # policy priority: a waiting request's effective priority improves by one
     # class per aging_interval seconds waited, so low classes cannot starve.
     # None = no aging.
-    aging_interval: float | None = 30.0
+    aging_interval: float | None = setting(
+        30.0, "--aging-interval", "SECONDS",
+        "policy priority: seconds of waiting that raise a request one priority class (null in"
+        " a config file: no aging)", parse=float)
     # Dual queue (both policies): prompts longer than long_prompt_threshold
     # tokens get together at most long_prefill_share of the step's token
     # budget for prefill while short requests wait or prefill; 1 = no cap.
-    long_prompt_threshold: int = 512
-    long_prefill_share: float = 0.5
+    long_prompt_threshold: int = setting(
+        512, "--long-prompt-threshold", "N",
+        "prompts longer than this many tokens share the long-prefill allowance", parse=int)
+    long_prefill_share: float = setting(
+        0.5, "--long-prefill-share", "FRACTION",
+        "fraction of the step token budget long prompts get for prefill while short requests "
+        "wait (1 = no cap)", parse=float)
     # Batching regime: continuous (iteration-level), or the request-level
     # baselines static (batches of exactly preferred_batch_size, or fewer
     # after max_wait) and dynamic (length buckets of +-bucket_tolerance,
     # dispatched at preferred_batch_size, at most max_batch_size, or after
     # max_wait); a static or dynamic batch runs to completion, nobody joins.
-    batching: str = "continuous"
-    preferred_batch_size: int = 8
-    max_batch_size: int = 16
-    max_wait: float | None = 0.05  # seconds; None = wait for a full batch
-    bucket_tolerance: float = 0.1
+    batching: str = setting(
+        "continuous", "--batching", "MODE",
+        "continuous | static | dynamic (request-level baselines)")
+    preferred_batch_size: int = setting(
+        8, "--preferred-batch-size", "N",
+        "static: the batch size; dynamic: dispatch when a length bucket holds this many", parse=int)
+    max_batch_size: int = setting(
+        16, "--max-batch-size", "N",
+        "dynamic: most requests in one batch", parse=int)
+    # seconds; None = wait for a full batch
+    max_wait: float | None = setting(
+        0.05, "--max-wait", "SECONDS",
+        "static/dynamic: seconds the oldest request waits before a partial batch goes", parse=float)
+    bucket_tolerance: float = setting(
+        0.1, "--bucket-tolerance", "FRACTION",
+        "dynamic: a length bucket holds prompts within this fraction of its length", parse=float)
     # static / dynamic: the dual queue's long lane. Prompts over
     # long_prompt_threshold tokens form their own batches of at most
     # long_batch_size (sooner once the oldest waited long_max_wait), so a
     # long prompt never pads or holds back a batch of short ones; short ones
     # keep preferred_batch_size / max_wait. None: one queue for all.
-    long_batch_size: int | None = 2
-    long_max_wait: float | None = 0.2  # seconds; None: wait for a full batch
+    long_batch_size: int | None = setting(
+        2, "--long-batch-size", "N",
+        "static/dynamic: prompts over --long-prompt-threshold form their own batches of at "
+        "most this many (null in a config file: one queue for all)", parse=int)
+    # seconds; None: wait for a full batch
+    long_max_wait: float | None = setting(
+        0.2, "--long-max-wait", "SECONDS",
+        "static/dynamic: seconds the oldest long prompt waits before a partial long batch "
+        "goes", parse=float)
     # static / dynamic: run each step of a batch as a padded rectangle, as a
     # real request-level batcher does: rows = the batch's size at dispatch
     # (finished members keep their row), cols = the step's longest span;
@@ -196,17 +281,27 @@ class SchedulerConfig:
     # ragged, no padding). Continuous batching never pads. None (the default)
     # = right under static / dynamic and none under continuous, so the
     # request-level baselines pay their padding cost unless asked not to.
-    padding: str | None = None
+    padding: str | None = setting(
+        None, "--padding", "MODE",
+        "static/dynamic: pad each step to a rectangle: none | left | right | center (default:"
+        " right under static/dynamic, else none)")
     # Reject at arrival a request with a deadline that the online step-cost
     # model predicts cannot get its first token in time.
-    predictive_shedding: bool = True
+    predictive_shedding: bool = setting(
+        True, "--predictive-shedding", "BOOL",
+        "reject at arrival a request predicted to miss its deadline or TTFT target",
+        parse=flag_bool)
     # Under an operator's TTFT target: admission also holds first tokens
     # within this multiple of the live calm TTFT p99 (``shedding.CalmTTFT``:
     # requests that arrived away from any rejection), so a surge's queue
     # stays as short as keeps the engine busy: at saturation a longer one
     # serves no more requests, it delays all of them up to the target.
     # None: the target alone.
-    surge_ttft_factor: float | None = 1.6
+    surge_ttft_factor: float | None = setting(
+        1.6, "--surge-ttft-factor", "X",
+        "under an operator's TTFT target, also hold first tokens within X times the live calm"
+        " TTFT p99, so a surge's queue stays short (null in a settings file: the target "
+        "alone)", parse=float)
     # Emergency switch (``scheduler.control.overload``): after emergency_sustain
     # seconds with any breaker over its threshold (the queue at
     # emergency_queue_share of max_queue_requests, the engine busier than
@@ -214,11 +309,27 @@ class SchedulerConfig:
     # mode sheds the lowest priorities first; each further emergency_sustain
     # of overload goes one step deeper: static batching, then the response
     # cache for identical deterministic requests.
-    emergency_switch: bool = False
-    emergency_queue_share: float = 0.8
-    emergency_busy: float = 0.9
-    emergency_host_cpu: float | None = 0.9  # None: no CPU breaker
-    emergency_sustain: float = 5.0  # seconds
+    emergency_switch: bool = setting(
+        False, "--emergency-switch", "BOOL",
+        "under sustained overload degrade in steps: shed the lowest priorities first, then "
+        "static batching, then answer repeated deterministic requests from a cache",
+        parse=flag_bool)
+    emergency_queue_share: float = setting(
+        0.8, "--emergency-queue-share", "FRACTION",
+        "emergency switch: a queue at this share of --max-queue-requests is overload", parse=float)
+    emergency_busy: float = setting(
+        0.9, "--emergency-busy", "FRACTION",
+        "emergency switch: the engine busier than this share of the time is overload", parse=float)
+    # None: no CPU breaker
+    emergency_host_cpu: float | None = setting(
+        0.9, "--emergency-host-cpu", "FRACTION",
+        "emergency switch: the host's CPUs busier than this is overload (null in a config "
+        "file: no CPU breaker)", parse=float)
+    # seconds
+    emergency_sustain: float = setting(
+        5.0, "--emergency-sustain", "SECONDS",
+        "emergency switch: seconds of overload before degrading, and before each further step",
+        parse=float)
 
     def validate(self) -> None:
         if self.max_num_seqs < 1:
@@ -312,34 +423,76 @@ class ControllerConfig:
     the fallbacks) or None (no target).
     """
 
-    adaptive: bool | None = None
-    controller_interval: float = 1.0  # seconds between regular decisions; >= 0.1
-    controller_window: float = 30.0  # seconds of metrics the slow signals read
+    adaptive: bool | None = setting(
+        None, "--adaptive", "BOOL",
+        "the adaptive controller and SLO admission (default: on for serve, off elsewhere); "
+        "false: plain batching at the configured knobs", parse=flag_bool)
+    # seconds between regular decisions; >= 0.1
+    controller_interval: float = setting(
+        1.0, "--controller-interval", "SECONDS",
+        "adaptive: seconds between regular controller decisions (>= 0.1; events tick sooner)",
+        parse=float)
+    # seconds of metrics the slow signals read
+    controller_window: float = setting(
+        30.0, "--controller-window", "SECONDS",
+        "adaptive: seconds of live metrics the slow signals read", parse=float)
     # Seconds of metrics the fast signals read (step times, recent arrivals):
     # what lets a surge be acted on within a second or two. At most
     # controller_window (a longer value is cut to it).
-    controller_fast_window: float = 2.0
-    controller_mode: str = "auto"  # auto | latency | balanced | throughput (pinned)
-    ttft_target: float | str | None = AUTO  # seconds, p99 of admitted requests
-    tpot_target: float | str | None = AUTO  # seconds, p99 of admitted requests
+    controller_fast_window: float = setting(
+        2.0, "--controller-fast-window", "SECONDS",
+        "adaptive: seconds of live metrics the fast signals (step times, arrivals) read",
+        parse=float)
+    # auto | latency | balanced | throughput (pinned)
+    controller_mode: str = setting(
+        "auto", "--controller-mode", "MODE",
+        "adaptive: auto | latency | balanced | throughput (a fixed mode)")
+    # seconds, p99 of admitted requests
+    ttft_target: float | str | None = setting(
+        AUTO, "--ttft-target", "TIME",
+        "adaptive: p99 time-to-first-token target (0.5, 500ms or auto: measured at serve "
+        "start-up); admission sheds predicted misses", parse=parse_target)
+    # seconds, p99 of admitted requests
+    tpot_target: float | str | None = setting(
+        AUTO, "--tpot-target", "TIME",
+        "adaptive: p99 time-per-output-token target (0.1, 100ms or auto)", parse=parse_target)
     # Seconds, p99 end-to-end of admitted requests; None: no target. Never
     # measured (it depends on the output lengths clients ask for): set by an
     # operator (``--slo e2e=1.5s``), it caps the batch at the step time that
     # lets the long outputs of recent requests finish within it.
-    e2e_target: float | None = None
+    e2e_target: float | None = setting(
+        None, "--e2e-target", "TIME",
+        "adaptive: p99 end-to-end target (1.5, 1500ms); caps the batch so the long outputs of"
+        " recent requests finish within it (default: none)", parse=parse_target)
     # carpool serve: measure the unloaded TTFT / TPOT at start-up for "auto"
     # targets; false: "auto" means FALLBACK_TTFT / FALLBACK_TPOT.
-    calibrate: bool = True
+    calibrate: bool = setting(
+        True, "--calibrate", "BOOL",
+        "serve: measure the unloaded TTFT/TPOT at start-up for auto targets (false: auto "
+        "targets are 2 s / 200 ms)", parse=flag_bool)
     # Share of the KV pool the batch limit leaves free for growth (the by_memory term).
-    memory_headroom: float = 0.2
+    memory_headroom: float = setting(
+        0.2, "--memory-headroom", "FRACTION",
+        "adaptive: share of the KV pool the batch limit keeps free", parse=float)
     # How alpha (the batch limit's headroom over peak demand: request-level
     # batching, and continuous under an operator's TPOT/E2E target) moves:
     # rule (x1.25 for late first tokens, x0.8 for late tokens) or bandit
     # (``scheduler.control.alpha_policy``: learned online from the goodput each move
     # earned).
-    alpha_policy: str = "rule"
-    transition_steps: int = 3  # scheduler steps a knob change is spread over (1..3)
-    hysteresis_ticks: int = 2  # ticks in a row wanting a new mode before it switches
+    alpha_policy: str = setting(
+        "rule", "--alpha-policy", "POLICY",
+        "adaptive, static/dynamic batching: how alpha (the batch limit's headroom over peak "
+        "demand) moves: rule (x1.25 / x0.8 by which target is missed) | bandit (learned "
+        "online from the goodput each move earned)")
+    # scheduler steps a knob change is spread over (1..3)
+    transition_steps: int = setting(
+        3, "--transition-steps", "N",
+        "adaptive: scheduler steps a knob change is spread over (1..3)", parse=int)
+    # ticks in a row wanting a new mode before it switches
+    hysteresis_ticks: int = setting(
+        2, "--hysteresis-ticks", "N",
+        "adaptive: ticks in a row asking for a change before mode, alpha or correction move",
+        parse=int)
     # Adaptive only: reject at arrival a request the cost model predicts
     # cannot get its first token within its share of ttft_target (as
     # predictive shedding does for explicit deadlines). "auto": only when an
@@ -347,13 +500,20 @@ class ControllerConfig:
     # measured at start-up (or its fallback) steers the controller but never
     # turns work away: without an operator's SLO the server queues what fits
     # its queue bounds, as vLLM does. ``resolve_levers`` decides it once.
-    shed_on_ttft_target: bool | str = AUTO
+    shed_on_ttft_target: bool | str = setting(
+        AUTO, "--shed-on-ttft-target", "BOOL|auto",
+        "adaptive: reject at arrival what is predicted to miss the TTFT target; auto: only "
+        "when the operator set that target (--slo, --ttft-target, a settings file), never for"
+        " a measured one", parse=flag_bool_or_auto)
     # Adaptive only: the batch limit's by_latency term, the largest batch
     # whose steps the cost model puts within the TPOT target. "auto": only
     # when an operator set the TPOT target. A measured target caps nothing:
     # with requests waiting, a smaller batch only drains the queue slower
     # (a 64-request burst took 3.6x as long under the measured cap).
-    batch_limit_by_tpot: bool | str = AUTO
+    batch_limit_by_tpot: bool | str = setting(
+        AUTO, "--batch-limit-by-tpot", "BOOL|auto",
+        "adaptive: cap the batch at the largest whose steps keep the TPOT target; auto: only "
+        "when the operator set that target", parse=flag_bool_or_auto)
 
     def validate(self) -> None:
         if self.adaptive not in (None, True, False):

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from carpool.settings_fields import setting
+
 #: CUDA graph batch sizes captured by default (vLLM's progression: 1, 2, 4,
 #: then by 8 to 32, by 16 to 64, then by 32 and 64), capped at max_num_seqs.
 CUDA_GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
@@ -38,51 +40,103 @@ DTYPE_ALIASES = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp1
 class ModelSettings:
     """Which model to run and how."""
 
-    model: str | None = None  # HF directory or .gguf file; None = the default model
+    # HF directory or .gguf file; None = the default model
+    model: str | None = setting(
+        None, "--model", "MODEL",
+        "HF model directory, .gguf file or Hugging Face repo id (default: "
+        "SmolLM2-135M-Instruct)")
     # The tokenizer's directory (or .gguf) when it is not the model's own (vLLM's --tokenizer).
-    tokenizer: str | None = None
+    tokenizer: str | None = setting(
+        None, "--tokenizer", "PATH",
+        "tokenizer directory or .gguf when not the model's own (default: the model's)")
     # A Jinja chat template, as a file path or the template text itself
     # (vLLM's --chat-template); None = the model's own.
-    chat_template: str | None = None
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    device: str = "auto"  # auto | cpu | cuda
-    max_model_len: int | None = None  # defaults to the model's context length
-    attention_backend: str = "auto"  # auto | torch | sdpa | cpu | triton
-    cache_dir: str | None = None  # defaults to $CARPOOL_CACHE or ~/.cache/carpool
-    threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
-    seed: int = 0  # seeds the per-request seeds of requests that give none
+    chat_template: str | None = setting(
+        None, "--chat-template", "TEMPLATE",
+        "chat template: a Jinja file or the template text (default: the model's own)")
+    # auto | float32 | bfloat16 | float16
+    dtype: str = setting(
+        "auto", "--dtype", "DTYPE",
+        "auto | float32 (float) | bfloat16 | float16 (half); auto: bf16 on GPU and on CPUs "
+        "with native bf16, else fp32")
+    # auto | cpu | cuda
+    device: str = setting(
+        "auto", "--device", "DEVICE",
+        "auto | cpu | cuda[:N]")
+    # defaults to the model's context length
+    max_model_len: int | None = setting(
+        None, "--max-model-len", "N",
+        "context limit (default: the model's)", parse=int)
+    # auto | torch | sdpa | cpu | triton
+    attention_backend: str = setting(
+        "auto", "--attention-backend", "BACKEND",
+        "auto | torch | sdpa | cpu (our C++ decode kernel) | triton (our GPU kernels; auto on"
+        " CUDA)")
+    # defaults to $CARPOOL_CACHE or ~/.cache/carpool
+    cache_dir: str | None = setting(
+        None, "--cache-dir", "DIR",
+        "where models are fetched and converted (default: $CARPOOL_CACHE or ~/.cache/carpool)")
+    # torch intra-op threads on CPU; None = torch's default
+    threads: int | None = setting(
+        None, "--threads", "N",
+        "torch CPU threads (default: torch's choice)", parse=int)
+    # seeds the per-request seeds of requests that give none
+    seed: int = setting(
+        0, "--seed", "N",
+        "seeds the per-request seeds of requests that give none", parse=int)
     # Each step's token rows are padded up to a multiple of this before the
     # linear layers (1: exact rows). The CPU matrix kernels are built per row
     # count on first use (5-18 ms each step with a new count, and ~0.7 MB
     # kept per kernel); 16 leaves budget/16 counts to build once.
-    row_bucket: int = 16
+    row_bucket: int = setting(
+        16, "--row-bucket", "N",
+        "pad each step's token rows to a multiple of this before the linear layers (1: exact "
+        "rows)", parse=int)
     # CUDA: decode steps replay captured graphs (carpool/executor/cuda_graphs.py)
     # unless this is set, as vLLM's --enforce-eager; no effect on CPU.
-    enforce_eager: bool = False
+    enforce_eager: bool = setting(
+        False, "--enforce-eager", None,
+        "CUDA: run every step eagerly (no CUDA graphs)", parse=bool)
     # Decode batch sizes captured: auto (1, 2, 4, 8, 16, 24, ... up to
     # max_num_seqs) or a comma list, e.g. "1,2,4,8,16,32,64".
-    cuda_graph_sizes: str = "auto"
+    cuda_graph_sizes: str = setting(
+        "auto", "--cuda-graph-sizes", "SIZES",
+        "decode batch sizes captured as CUDA graphs: auto or a comma list, e.g. 1,2,4,8,16,32")
     # Weight-only quantization (vLLM's --quantization): None, int8 or int4
     # (CPU: low-bit weights for decode steps of a few rows, carpool/model/quant.py).
-    quantization: str | None = None
+    quantization: str | None = setting(
+        None, "--quantization", "METHOD",
+        "weight-only quantization for CPU decode steps of a few rows: int8 (+50% weight "
+        "memory) or int4 (groups of 32, +25%) (default: none)")
     # CPU bf16: decode steps of a few rows run our packed-weight kernel
     # (carpool/model/packed_linear.py; a second copy of the weights), and a
     # MoE model's experts run our fused kernel on packed weights (in place
     # of the plain ones: carpool/model/moe_cpu.py). auto: the copy where it
     # fits in a quarter of the available memory, the experts where the CPU
     # has AVX512-BF16 but no AMX; on; off.
-    packed_decode: str = "auto"
+    packed_decode: str = setting(
+        "auto", "--packed-decode", "MODE",
+        "CPU bf16: decode steps of a few rows on a packed copy of the weights (our "
+        "AVX512-BF16 kernel), and MoE experts on our fused kernel: auto (the copy where it "
+        "fits in a quarter of the free memory; the experts where the CPU has AVX512-BF16 but "
+        "no AMX) | on | off")
     # CPU bf16: the linear layers' weights laid out once in oneDNN's blocked
     # format (carpool/model/blocked_linear.py): bit-identical results,
     # ~1.4x faster matrix products, no extra memory. auto (where oneDNN has
     # bf16 kernels) | on | off.
-    blocked_weights: str = "auto"
+    blocked_weights: str = setting(
+        "auto", "--blocked-weights", "MODE",
+        "CPU bf16: linear weights laid out once in oneDNN's blocked format (same results, "
+        "faster matrix products): auto (where oneDNN has bf16 kernels) | on | off")
     # Make a step's outputs (detokenizing, stop strings, per-request
     # outputs) while the executor runs the next step, as vLLM's async
     # scheduling and SGLang's overlap scheduler do: auto (on where the
     # executor waits on a device: CUDA; off on a CPU, whose forward needs
     # every core) | on | off. Outputs then come one step later.
-    overlap: str = "auto"
+    overlap: str = setting(
+        "auto", "--overlap", "MODE",
+        "make a step's outputs (detokenizing, stop strings) while the executor runs the next "
+        "step: auto (on for CUDA, off on CPU) | on | off")
 
     def validate(self) -> None:
         # vLLM's spellings of the same types.

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from carpool import limits
 from carpool.server.reasoning_parsers import REASONING_PARSERS
 from carpool.server.tools import TOOL_PARSERS
+from carpool.settings_fields import flag_bool, setting
 
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 METRICS_PREFIXES = ("carpool", "vllm", "both")
@@ -23,118 +24,269 @@ class ServerConfig:
     hold the server hostage (body, headers, n, logprobs, stop strings, ...).
     """
 
-    host: str = "127.0.0.1"  # loopback by default; 0.0.0.0 to serve the network
-    port: int = 8000
-    served_model_name: str | None = None  # defaults to the model's name
+    # loopback by default; 0.0.0.0 to serve the network
+    host: str = setting(
+        "127.0.0.1", "--host", "HOST",
+        "address to listen on (0.0.0.0 for all)")
+    port: int = setting(
+        8000, "--port", "PORT",
+        "port to listen on (0 = any free port)", parse=int)
+    # defaults to the model's name
+    served_model_name: str | None = setting(
+        None, "--served-model-name", "NAME",
+        "model name in the API (default: the model argument as given)")
     # One key for every caller (also from $CARPOOL_API_KEY or --api-key-file,
     # which keep it out of `ps`); --api-keys FILE maps keys to tenants and privileges.
-    api_key: str | None = None
-    api_key_file: str | None = None  # a file whose first line is the key
-    api_keys: str | None = None  # keys file (see carpool.server.auth)
+    api_key: str | None = setting(
+        None, "--api-key", "KEY",
+        "require 'Authorization: Bearer KEY' (visible in ps: prefer $CARPOOL_API_KEY / "
+        "$VLLM_API_KEY or --api-key-file; none = open)")
+    # a file whose first line is the key
+    api_key_file: str | None = setting(
+        None, "--api-key-file", "FILE",
+        "read the API key from this file's first line")
+    # keys file (see carpool.server.auth)
+    api_keys: str | None = setting(
+        None, "--api-keys", "FILE",
+        "YAML/JSON file of API keys, each with its tenant and privileges (max_priority, "
+        "share_prefix_cache)")
     # Host names (no port) accepted in the Host header; empty = automatic:
     # on a keyless server bound to loopback only loopback names (against
     # DNS rebinding), otherwise any.
     allowed_hosts: list[str] = field(default_factory=list)
     cors_origins: list[str] = field(default_factory=list)  # CORS is off when empty
     # The largest valid request: 32 prompts of 8192 token ids (~1.8 MB of JSON).
-    max_body_bytes: int = 2 * 2**20
-    max_header_bytes: int = 16 * 2**10
-    max_n: int = 16
-    max_prompts: int = 32  # prompts in one /v1/completions batch
-    max_messages: int = 256
-    max_logprobs: int = int(limits.LOGPROBS.hi)  # may be lowered, never raised
-    max_stop: int = limits.MAX_STOP_STRINGS
-    max_tokens_cap: int | None = None  # None: the context length is the only cap
+    max_body_bytes: int = setting(
+        2 * 2**20, "--max-body-bytes", "BYTES",
+        "largest request body accepted", parse=int)
+    max_header_bytes: int = setting(
+        16 * 2**10, "--max-header-bytes", "BYTES",
+        "largest request head accepted (HTTP 431)", parse=int)
+    max_n: int = setting(
+        16, "--max-n", "N",
+        "largest n accepted", parse=int)
+    # prompts in one /v1/completions batch
+    max_prompts: int = setting(
+        32, "--max-prompts", "N",
+        "most prompts in one /v1/completions call", parse=int)
+    max_messages: int = setting(
+        256, "--max-messages", "N",
+        "most chat messages in one call", parse=int)
+    # may be lowered, never raised
+    max_logprobs: int = setting(
+        int(limits.LOGPROBS.hi), "--max-logprobs", "N",
+        "largest logprobs / top_logprobs accepted (0..20)", parse=int)
+    max_stop: int = setting(
+        limits.MAX_STOP_STRINGS, "--max-stop", "N",
+        "most stop strings in one request", parse=int)
+    # None: the context length is the only cap
+    max_tokens_cap: int | None = setting(
+        None, "--max-tokens-cap", "N",
+        "largest max_tokens accepted (default: the context length)", parse=int)
     # Characters of prompt text in one request (all text prompts, or all chat
     # messages' content); None = CHARS_PER_CONTEXT_TOKEN per token of the
     # context length (a longer text could not fit the context anyway).
     # Token-id prompts are capped at the context length each.
-    max_prompt_chars: int | None = None
+    max_prompt_chars: int | None = setting(
+        None, "--max-prompt-chars", "N",
+        "most characters of prompt text (or chat messages) in one request, HTTP 400 beyond "
+        "(default: 16 per context token)", parse=int)
     # Chat: special-token text inside message content is tokenized as plain
     # text (content cannot forge <|im_start|> and the like) unless true.
-    special_tokens_in_content: bool = False
+    special_tokens_in_content: bool = setting(
+        False, "--special-tokens-in-content", "BOOL",
+        "parse special-token text (<|im_start|>...) inside chat message content (false: it is"
+        " plain text)", parse=flag_bool)
     # Tool calling (vLLM's flags): the format the model writes calls in
     # (hermes | llama3_json | mistral), which tool_choice "auto" needs,
     # with enable_auto_tool_choice; required and named choices need neither.
-    tool_call_parser: str | None = None
-    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = setting(
+        None, "--tool-call-parser", "NAME",
+        "the format the model writes tool calls in: hermes | llama3_json | mistral (needed by"
+        " tool_choice auto)")
+    enable_auto_tool_choice: bool = setting(
+        False, "--enable-auto-tool-choice", None,
+        "let the model decide when to call tools (tool_choice auto; with --tool-call-parser)",
+        parse=bool)
     # Splits <think>...</think> off into reasoning_content: qwen3 | deepseek_r1.
-    reasoning_parser: str | None = None
-    prep_workers: int = 1  # threads that parse, template and tokenize requests
+    reasoning_parser: str | None = setting(
+        None, "--reasoning-parser", "NAME",
+        "split <think>...</think> off into reasoning_content: qwen3 | deepseek_r1")
+    # threads that parse, template and tokenize requests
+    prep_workers: int = setting(
+        1, "--prep-workers", "N",
+        "threads that parse, template and tokenize requests off the event loop", parse=int)
     # The engine runs in a worker process of its own (carpool.engine.worker),
     # so HTTP, tokenizing and the SSE stream never wait on the model's GIL;
     # false: on a thread of the API process (one process, as before).
-    engine_process: bool = True
+    engine_process: bool = setting(
+        True, "--engine-process", "BOOL",
+        "run the engine in a worker process of its own, HTTP and tokenizing in this one "
+        "(false: both in one process)", parse=flag_bool)
     # Where the replicas run: local (this machine: worker processes, or a
     # thread with --no-engine-process) or ray (Ray Serve deployments on a
     # Ray cluster, carpool.ray_serve; pip install -e '.[ray]').
-    backend: str = "local"
+    backend: str = setting(
+        "local", "--backend", "BACKEND",
+        "where the replicas run: local (worker processes on this machine) | ray (Ray Serve "
+        "deployments on a local or attached Ray cluster; pip install -e '.[ray]')")
     # Engine worker processes behind the router (carpool.fleet.local); 1 =
     # one engine. Each takes its own KV pool and torch threads: on one
     # machine, at most about one per two cores pays.
-    replicas: int = 1
+    replicas: int = setting(
+        1, "--replicas", "N",
+        "engine worker processes behind carpool's router (each its own KV pool and threads)",
+        parse=int)
     # P/D serving (carpool.fleet.pd): prefill and decode replica pools,
     # the KV of each prompt moving from one to the other through the KV
     # store (kv_store: local by default). 0 and 0: colocated (--replicas).
-    prefill: int = 0
-    decode: int = 0
+    prefill: int = setting(
+        0, "--prefill", "N",
+        "P/D serving: N prefill replicas (with --decode), each prompt's KV sent to a decode "
+        "replica through the KV store", parse=int)
+    decode: int = setting(
+        0, "--decode", "N",
+        "P/D serving: N decode replicas (with --prefill)", parse=int)
     # Where each P/D request runs (carpool.cluster.pd.PDPlanner): always (every
     # request prefilled on the prefill pool) | conditional (only where the
     # predicted first token with the transfer beats a prefill on the decode
     # replica; local backend). The link the planner prices the KV transfer
     # with: GB/s and seconds per transfer (default: the local TCP store's
     # load rate on a 2-core machine, README); shortest uncached prompt sent.
-    pd_mode: str = "always"
-    pd_bandwidth: float = 0.5
-    pd_latency: float = 0.0002
-    pd_min_remote_tokens: int = 0
+    pd_mode: str = setting(
+        "always", "--pd-mode", "MODE",
+        "P/D: always (every prompt on the prefill pool) | conditional (where the predicted "
+        "TTFT says it pays; local backend)")
+    pd_bandwidth: float = setting(
+        0.5, "--pd-bandwidth", "GBPS",
+        "P/D: GB/s the planner prices a KV transfer at", parse=float)
+    pd_latency: float = setting(
+        0.0002, "--pd-latency", "SECONDS",
+        "P/D: seconds per KV transfer besides the bytes", parse=float)
+    pd_min_remote_tokens: int = setting(
+        0, "--pd-min-remote-tokens", "N",
+        "P/D conditional: shortest uncached prompt prefilled remotely (0: the predictions "
+        "decide)", parse=int)
     # conditional: what a colocated prefill's stall of the decode replica's
     # running requests weighs against the request's own TTFT (PDPlanner).
-    pd_stall_weight: float = 0.0
+    pd_stall_weight: float = setting(
+        0.0, "--pd-stall-weight", "W",
+        "P/D conditional: weight of the decodes a colocated prefill stalls against the "
+        "request's own TTFT (1: alike)", parse=float)
     # The fleet router's policy (carpool.cluster.policies.POLICIES).
-    routing: str = "predicted-ttft"
+    routing: str = setting(
+        "predicted-ttft", "--routing", "POLICY",
+        "the router's policy with --replicas > 1: predicted-ttft | cache-aware | "
+        "session-affinity | least-outstanding | round-robin | ...")
     # Live replica counts (carpool.cluster.autoscaler): reactive | predictive,
     # None = the fixed --replicas. The count moves within [min, max]
     # (max: default --replicas); the rules' thresholds follow.
-    autoscale: str | None = None
-    min_replicas: int = 1
-    max_replicas: int | None = None
-    scale_tick: float = 10.0  # seconds between autoscaler ticks
-    scale_out_backlog: int = 100  # scale out when more than this many wait ...
-    scale_out_wait: float = 1.0  # ... longer than this at the recent rate (0: the count alone)
-    scale_out_cooldown: float = 30.0
-    scale_in_utilization: float = 0.5  # scale in when slots stay less used than this ...
-    scale_in_after: float = 300.0  # ... for this many seconds
-    scale_in_window: float = 300.0  # and the highest want of this window is lower
-    header_timeout: float = 10.0  # seconds a connection may take to send its request head
+    autoscale: str | None = setting(
+        None, "--autoscale", "POLICY",
+        "change the replica count live: reactive | predictive (default: fixed --replicas)")
+    min_replicas: int = setting(
+        1, "--min-replicas", "N",
+        "--autoscale: fewest replicas", parse=int)
+    max_replicas: int | None = setting(
+        None, "--max-replicas", "N",
+        "--autoscale: most replicas (default: --replicas; one machine: its cores bound it)",
+        parse=int)
+    # seconds between autoscaler ticks
+    scale_tick: float = setting(
+        10.0, "--scale-tick", "SECONDS",
+        "--autoscale: seconds between ticks", parse=float)
+    # scale out when more than this many wait ...
+    scale_out_backlog: int = setting(
+        100, "--scale-out-backlog", "N",
+        "--autoscale: scale out when more than N requests wait ...", parse=int)
+    # ... longer than this at the recent rate (0: the count alone)
+    scale_out_wait: float = setting(
+        1.0, "--scale-out-wait", "SECONDS",
+        "... longer than this at the recent arrival rate (0: the count alone)", parse=float)
+    scale_out_cooldown: float = setting(
+        30.0, "--scale-out-cooldown", "SECONDS",
+        "--autoscale: seconds between two scale-outs (unless arrivals panic)", parse=float)
+    # scale in when slots stay less used than this ...
+    scale_in_utilization: float = setting(
+        0.5, "--scale-in-utilization", "FRACTION",
+        "--autoscale: scale in when slot use stays under this ...", parse=float)
+    # ... for this many seconds
+    scale_in_after: float = setting(
+        300.0, "--scale-in-after", "SECONDS",
+        "... for this long", parse=float)
+    # and the highest want of this window is lower
+    scale_in_window: float = setting(
+        300.0, "--scale-in-window", "SECONDS",
+        "--autoscale: scale in only to the highest want of this window", parse=float)
+    # seconds a connection may take to send its request head
+    header_timeout: float = setting(
+        10.0, "--header-timeout", "SECONDS",
+        "seconds a connection may take to send a request head", parse=float)
     # A request body must arrive within body_timeout seconds of its head, at
     # body_min_rate bytes/s on average after its first second (0: no
     # minimum); otherwise the answer is 408 and the connection is closed.
-    body_timeout: float = 60.0
-    body_min_rate: float = 1024.0
+    body_timeout: float = setting(
+        60.0, "--body-timeout", "SECONDS",
+        "seconds a request body may take to arrive after its head (HTTP 408)", parse=float)
+    body_min_rate: float = setting(
+        1024.0, "--body-min-rate", "BYTES_PER_S",
+        "slowest average rate a request body may arrive at after its first second, HTTP 408 "
+        "(0: no minimum)", parse=float)
     # Open connections in all (more are answered 503) and from one client
     # address (429); 0 = no cap. Behind a proxy, every client has the
     # proxy's address: raise or drop the per-client cap there.
-    max_connections: int = 1024
-    max_connections_per_client: int = 256
-    keep_alive_timeout: float = 5.0  # seconds an idle keep-alive connection stays open
+    max_connections: int = setting(
+        1024, "--max-connections", "N",
+        "open connections in all; more are answered 503 (0: no cap)", parse=int)
+    max_connections_per_client: int = setting(
+        256, "--max-connections-per-client", "N",
+        "open connections from one client address; more are answered 429 (0: no cap; behind a"
+        " proxy every client has the proxy's address)", parse=int)
+    # seconds an idle keep-alive connection stays open
+    keep_alive_timeout: float = setting(
+        5.0, "--keep-alive-timeout", "SECONDS",
+        "seconds an idle keep-alive connection stays open", parse=float)
     # The emergency switch's last step (--emergency-switch): identical
     # deterministic non-streamed requests of one tenant answered from a
     # cache of at most this many responses and bytes, each for ttl seconds.
-    response_cache_entries: int = 1024
-    response_cache_bytes: int = 64 * 2**20
-    response_cache_ttl: float = 60.0
-    shutdown_timeout: float = 30.0  # seconds in-flight requests get after SIGTERM
-    status_interval: float = 5.0  # seconds between status lines while busy
-    stall_timeout: float = 120.0  # /health turns 503 if busy with no step for this long
-    uvicorn_log_level: str = "warning"  # critical | error | warning | info | debug | trace
+    response_cache_entries: int = setting(
+        1024, "--response-cache-entries", "N",
+        "--emergency-switch's last step: responses kept to answer identical deterministic "
+        "requests of a tenant (0: none)", parse=int)
+    response_cache_bytes: int = setting(
+        64 * 2**20, "--response-cache-bytes", "BYTES",
+        "the response cache's size bound (JSON bytes)", parse=int)
+    response_cache_ttl: float = setting(
+        60.0, "--response-cache-ttl", "SECONDS",
+        "seconds a cached response may be served", parse=float)
+    # seconds in-flight requests get after SIGTERM
+    shutdown_timeout: float = setting(
+        30.0, "--shutdown-timeout", "SECONDS",
+        "seconds in-flight requests get to finish after SIGTERM", parse=float)
+    # seconds between status lines while busy
+    status_interval: float = setting(
+        5.0, "--status-interval", "SECONDS",
+        "seconds between status lines while busy", parse=float)
+    # /health turns 503 if busy with no step for this long
+    stall_timeout: float = setting(
+        120.0, "--stall-timeout", "SECONDS",
+        "seconds busy without a step before /health answers 503", parse=float)
+    # critical | error | warning | info | debug | trace
+    uvicorn_log_level: str = setting(
+        "warning", "--uvicorn-log-level", "LEVEL",
+        "uvicorn's own log level: critical | error | warning | info | debug | trace")
     # Prefix of the Prometheus series: carpool (default), vllm (an existing
     # vLLM dashboard and its alert rules work unchanged) or both.
-    metrics_prefix: str = "carpool"
+    metrics_prefix: str = setting(
+        "carpool", "--metrics-prefix", "PREFIX",
+        "Prometheus series names: carpool | vllm (vLLM's dashboards unchanged) | both")
     # The server's log lines (listening, targets, status while busy, drain):
     # Python logging's %-style fields; asctime is local time to the second
     # (LOG_DATE_FORMAT), e.g. "2026-12-04 19:30:01 carpool: serving ...".
-    log_format: str = "%(asctime)s carpool: %(message)s"
+    log_format: str = setting(
+        "%(asctime)s carpool: %(message)s", "--log-format", "FORMAT",
+        "format of the server's log lines (Python logging: %(asctime)s, %(levelname)s, "
+        "%(message)s, ...)")
 
     def _validate_connections(self) -> None:
         if not 0 < self.body_timeout < float("inf") or not self.body_min_rate >= 0:

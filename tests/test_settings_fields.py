@@ -1,0 +1,40 @@
+"""Settings are declared once: every engine and server flag comes from its
+config field's metadata (``carpool.settings_fields``), one flag per field,
+with its help, and parses what its field holds."""
+from __future__ import annotations
+
+import dataclasses
+
+from carpool.cli_flags import ENGINE_FLAGS, SERVER_FLAGS
+from carpool.config import CacheConfig, ControllerConfig, SchedulerConfig
+from carpool.model_settings import ModelSettings
+from carpool.server.config import ServerConfig
+from carpool.settings_fields import FLAG, flag_fields
+
+CLASSES = (ModelSettings, CacheConfig, SchedulerConfig, ControllerConfig, ServerConfig)
+
+
+def test_every_flag_is_a_fields_own_and_each_field_has_at_most_one():
+    declared = {(spec.flag, name) for cls in CLASSES for name, spec in flag_fields(cls)}
+    tables = {(flag.flag, flag.key) for flag in ENGINE_FLAGS + SERVER_FLAGS}
+    # One documented alias besides: vLLM's older spelling of the step budget.
+    assert tables - declared == {("--max-batch-tokens", "max_batch_tokens")}
+    assert declared <= tables
+    spellings = [flag.flag for flag in ENGINE_FLAGS + SERVER_FLAGS]
+    assert len(spellings) == len(set(spellings))
+    for cls in CLASSES:
+        for name, spec in flag_fields(cls):
+            assert spec.flag.startswith("--") and spec.help.strip(), (cls.__name__, name)
+
+
+def test_each_flagged_default_is_what_its_flag_would_parse():
+    """A field's default survives its own flag's parser (shown as text)."""
+    for cls in CLASSES:
+        defaults = {f.name: f.default for f in dataclasses.fields(cls) if FLAG in f.metadata}
+        for name, spec in flag_fields(cls):
+            default = defaults[name]
+            if default is None or spec.parse in (bool, str):
+                continue
+            text = ("true" if default else "false") if isinstance(default, bool) else str(default)
+            parsed = spec.parse(text)
+            assert parsed == default or str(parsed) == str(default), (cls.__name__, name)
