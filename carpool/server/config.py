@@ -177,7 +177,8 @@ class ServerConfig:
     routing: str = setting(
         "predicted-ttft", "--routing", "POLICY",
         "the router's policy with --replicas > 1: predicted-ttft | cache-aware | "
-        "session-affinity | least-outstanding | round-robin | ...")
+        "approx-cache-aware | session | least-outstanding | response-time | round-robin | "
+        "random")
     # Live replica counts (carpool.cluster.autoscaler): reactive | predictive,
     # None = the fixed --replicas. The count moves within [min, max]
     # (max: default --replicas); the rules' thresholds follow.
