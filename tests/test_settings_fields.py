@@ -38,3 +38,11 @@ def test_each_flagged_default_is_what_its_flag_would_parse():
             text = ("true" if default else "false") if isinstance(default, bool) else str(default)
             parsed = spec.parse(text)
             assert parsed == default or str(parsed) == str(default), (cls.__name__, name)
+
+
+def test_the_routing_flag_names_the_policies_there_are():
+    from carpool.cluster.policies import POLICIES
+
+    (spec,) = [spec for name, spec in flag_fields(ServerConfig) if name == "routing"]
+    named = {word.strip() for word in spec.help.split(":", 1)[1].split("|")}
+    assert named == set(POLICIES)
