@@ -29,7 +29,10 @@ def add_simulation_args(parser: argparse.ArgumentParser, *, fleet: bool = True) 
     group = parser.add_argument_group("simulation")
     if fleet:
         group.add_argument("--replicas", type=int, default=1)
-    group.add_argument("--routing", choices=ROUTING, default="round-robin")
+    group.add_argument("--routing", choices=ROUTING, default="round-robin",
+                       help="the fleet router's policy (default: round-robin, the baseline "
+                            "the other policies are measured against; `carpool serve` "
+                            "defaults to predicted-ttft)")
     group.add_argument("--fleet-ttft-target", type=float, default=None, metavar="SECONDS",
                        help="fleet admission: turn a request away at the front (429) when no "
                             "replica's predicted TTFT is within this (predicted-ttft routing)")
@@ -112,8 +115,9 @@ def add_pd_args(parser: argparse.ArgumentParser, *, pools: bool = True) -> None:
                            help="replicas of the prefill pool (the rest decode); 0: all "
                                 "replicas mixed (colocated)")
         group.add_argument("--pd-mode", choices=("conditional", "always"), default="conditional",
-                           help="conditional: prefill remotely only where it pays (default); "
-                                "always: every request")
+                           help="conditional: prefill remotely only where it pays (default: "
+                                "the planner under study); always: every request (`carpool "
+                                "serve`'s default, the mode every backend has)")
     group.add_argument("--pd-bandwidth", type=float, default=Link.bandwidth / 1e9,
                        help=f"GB/s of the link between the pools (default "
                             f"{Link.bandwidth / 1e9:g}: 400 Gb/s RDMA)")
