@@ -173,8 +173,9 @@ def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--top-k", type=int, default=0, metavar="K", help="0 = off")
     group.add_argument("--min-p", type=float, default=0.0, metavar="P",
                        help="drop tokens below this share of the top one's probability")
-    group.add_argument("--repetition-penalty", type=float, default=1.0, metavar="X",
-                       help="1 = off")
+    group.add_argument("--repetition-penalty", type=float, default=1.1, metavar="X",
+                       help="1 = off; the mild default keeps a small model's greedy reply "
+                            "from looping until --max-tokens (carpool serve's requests: 1)")
     group.add_argument("--sample-seed", type=int, default=None, metavar="N",
                        help="per-request seed")
     group.add_argument("--stop", action="append", default=[], metavar="TEXT",
@@ -191,14 +192,34 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
 class _Parser(argparse.ArgumentParser):
     """A bad flag or value is one line (which flag, what was wrong, where
     help is), not the whole usage; help shows defaults and real metavars
-    (``cli_flags.HelpFormatter``); sub-commands inherit both."""
+    (``cli_flags.HelpFormatter``); a flag is spelled in full (no
+    abbreviations: ``--max-num-seq`` is an error, not ``--max-num-seqs``).
+    Sub-commands, and theirs, are made of this class too (argparse's
+    ``add_subparsers`` default), so they inherit all three."""
 
     def __init__(self, *args, **kwargs) -> None:
         kwargs.setdefault("formatter_class", HelpFormatter)
+        kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class _TopParser(_Parser):
+    """``carpool`` itself: an option before the command that it does not
+    take (``carpool --bogus``) is named as unrecognized, rather than argparse
+    reporting the missing COMMAND. Its own options take no value, so every
+    word before the command is one of them."""
+
+    def parse_known_args(self, args=None, namespace=None):  # noqa: ANN001, ANN201
+        args = list(sys.argv[1:] if args is None else args)
+        for arg in args:
+            if not arg.startswith("-") or arg in ("-", "--"):
+                break
+            if arg not in self._option_string_actions:
+                self.error(f"unrecognized arguments: {arg}")
+        return super().parse_known_args(args, namespace)
 
 
 _ABOUT = ("carpool: an LLM inference server with an OpenAI-compatible API; its scheduler "
@@ -209,11 +230,11 @@ _EPILOG = ("'carpool COMMAND --help' lists a command's flags and their defaults.
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="carpool", usage="%(prog)s [-h] [--version] COMMAND ...",
-                     formatter_class=TopHelpFormatter)
+    parser = _TopParser(prog="carpool", usage="%(prog)s [-h] [--version] COMMAND ...",
+                        formatter_class=TopHelpFormatter, allow_abbrev=False)
     parser.add_argument("--version", action="version", version=f"carpool {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
-                                     prog="carpool", help=argparse.SUPPRESS)
+                                     prog="carpool", help=argparse.SUPPRESS, parser_class=_Parser)
     generate = commands.add_parser("generate", help="complete one prompt, streaming to stdout")
     generate.add_argument("prompt", help="the prompt text")
     generate.add_argument("--raw", action="store_true",
@@ -294,20 +315,6 @@ def _add_client_benches(bench_commands) -> None:
         "compare", help="results of bench serve side by side, with ratios to the first"))
 
 
-def _run_client_bench(args: argparse.Namespace) -> int:
-    if args.bench_command == "serve":
-        from carpool.bench.serve import run_bench_serve
-
-        return run_bench_serve(args)
-    if args.bench_command == "sweep":
-        from carpool.bench.sweep import run_sweep
-
-        return run_sweep(args)
-    from carpool.bench.compare import run_compare
-
-    return run_compare(args)
-
-
 # The simulator's commands: (name, help, module, the function adding its flags).
 _SIM_COMMANDS = (
     ("measure", "measure this machine's step times and fit the simulator's cost model",
@@ -327,6 +334,16 @@ _SIM_COMMANDS = (
      "carpool.sim.evaluations", "add_evaluate_args"),
 )
 
+# Commands run as function(args), with no engine config, imported only when chosen.
+_ARGS_COMMANDS = {
+    "profiles": ("carpool.profiles_command", "run_profiles"),
+    "traces": ("carpool.workload.command", "run_traces"),
+    "kv-store": ("carpool.kv_transfer.command", "run_kv_store"),
+    "bench serve": ("carpool.bench.serve", "run_bench_serve"),
+    "bench sweep": ("carpool.bench.sweep", "run_sweep"),
+    "bench compare": ("carpool.bench.compare", "run_compare"),
+}
+
 # Commands run as function(engine config, args), imported only when chosen.
 _CONFIG_COMMANDS = {
     "simulate": ("carpool.sim.command", "run_simulate"),
@@ -343,21 +360,11 @@ _CONFIG_COMMANDS = {
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    name = args.command if args.command != "bench" else f"bench {args.bench_command}"
     try:
-        if args.command == "profiles":
-            from carpool.profiles_command import run_profiles
-
-            return run_profiles(args)
-        if args.command == "traces":
-            from carpool.workload.command import run_traces
-
-            return run_traces(args)
-        if args.command == "kv-store":
-            from carpool.kv_transfer.command import run_kv_store
-
-            return run_kv_store(args)
-        if getattr(args, "bench_command", None) in ("serve", "sweep", "compare"):
-            return _run_client_bench(args)
+        if name in _ARGS_COMMANDS:
+            module, function = _ARGS_COMMANDS[name]
+            return getattr(importlib.import_module(module), function)(args)
         if args.command == "serve" and args.model_path:
             args.engine_model = args.model_path
         config = engine_config_from_args(args)
@@ -380,7 +387,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             from carpool.repl import run_chat
 
             return run_chat(config, sampling_from_args(args), system=args.system)
-        name = args.command if args.command != "bench" else f"bench {args.bench_command}"
         module, function = _CONFIG_COMMANDS[name]
         return getattr(importlib.import_module(module), function)(config, args)
     except KeyboardInterrupt:
