@@ -10,7 +10,7 @@ real tokens never see them and results equal the ragged path's.
 """
 from __future__ import annotations
 
-import sys
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -27,6 +27,8 @@ from carpool.model.backends import select_backend
 from carpool.model.config import ModelConfig
 from carpool.model.decoder import DecoderModel
 from carpool.model.sampler import Sampler, SampleResult
+
+log = logging.getLogger(__name__)  # carpool serve's log lines; silent offline at INFO
 
 #: KV blocks past ``num_blocks`` that only pad tokens write to.
 SCRATCH_BLOCKS = 2
@@ -232,8 +234,8 @@ class TorchExecutor(Executor):
         native = self.cpu_ops is not None and _native_bf16_dot(self.cpu_ops)
         added = quantize_for_decode(self.model, scheme, kernels=self.cpu_ops if native else None)
         dtype = str(self.dtype).removeprefix("torch.")
-        print(f"carpool: {scheme.upper()} weights for decode steps of up to a few rows "
-              f"(+{added / 2**20:.0f} MiB beside the {dtype} weights)", file=sys.stderr)
+        log.info("%s weights for decode steps of up to a few rows (+%.0f MiB beside the %s "
+                 "weights)", scheme.upper(), added / 2**20, dtype)
 
     def _pack_experts(self, mode: str) -> None:
         """MoE experts packed for our fused kernel (carpool/model/moe_cpu.py),
@@ -252,8 +254,7 @@ class TorchExecutor(Executor):
             return
         made = sum(block.pack_experts(self.cpu_ops) for block in blocks)
         if made:
-            print(f"carpool: MoE experts packed for the fused CPU kernel ({made / 2**20:.0f} MiB)",
-                  file=sys.stderr)
+            log.info("MoE experts packed for the fused CPU kernel (%.0f MiB)", made / 2**20)
 
     def _pack_for_decode(self, mode: str) -> None:
         """Packed bf16 weights for small decode steps (carpool/model/packed_linear.py)."""
@@ -272,12 +273,12 @@ class TorchExecutor(Executor):
             why = "the packed copy would take over a quarter of the available memory"
         if why is not None:
             if mode == "on":
-                print(f"carpool: packed decode weights not used: {why}", file=sys.stderr)
+                log.warning("packed decode weights not used: %s", why)
             return
         added = pack_for_decode(self.model, self.cpu_ops)
         if added:
-            print(f"carpool: packed bf16 weights for decode steps of up to a few rows "
-                  f"(+{added / 2**20:.0f} MiB)", file=sys.stderr)
+            log.info("packed bf16 weights for decode steps of up to a few rows (+%.0f MiB)",
+                     added / 2**20)
 
     def _block_weights(self, mode: str) -> None:
         """oneDNN-blocked weights for the dense paths (carpool/model/blocked_linear.py)."""
@@ -288,7 +289,7 @@ class TorchExecutor(Executor):
         why = blocked_unavailable(self.device, self.dtype)
         if why is not None:
             if mode == "on":
-                print(f"carpool: blocked weights not used: {why}", file=sys.stderr)
+                log.warning("blocked weights not used: %s", why)
             return
         block_weights(self.model)
 

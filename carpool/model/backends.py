@@ -1,13 +1,15 @@
 """Which attention backend a replica runs (``--attention-backend``)."""
 from __future__ import annotations
 
-import sys
+import logging
 
 import torch
 
 from carpool.model.attention import CpuPagedAttention, SdpaAttention, TorchAttention
 from carpool.model.kernel_switch import SwitchingCpuAttention, SwitchingCpuOps
 from carpool.model.triton_attention import TritonAttention, triton_unavailable
+
+log = logging.getLogger(__name__)
 
 
 def select_backend(name: str, device: torch.device, cpu_ops=None,  # noqa: ANN001
@@ -25,7 +27,7 @@ def select_backend(name: str, device: torch.device, cpu_ops=None,  # noqa: ANN00
             return TritonAttention()
         if name == "triton":
             raise ValueError(f"attention_backend=triton is unavailable: {why}")
-        print(f"carpool: Triton attention unavailable ({why}); using SDPA", file=sys.stderr)
+        log.warning("Triton attention unavailable (%s); using SDPA", why)
     if name == "sdpa" or (name == "auto" and device.type == "cuda"):
         return SdpaAttention()
     if isinstance(cpu_ops, SwitchingCpuOps) and device.type == "cpu":

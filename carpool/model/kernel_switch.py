@@ -13,7 +13,7 @@ no more than the tolerance the kernels are tested to (tests/test_attention.py).
 """
 from __future__ import annotations
 
-import sys
+import logging
 import time
 from types import ModuleType
 
@@ -22,6 +22,8 @@ import torch.nn.functional as F
 
 from carpool.model.attention import AttentionMetadata, CpuPagedAttention, TorchAttention
 from carpool.model.grammar import apply_token_bitmask
+
+log = logging.getLogger(__name__)
 
 
 class SwitchingCpuOps:
@@ -52,8 +54,7 @@ class SwitchingCpuOps:
             self._kernels = self._build.module
             if self._kernels is not None:
                 took = time.monotonic() - self._build.started
-                print(f"carpool: CPU kernels ready (built in {took:.0f} s); switched to them",
-                      file=sys.stderr, flush=True)
+                log.info("CPU kernels ready (built in %.0f s); switched to them", took)
         return self.active
 
     def wait(self) -> ModuleType | None:

@@ -47,6 +47,20 @@ def _replicas_text(server_config: ServerConfig) -> str:
     return f"{server_config.replicas} engine replica(s)"
 
 
+def _running_text(app) -> str:
+    """How many engine replicas Ray Serve runs for the application (its
+    ``ApplicationStatusOverview``): ``2 replicas``, or P/D's two pools."""
+    def running(name: str) -> int:
+        deployment = app.deployments.get(name)
+        return deployment.replica_states.get("RUNNING", 0) if deployment else 0
+
+    if "CarpoolPrefill" in app.deployments:
+        return (f"{running('CarpoolPrefill')} prefill + {running('CarpoolDecode')} decode "
+                f"replicas")
+    count = running("CarpoolEngine")
+    return f"{count} replica{'' if count == 1 else 's'}"
+
+
 def run_ray_server(engine_config: EngineConfig, server_config: ServerConfig,
                    slo_sources: dict[str, str] | None = None, schedule=None) -> int:
     """Serve through Ray Serve until a signal; the exit status (0, or 1 when
@@ -92,9 +106,9 @@ def run_ray_server(engine_config: EngineConfig, server_config: ServerConfig,
         serve.start(http_options={"host": server_config.host, "port": server_config.port})
         log.info("deploying %s on Ray Serve...", _replicas_text(server_config))
         serve.run(application(settings), name=APP_NAME, route_prefix="/")
-        log.info("serving %r on http://%s:%d through Ray Serve (routing %s%s)",
+        log.info("serving %r on http://%s:%d through Ray Serve (%s, routing %s%s)",
                  settings.model_name, server_config.host, server_config.port,
-                 server_config.routing,
+                 _running_text(serve.status().applications[APP_NAME]), server_config.routing,
                  f", autoscale {server_config.autoscale}" if server_config.autoscale else "")
         while not stop.wait(1.0):
             pass

@@ -139,9 +139,10 @@ class _Runner:
         ctx = self.ctx
         stats = ctx.engine.stats
         per_token = ctx.engine.info.cache_info.get("kv_bytes_per_token", "?")
-        log.info("serving %r on http://%s:%s (context %d tokens, KV cache %d blocks, %s bytes "
-                 "per token)", ctx.model_name, host, port, ctx.max_model_len,
-                 stats.kv_num_blocks, per_token)
+        replicas = replicas_text(ctx.engine.routing())
+        log.info("serving %r on http://%s:%s (%scontext %d tokens, KV cache %d blocks, %s bytes "
+                 "per token)", ctx.model_name, host, port, f"{replicas}, " if replicas else "",
+                 ctx.max_model_len, stats.kv_num_blocks, per_token)
         slo_text = ctx.engine.info.slo_text
         if slo_text is not None:
             log.info("%s (--adaptive false for plain batching)", slo_text)
@@ -159,6 +160,21 @@ class _Runner:
             gen = rates["generation_tokens_per_second"]
             if stats.num_running or stats.num_waiting or (gen == gen and gen > 0):
                 log.info("%s", status_line(stats, rates))
+
+
+def replicas_text(routing: dict) -> str:
+    """How many engine replicas serve, from a front engine's ``routing()``:
+    ``2 replicas``, ``1 prefill + 2 decode replicas`` (P/D); empty for one
+    engine alone (no routing), whose serving line stays as it was."""
+    pd = routing.get("pd")
+    if pd is not None:
+        prefill, decode = (len(pd.get(pool, {}).get("replicas", ())) for pool in
+                           ("prefill", "decode"))
+        return f"{prefill} prefill + {decode} decode replicas"
+    if "routing" not in routing:
+        return ""
+    count = len(routing["routing"].get("replicas", ()))
+    return f"{count} replica{'' if count == 1 else 's'}"
 
 
 def status_line(stats, rates: dict[str, float]) -> str:
