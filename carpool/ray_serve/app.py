@@ -29,7 +29,9 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import logging
 import secrets
+import time
 import warnings
 from typing import Any
 
@@ -50,12 +52,15 @@ from carpool.server.config import ServerConfig
 from carpool.server.metrics import Metrics
 from carpool.server.serving import ServerContext
 
+log = logging.getLogger("carpool.server")
+
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 RAY_KEYS = ("config", "replica_cpus", "ingress_cpus")  # builder arguments that are not carpool's
 ROUTING_STATS_PERIOD_S = 0.5  # how often replicas report their views (and prefix caches)
 INGRESS_MAX_ONGOING = 4096  # concurrent HTTP requests per ingress replica: carpool's limits apply
 # No line per call (the stats polls would log four a second): carpool logs its own.
 QUIET = {"enable_access_log": False}
+REPLICAS_HEARD_S = 120.0  # for the ingress to hear from every engine replica at its start
 
 
 @serve.ingress()
@@ -77,6 +82,7 @@ class CarpoolIngress:
                 store = store_for(app.engine.cache, app_name())
                 self.kv_index = await asyncio.to_thread(store.index)
             self.engine = await _pd_engine(app, engine_handle, decode_handle)
+        await _hear_from_every_replica(self.engine, app.server)
         self.ctx = ServerContext(self.engine, self.engine.tokenizer, app.model_name,
                                  self.engine.info.max_model_len, app.server,
                                  Metrics(app.model_name, lambda: self.engine.stats))
@@ -97,6 +103,29 @@ async def _pd_engine(app: AppSettings, prefill_handle, decode_handle) -> PDFleet
         RayEngine.connect(prefill_handle, app.engine, app.server.routing),
         RayEngine.connect(decode_handle, app.engine, app.server.routing))
     return PDFleet(prefill, decode)
+
+
+async def _hear_from_every_replica(engine: RayEngine | PDFleet, server: ServerConfig) -> None:
+    """Return once this ingress's stats polls have reached every engine
+    replica the application starts with (each pool's, in P/D), so that the
+    application is RUNNING (``serve.run`` returns, ``carpool serve`` says it
+    serves) only when /carpool/policy lists them all. Ray counts a replica
+    running when its constructor returns, but this ingress's handle learns
+    of it later and its polls (round robin, one per ``STATS_POLL_S``) reach
+    it later still: a request sent at once could see one replica of two.
+    Bounded: a replica not heard from in time is logged, and joins the
+    views at its first poll."""
+    pools = engine.pools if isinstance(engine, PDFleet) else (engine,)
+    counts = (server.prefill, server.decode) if server.prefill else (_initial_replicas(server),)
+    deadline = time.monotonic() + REPLICAS_HEARD_S
+    for pool, count in zip(pools, counts, strict=True):
+        while len(pool.views()) < count:
+            if time.monotonic() > deadline:
+                log.warning("the ingress heard from %d of %d engine replicas in %.0f s; the "
+                            "others join /carpool/policy at their first stats poll",
+                            len(pool.views()), count, REPLICAS_HEARD_S)
+                break
+            await asyncio.sleep(0.05)
 
 
 def settings_from_args(args: dict[str, Any]) -> AppSettings:
@@ -139,6 +168,14 @@ def settings_for(engine: EngineConfig, server: ServerConfig, model_name: str,
                        ingress_cpus)
 
 
+def _initial_replicas(server: ServerConfig) -> int:
+    """How many engine replicas the (colocated) deployment starts with."""
+    if not server.autoscale:
+        return server.replicas
+    scaling = server.autoscale_config()
+    return min(scaling.max_replicas, max(scaling.min_replicas, server.replicas))
+
+
 def _autoscaling_config(server: ServerConfig) -> AutoscalingConfig:
     """Ray's autoscaling settings that hand the decision to carpool's policy."""
     scaling = server.autoscale_config()
@@ -153,8 +190,7 @@ def _autoscaling_config(server: ServerConfig) -> AutoscalingConfig:
         warnings.simplefilter("ignore", DeprecationWarning)
         return AutoscalingConfig(
             min_replicas=scaling.min_replicas, max_replicas=scaling.max_replicas,
-            initial_replicas=min(scaling.max_replicas, max(scaling.min_replicas,
-                                                           server.replicas)),
+            initial_replicas=_initial_replicas(server),
             # carpool's scaler holds its own cooldown and scale-in window
             upscale_delay_s=0.0, downscale_delay_s=0.0, look_back_period_s=scaling.tick_s,
             metrics_interval_s=scaling.tick_s / 2,
