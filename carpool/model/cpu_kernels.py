@@ -1,8 +1,10 @@
 """Our C++ CPU kernels, compiled on first use with torch's extension builder.
 
 The build needs a C++ compiler and ninja (a dependency); it is cached under
-carpool's cache (``<cache>/kernels/``, one folder per torch version and
-architecture), so only the first run on a machine pays for it (~1 minute).
+carpool's cache (``<cache>/kernels/``, one folder per torch, Python, CPU and
+source set: the sources' paths and contents and the compile flags), so only
+the first run on a machine pays for it (~1 minute), and two checkouts, or
+two versions of the kernels, never rebuild each other's.
 Without a compiler the engine falls back to the portable torch path, with a
 one-line warning.
 
@@ -18,26 +20,36 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import os
 import platform
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 
 from carpool.machine import cpu_model_and_flags
 from carpool.paths import default_cache_dir
 
-_SOURCES = [str(Path(__file__).parent / "csrc" / name)
-            for name in ("paged_attention.cpp", "elementwise.cpp", "packed_linear.cpp",
-                          "packed_int4.cpp", "decode_block.cpp", "moe_experts.cpp")]
-_HEADERS = [str(Path(__file__).parent / "csrc" / name)  # a change rebuilds too
-            for name in ("bf16.h", "packed_block.h")]
+_SOURCES = tuple(str(Path(__file__).parent / "csrc" / name)
+                 for name in ("paged_attention.cpp", "elementwise.cpp", "packed_linear.cpp",
+                              "packed_int4.cpp", "decode_block.cpp", "moe_experts.cpp"))
+_HEADERS = tuple(str(Path(__file__).parent / "csrc" / name)  # a change rebuilds too
+                 for name in ("bf16.h", "packed_block.h"))
 _NAME = "carpool_cpu_ops"
+# -ffast-math: tree reductions in the dot products and vector exp.
+# Tuples: torch's load() appends its libraries to the lists it is given.
+_CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math")
+_LDFLAGS = ("-fopenmp",)
 # A built extension loads in about a second; past this, serve without it.
 _LOAD_WAIT_S = 10.0
+
+log = logging.getLogger(__name__)  # carpool serve's log lines; silent offline at INFO
+
+
 def load_cpu_ops(background: bool = False):  # -> ModuleType | SwitchingCpuOps | None
     """The compiled kernels (paged decode attention, RMSNorm, SwiGLU), or None
     (with a warning) if they cannot be built.
@@ -54,12 +66,9 @@ def load_cpu_ops(background: bool = False):  # -> ModuleType | SwitchingCpuOps |
         return module
     from carpool.model.kernel_switch import SwitchingCpuOps
 
-    print("carpool: compiling the CPU kernels in the background (first run on this machine, "
-          "about a minute); serving on the portable torch path meanwhile", file=sys.stderr,
-          flush=True)
+    log.info("compiling the CPU kernels in the background (first run of these kernels on "
+             "this machine, about a minute); serving on the portable torch path meanwhile")
     return SwitchingCpuOps(build)
-
-
 
 
 class KernelBuild:
@@ -136,6 +145,8 @@ def _load_or_warn() -> ModuleType | None:
 
 def _warn(exc: Exception) -> None:
     first_line = str(exc).splitlines()[0] if str(exc) else ""
+    # Printed, not logged: offline too, where logging is not set up, the one
+    # line that says why everything runs slower (tests/test_first_start.py).
     print(f"carpool: CPU kernels unavailable ({type(exc).__name__}: {first_line}); "
           "using the portable torch path", file=sys.stderr, flush=True)
 
@@ -154,28 +165,47 @@ def _build() -> ModuleType:
         if _lock(guard):
             (build_dir / "lock").unlink(missing_ok=True)
         # A cached build loads in well under a second; say so when compiling.
-        notice = threading.Timer(3.0, print, ["carpool: compiling the CPU kernels (first run "
-                                              "on this machine, about a minute) ..."],
-                                 {"file": sys.stderr, "flush": True})
+        # A warning: a minute's wait is worth a line even where logging is not set up.
+        notice = threading.Timer(3.0, log.warning, ["compiling the CPU kernels (first run of "
+                                                    "these kernels on this machine, about a "
+                                                    "minute) ..."])
         notice.start()
         try:
-            return load(name=_NAME, sources=_SOURCES, build_directory=str(build_dir),
-                        # -ffast-math: tree reductions in the dot products and vector exp.
-                        extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
-                        extra_ldflags=["-fopenmp"], verbose=False)
+            return load(name=_NAME, sources=list(_SOURCES), build_directory=str(build_dir),
+                        extra_cflags=list(_CFLAGS), extra_ldflags=list(_LDFLAGS),
+                        verbose=False)
         finally:
             notice.cancel()
 
 
-def kernel_build_dir(torch_version: str) -> Path:
+def kernel_build_dir(torch_version: str, sources: Sequence[str] | None = None,
+                     flags: Sequence[str] | None = None) -> Path:
     """Where the kernels are built and cached: one folder per torch, Python,
     architecture and CPU (model and feature flags: the build uses
-    ``-march=native``, so a cache shared with another CPU must not load it)."""
-    model, flags = cpu_model_and_flags()
-    cpu = hashlib.sha256(" ".join([model, *sorted(flags)]).encode()).hexdigest()[:12]
+    ``-march=native``, so a cache shared with another CPU must not load it),
+    and source set (``sources_key``; by default the kernels' own sources and
+    headers and their compile and link flags)."""
+    model, cpu_flags = cpu_model_and_flags()
+    cpu = hashlib.sha256(" ".join([model, *sorted(cpu_flags)]).encode()).hexdigest()[:12]
     python = f"py{sys.version_info.major}{sys.version_info.minor}"
+    key = sources_key(_SOURCES + _HEADERS if sources is None else sources,
+                      _CFLAGS + _LDFLAGS if flags is None else flags)
     return (default_cache_dir() / "kernels"
-            / f"torch-{torch_version}-{python}-{platform.machine()}-{cpu}")
+            / f"torch-{torch_version}-{python}-{platform.machine()}-{cpu}-{key}")
+
+
+def sources_key(sources: Sequence[str], flags: Sequence[str]) -> str:
+    """A short hash of the source files (each one's path and contents) and
+    the compile flags. The paths count because torch's ninja file names the
+    sources by path: two checkouts with equal sources sharing a folder would
+    still rebuild each other's objects (the compile command changed)."""
+    digest = hashlib.sha256()
+    for source in sources:
+        data = Path(source).read_bytes()
+        digest.update(f"{os.path.abspath(source)}\0{len(data)}\0".encode())
+        digest.update(data)
+    digest.update("\0".join(flags).encode())
+    return digest.hexdigest()[:12]
 
 
 def _lock(guard) -> bool:
