@@ -161,7 +161,7 @@ def add_serve_parser(commands) -> None:
                        help="latency targets for admitted requests (p99): the controller keeps "
                             "them and sheds what would miss the TTFT one (429); default: "
                             "measured at start-up, steering the batching without shedding, "
-                            "see README 'Adaptive controller'")
+                            "see docs/server/scheduling.md#adaptive-controller")
 
 
 def add_sampling_flags(parser: argparse.ArgumentParser) -> None:

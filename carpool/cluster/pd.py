@@ -23,14 +23,14 @@ once (one longer inter-token gap), so colocating adds ``decoding x
 prefill`` request-seconds besides the request's own TTFT, weighed by
 ``stall_weight`` (0 by default: the request's own first token alone; 1: a
 second of anyone's wait counts the same). Otherwise the request stays
-colocated. Measured (README): at 1, Azure's 2P:6D fell from 100% to 87%
+colocated. Measured (docs/numbers/pd.md): at 1, Azure's 2P:6D fell from 100% to 87%
 in SLO (its small prefill pool queued) while 4P:4D rose from 99.1% to
 99.5%; a stall once per request barely moves a TPOT averaged over its
 tokens, so request-seconds overprice it where TPOT does not bind.
 ``always`` disaggregates every request (static disaggregation). Pure
 Python, like the router it asks.
 
-Measured (README, ``carpool evaluate pd``): a fixed 512-token floor kept
+Measured (docs/numbers/pd.md, ``carpool evaluate pd``): a fixed 512-token floor kept
 44% of Azure's conversation prompts on a 4P:4D fleet's decode pool, where
 its decodes had no room for them (92% in SLO against 99% without the
 floor), and without the handoff's place at the queue's front a remote

@@ -291,7 +291,7 @@ def serve(endpoint: str, parent_pid: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m carpool.engine.worker",
+    parser = argparse.ArgumentParser(prog="python -m carpool.engine.worker", allow_abbrev=False,
                                      description="a carpool engine worker (started by the "
                                                  "API process, not by hand)")
     parser.add_argument("--connect", required=True, help="the front's ZeroMQ endpoint")

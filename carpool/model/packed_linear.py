@@ -9,7 +9,7 @@ head took 24.9 ms a token. Packed as 16 output rows x 2 inputs per 64-byte
 load, with one AVX512-BF16 dot-product instruction per load, the same
 layers take 10.9 ms (1 row), 13.3 (4 rows), ~16.4 (8 rows); ATen wins
 from ~16 rows on (it is flat, ~22-28 ms, from 1 to 64 rows), so larger steps
-(prefill, batched decode) keep the original weights (tables in the README,
+(prefill, batched decode) keep the original weights (tables in docs/numbers/cpu.md,
 ``scripts/decode_step_time.py``).
 
 Cost: the packed copy doubles the bf16 weights' memory, so ``auto`` packs

@@ -20,7 +20,7 @@ are slower than the bf16 matrix kernel (INT8: 216 against 93 us for a
 the bf16 weights. The copy adds half (INT8) or a quarter (INT4) of the
 bf16 weights' memory: it buys latency, not memory.
 
-Accuracy (tests/test_quantization.py, the default model): see the README.
+Accuracy (tests/test_quantization.py, the default model): see docs/numbers/cpu.md.
 """
 from __future__ import annotations
 

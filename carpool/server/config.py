@@ -152,7 +152,7 @@ class ServerConfig:
     # predicted first token with the transfer beats a prefill on the decode
     # replica; local backend). The link the planner prices the KV transfer
     # with: GB/s and seconds per transfer (default: the local TCP store's
-    # load rate on a 2-core machine, README); shortest uncached prompt sent.
+    # load rate on a 2-core machine, docs/numbers/pd.md); shortest uncached prompt sent.
     pd_mode: str = setting(
         "always", "--pd-mode", "MODE",
         "P/D: always (every prompt on the prefill pool) | conditional (where the predicted "
