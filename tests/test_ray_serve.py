@@ -123,42 +123,6 @@ def test_openai_streams_through_two_replicas_each_request_ending_once(ray_app):
         assert replicas == set(after)
 
 
-def test_constrained_requests_spread_over_the_replicas_each_compiling_its_grammar(ray_app):
-    """Structured outputs through Ray: the spec travels on the wire, each
-    replica compiles it; a bad schema is the ingress's 400, never queued."""
-    api = openai.OpenAI(base_url=ray_app + "/v1", api_key="none", max_retries=0)
-    before = _replicas()
-    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
-              "additionalProperties": False}
-
-    def ask(i: int) -> str:
-        if i % 2:
-            return api.completions.create(model="tiny", prompt=f"pick {i}", max_tokens=8,
-                                          seed=i, extra_body={"guided_choice": ["yes", "no"]}
-                                          ).choices[0].text
-        chunks = list(api.completions.create(model="tiny", prompt=f"json {i}", max_tokens=24,
-                                             stream=True, seed=i,
-                                             extra_body={"guided_json": schema}))
-        return "".join(c.choices[0].text for c in chunks if c.choices)
-
-    with ThreadPoolExecutor(6) as pool:
-        texts = list(pool.map(ask, range(6)))
-    for i, text in enumerate(texts):
-        if i % 2:
-            assert text in ("yes", "no"), text
-        else:  # complete JSON, or a prefix of one where the 24 tokens ran out
-            assert text.startswith('{"n": '), text
-    after = _settled(before, 6)
-    assert all(n > 0 for n in _delta(after, before,
-                                     lambda s: s.counters.requests_added).values())
-    with httpx.Client(base_url=ray_app, timeout=60) as http:
-        bad = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 4,
-                                                 "guided_json": {"type": "nope"}})
-        assert bad.status_code == 400 and "invalid json constraint" in bad.text, bad.text
-    assert _replicas().keys() == after.keys()
-    _settled(after, 0)
-
-
 def test_sessions_stay_on_one_replica_and_prefixes_go_where_they_are_cached(ray_app):
     api = openai.OpenAI(base_url=ray_app + "/v1", api_key="none", max_retries=0)
     with httpx.Client(base_url=ray_app, timeout=60) as http:
@@ -193,6 +157,42 @@ def test_sessions_stay_on_one_replica_and_prefixes_go_where_they_are_cached(ray_
             assert again.status_code == 200
             assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 48
         _settled(spread, 4)
+
+
+def test_constrained_requests_spread_over_the_replicas_each_compiling_its_grammar(ray_app):
+    """Structured outputs through Ray: the spec travels on the wire, each
+    replica compiles it; a bad schema is the ingress's 400, never queued."""
+    api = openai.OpenAI(base_url=ray_app + "/v1", api_key="none", max_retries=0)
+    before = _replicas()
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}
+
+    def ask(i: int) -> str:
+        if i % 2:
+            return api.completions.create(model="tiny", prompt=f"pick {i}", max_tokens=8,
+                                          seed=i, extra_body={"guided_choice": ["yes", "no"]}
+                                          ).choices[0].text
+        chunks = list(api.completions.create(model="tiny", prompt=f"json {i}", max_tokens=24,
+                                             stream=True, seed=i,
+                                             extra_body={"guided_json": schema}))
+        return "".join(c.choices[0].text for c in chunks if c.choices)
+
+    with ThreadPoolExecutor(6) as pool:
+        texts = list(pool.map(ask, range(6)))
+    for i, text in enumerate(texts):
+        if i % 2:
+            assert text in ("yes", "no"), text
+        else:  # complete JSON, or a prefix of one where the 24 tokens ran out
+            assert text.startswith('{"n": '), text
+    after = _settled(before, 6)
+    assert all(n > 0 for n in _delta(after, before,
+                                     lambda s: s.counters.requests_added).values())
+    with httpx.Client(base_url=ray_app, timeout=60) as http:
+        bad = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 4,
+                                                 "guided_json": {"type": "nope"}})
+        assert bad.status_code == 400 and "invalid json constraint" in bad.text, bad.text
+    assert _replicas().keys() == after.keys()
+    _settled(after, 0)
 
 
 def _context(now: float, waiting: float, running: float, added: float,
