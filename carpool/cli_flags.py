@@ -25,7 +25,13 @@ from carpool.config import (
 )
 from carpool.model_settings import ModelSettings
 from carpool.server.config import ServerConfig
-from carpool.settings_fields import flag_bool, flag_bool_or_auto, flag_fields  # noqa: F401
+from carpool.settings_fields import (  # noqa: F401
+    FlagSpec,
+    flag_bool,
+    flag_bool_or_auto,
+    flag_fields,
+    register_flag,
+)
 
 
 @dataclass(frozen=True)
@@ -97,23 +103,8 @@ def add_flags(group, flags: Iterable[Flag], prefix: str, defaults: dict[str, Any
     """Register ``flags`` on ``group``, each with ``dest=prefix + key`` and
     default None; every boolean also gets its ``--no-`` spelling."""
     for flag in flags:
-        dest, text = prefix + flag.key, _help(flag, defaults)
-        names = (flag.flag, *flag.aliases)
-        if flag.kind is bool:  # --x / --no-x for each name
-            group.add_argument(*names, dest=dest, action=argparse.BooleanOptionalAction,
-                               default=None, help=text)
-            continue
-        if flag.kind is flag_bool:  # --x [BOOL]; --no-x (shown on the same help line)
-            action = group.add_argument(*names, dest=dest, type=flag_bool, nargs="?",
-                                        const=True, default=None, metavar=flag.metavar,
-                                        help=text)
-            negatives = tuple("--no-" + name[2:] for name in names)
-            group.add_argument(*negatives, dest=dest, action="store_const", const=False,
-                               default=None, help=argparse.SUPPRESS)
-            action.negative_flags = negatives
-            continue
-        group.add_argument(*names, dest=dest, type=flag.kind, default=None,
-                           metavar=flag.metavar, help=text)
+        spec = FlagSpec(flag.flag, flag.metavar, flag.help, flag.kind, flag.aliases)
+        register_flag(group, spec, prefix + flag.key, None, _help(flag, defaults))
 
 
 class HelpFormatter(argparse.HelpFormatter):
