@@ -17,6 +17,7 @@ import json
 import string
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from carpool.report.run import (
@@ -26,6 +27,7 @@ from carpool.report.run import (
     plot_cdfs,
     workload_scales,
 )
+from carpool.settings_fields import add_setting_args, setting
 
 KINDS = ("bench-serve", "bench-sweep")
 VERSION = 1
@@ -58,15 +60,23 @@ PHASE_ROWS = (
 )
 
 
+@dataclass
+class CompareOptions:
+    """The flags of ``carpool bench compare`` (the result files are positional)."""
+
+    html: Path | None = setting(
+        None, "--html", "DIR", "also write DIR/compare.html with the table and overlaid CDFs",
+        parse=Path)
+    markdown: bool = setting(False, "--markdown", None, "print the table as Markdown",
+                             parse=bool)
+
+
 def add_compare_args(parser: argparse.ArgumentParser) -> None:
     """The flags of ``carpool bench compare``."""
     parser.add_argument("results", nargs="+", type=Path, metavar="RESULT.json",
                         help="bench serve (or bench sweep) result files; the first is the "
                              "baseline of the ratios")
-    parser.add_argument("--html", type=Path, default=None, metavar="DIR",
-                        help="also write DIR/compare.html with the table and overlaid CDFs")
-    parser.add_argument("--markdown", action="store_true",
-                        help="print the table as Markdown")
+    add_setting_args(parser, CompareOptions)
 
 
 def load_result(path: Path) -> dict:

@@ -34,6 +34,7 @@ from carpool.config import EngineConfig
 from carpool.engine.step_log import StepPhases
 from carpool.model.config import ModelConfig
 from carpool.sampling_params import SamplingParams
+from carpool.settings_fields import add_setting_args, setting
 
 if TYPE_CHECKING:  # the engine imports torch: only when the bench runs
     from carpool.engine.llm_engine import LLMEngine
@@ -42,25 +43,37 @@ PHASES = StepPhases._fields
 PREFILLS_PER_STEP = 32  # whole prompts a step's token budget fits beside the decodes
 
 
-def add_engine_bench_args(parser: argparse.ArgumentParser) -> None:
+@dataclass
+class EngineBenchOptions:
     """The bench's own flags (the engine flags are added beside them)."""
-    group = parser.add_argument_group("engine bench")
-    group.add_argument("--num-seqs", type=int, default=1024,
-                       help="sequences decoding together in every timed step")
-    group.add_argument("--steps", type=int, default=200, help="steps timed")
-    group.add_argument("--warmup-steps", type=int, default=20,
-                       help="steps run untimed once all sequences decode")
-    group.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per request")
-    group.add_argument("--output-len", type=int, default=None,
-                       help="max_tokens per request (default: enough that none finishes "
-                            "while timed)")
-    group.add_argument("--step-seconds", type=float, default=0.0,
-                       help="seconds the fake executor waits per step (stands in for a device)")
-    group.add_argument("--bench-seed", type=int, default=0, help="seed of the random prompts")
-    group.add_argument("--cprofile", default=None, metavar="PATH",
-                       help="cProfile the timed steps, write the stats here (pstats) and print "
-                            "the top functions; the profiler slows every step")
-    group.add_argument("--json", default=None, help="write the results here as JSON")
+
+    num_seqs: int = setting(
+        1024, "--num-seqs", "NUM_SEQS", "sequences decoding together in every timed step",
+        parse=int)
+    steps: int = setting(200, "--steps", "STEPS", "steps timed", parse=int)
+    warmup_steps: int = setting(
+        20, "--warmup-steps", "WARMUP_STEPS", "steps run untimed once all sequences decode",
+        parse=int)
+    prompt_len: int = setting(
+        128, "--prompt-len", "PROMPT_LEN", "prompt tokens per request", parse=int)
+    output_len: int | None = setting(
+        None, "--output-len", "OUTPUT_LEN",
+        "max_tokens per request (default: enough that none finishes while timed)", parse=int)
+    step_seconds: float = setting(
+        0.0, "--step-seconds", "STEP_SECONDS",
+        "seconds the fake executor waits per step (stands in for a device)", parse=float)
+    bench_seed: int = setting(0, "--bench-seed", "BENCH_SEED", "seed of the random prompts",
+                              parse=int)
+    cprofile: str | None = setting(
+        None, "--cprofile", "PATH",
+        "cProfile the timed steps, write the stats here (pstats) and print the top functions; "
+        "the profiler slows every step")
+    json: str | None = setting(None, "--json", "JSON", "write the results here as JSON")
+
+
+def add_engine_bench_args(parser: argparse.ArgumentParser) -> None:
+    """The bench's own flags (``EngineBenchOptions``; the engine flags are added beside them)."""
+    add_setting_args(parser.add_argument_group("engine bench"), EngineBenchOptions)
 
 
 @dataclass

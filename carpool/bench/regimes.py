@@ -30,6 +30,7 @@ from carpool.bench.throughput import BenchRequest
 from carpool.config import EngineConfig
 from carpool.sampling_params import SamplingParams
 from carpool.scheduler import RejectedError
+from carpool.settings_fields import add_setting_args, setting
 from carpool.slo import parse_slo
 from carpool.workload.arrivals import rescale_offsets
 from carpool.workload.command import add_workload_args, arg_type, workload_spec
@@ -40,19 +41,30 @@ from carpool.workload.stats import OK, REJECTED, RequestRecord, summarize
 REGIMES = ("static", "dynamic", "continuous", "adaptive")
 
 
+@dataclass
+class RegimesOptions:
+    """The flags of ``carpool bench regimes`` besides the workload's and the engine's."""
+
+    regimes: str = setting(
+        ",".join(REGIMES), "--regimes", "REGIMES",
+        f"comma-separated, from {', '.join(REGIMES)} (adaptive = continuous under the "
+        f"adaptive controller)")
+    slo: dict[str, float] = setting(
+        {}, "--slo", "SLO", "per-request limits, e.g. ttft=2s,tpot=400ms (ttft, tpot, e2e)",
+        parse=arg_type(parse_slo))
+    rates: str = setting(
+        "", "--rates", "RATES",
+        "offered rates (req/s) at which to look for each regime's peak rate under --slo, "
+        "e.g. 1,2,3")
+    attainment: float = setting(
+        0.9, "--attainment", "ATTAINMENT", "share of requests that must meet the SLO at a rate",
+        parse=float)
+    json: str | None = setting(None, "--json", "JSON", "write the results here as JSON")
+
+
 def add_regimes_args(parser: argparse.ArgumentParser) -> None:
     add_workload_args(parser, seed_flag="--workload-seed")
-    parser.add_argument("--regimes", default="static,dynamic,continuous,adaptive",
-                        help=f"comma-separated, from {', '.join(REGIMES)} (adaptive = "
-                             f"continuous under the adaptive controller)")
-    parser.add_argument("--slo", type=arg_type(parse_slo), default={},
-                        help="per-request limits, e.g. ttft=2s,tpot=400ms (ttft, tpot, e2e)")
-    parser.add_argument("--rates", default="",
-                        help="offered rates (req/s) at which to look for each regime's peak "
-                             "rate under --slo, e.g. 1,2,3")
-    parser.add_argument("--attainment", type=float, default=0.9,
-                        help="share of requests that must meet the SLO at a rate")
-    parser.add_argument("--json", default=None, help="write the results here as JSON")
+    add_setting_args(parser, RegimesOptions)
 
 
 @dataclass

@@ -13,58 +13,96 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+from dataclasses import dataclass
 
 import httpx
 
 from carpool.bench.client import Target
 from carpool.bench.loadgen import LoadLimits, run_load
 from carpool.report.html import write_outputs
+from carpool.settings_fields import add_setting_args, setting
 from carpool.slo import parse_slo
 from carpool.workload.command import add_workload_args, arg_type, workload_spec
 from carpool.workload.results import format_result, make_result
 from carpool.workload.spec import build_workload, describe_workload
 
+API_KEY_HELP = "bearer token (default: $OPENAI_API_KEY)"
+
+
+@dataclass
+class ServerTarget:
+    """``bench serve`` / ``sweep``: the server to measure and how requests look."""
+
+    base_url: str = setting(
+        "http://127.0.0.1:8000/v1", "--base-url", "BASE_URL",
+        "the server's OpenAI API root")
+    model: str | None = setting(
+        None, "--model", "MODEL",
+        "model name to request (default: the server's first /v1/models)")
+    endpoint: str = setting(
+        "completions", "--endpoint", None,
+        "completions sends the prompt as is (exact token counts); chat wraps it in one user "
+        "message (the chat template adds tokens)", choices=("completions", "chat"))
+    # The command's default is $OPENAI_API_KEY, read when the parser is built.
+    api_key: str | None = setting(None, "--api-key", "API_KEY", API_KEY_HELP)
+    tokenizer: str | None = setting(
+        None, "--tokenizer", "TOKENIZER",
+        "the target model's tokenizer (HF dir, tokenizer.json, .gguf or HF repo id) for exact "
+        "prompt lengths (default: carpool's default model)")
+    prompt_format: str = setting(
+        "text", "--prompt-format", None,
+        "completions: send prompts as text or as token ids (encoded with --tokenizer)",
+        choices=("text", "token-ids"))
+    temperature: float = setting(
+        0.0, "--temperature", "TEMPERATURE", "sampling temperature of every request",
+        parse=float)
+    ignore_eos: bool = setting(
+        True, "--ignore-eos", None,
+        "send ignore_eos (the default), so every request generates its workload length; "
+        "--no-ignore-eos lets the model stop early", parse=bool)
+
+
+@dataclass
+class RunLimits:
+    """When a run stops sending and gives up (the fields of ``LoadLimits``)."""
+
+    max_concurrency: int | None = setting(
+        None, "--max-concurrency", "MAX_CONCURRENCY",
+        "cap on requests in flight (default: none, open loop)", parse=int)
+    max_duration: float | None = setting(
+        None, "--max-duration", "MAX_DURATION",
+        "send no request after this many seconds", parse=float)
+    request_timeout: float = setting(
+        600.0, "--request-timeout", "REQUEST_TIMEOUT",
+        "seconds before a request is given up (failed: timeout)", parse=float)
+
+
+@dataclass
+class RunOutputs:
+    """What a run is judged by, what it is called, where it is written."""
+
+    slo: dict[str, float] = setting(
+        {}, "--slo", "SLO",
+        "per-request limits for goodput, e.g. ttft=500ms,tpot=100ms (metrics: ttft, tpot, e2e)",
+        parse=arg_type(parse_slo))
+    label: str | None = setting(None, "--label", "LABEL", "name of this run in reports")
+    json: str | None = setting(None, "--json", "JSON", "write the result here")
+    html: str | None = setting(
+        None, "--html", "HTML", "write an HTML report with plots here (dir)")
+    progress: bool = setting(
+        True, "--progress", None, "a progress bar while the requests run (default: on)", parse=bool)
+    metrics_interval: float = setting(
+        0.5, "--metrics-interval", "METRICS_INTERVAL",
+        "seconds between polls of the server's /metrics queue gauges", parse=float)
+
 
 def add_target_args(parser: argparse.ArgumentParser) -> None:
     """The server to measure, and the run's limits and outputs (shared with ``sweep``)."""
-    target = parser.add_argument_group("server")
-    target.add_argument("--base-url", default="http://127.0.0.1:8000/v1",
-                        help="the server's OpenAI API root")
-    target.add_argument("--model", default=None,
-                        help="model name to request (default: the server's first /v1/models)")
-    target.add_argument("--endpoint", choices=("completions", "chat"), default="completions",
-                        help="completions sends the prompt as is (exact token counts); chat "
-                             "wraps it in one user message (the chat template adds tokens)")
-    target.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
-                        help="bearer token (default: $OPENAI_API_KEY)")
-    target.add_argument("--tokenizer", default=None,
-                        help="the target model's tokenizer (HF dir, tokenizer.json, .gguf or "
-                             "HF repo id) for exact prompt lengths (default: carpool's default "
-                             "model)")
-    target.add_argument("--prompt-format", choices=("text", "token-ids"), default="text",
-                        help="completions: send prompts as text or as token ids (encoded "
-                             "with --tokenizer)")
-    target.add_argument("--temperature", type=float, default=0.0)
-    target.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
-                        help="let the model stop early (default: ignore_eos, so every "
-                             "request generates its workload length)")
-    limits = parser.add_argument_group("limits")
-    limits.add_argument("--max-concurrency", type=int, default=None,
-                        help="cap on requests in flight (default: none, open loop)")
-    limits.add_argument("--max-duration", type=float, default=None,
-                        help="send no request after this many seconds")
-    limits.add_argument("--request-timeout", type=float, default=600.0,
-                        help="seconds before a request is given up (failed: timeout)")
-    out = parser.add_argument_group("results")
-    out.add_argument("--slo", type=arg_type(parse_slo), default={},
-                     help="per-request limits for goodput, e.g. ttft=500ms,tpot=100ms "
-                          "(metrics: ttft, tpot, e2e)")
-    out.add_argument("--label", default=None, help="name of this run in reports")
-    out.add_argument("--json", default=None, help="write the result here")
-    out.add_argument("--html", default=None, help="write an HTML report with plots here (dir)")
-    out.add_argument("--no-progress", dest="progress", action="store_false")
-    out.add_argument("--metrics-interval", type=float, default=0.5,
-                     help="seconds between polls of the server's /metrics queue gauges")
+    api_key = os.environ.get("OPENAI_API_KEY")
+    add_setting_args(parser.add_argument_group("server"), ServerTarget,
+                     defaults={"api_key": (api_key, API_KEY_HELP)})
+    add_setting_args(parser.add_argument_group("limits"), RunLimits)
+    add_setting_args(parser.add_argument_group("results"), RunOutputs)
 
 
 def add_bench_serve_args(parser: argparse.ArgumentParser) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 
 from carpool.bench.loadgen import LoadLimits, run_load
@@ -24,6 +24,7 @@ from carpool.bench.serve import (
     token_counter,
 )
 from carpool.report.html import write_outputs
+from carpool.settings_fields import add_setting_args, setting
 from carpool.workload.arrivals import rescale_offsets
 from carpool.workload.command import add_workload_args, workload_spec
 from carpool.workload.results import format_result, make_result
@@ -32,16 +33,25 @@ from carpool.workload.spec import BenchItem, build_workload
 SWEEP_KIND, SWEEP_VERSION = "bench-sweep", 1
 
 
+@dataclass
+class SweepOptions:
+    """The sweep's own flags (``bench serve``'s are added beside them)."""
+
+    steps: int = setting(
+        4, "--steps", "STEPS",
+        "rates to try between the synchronous and the maximum rate", parse=int)
+    sync_requests: int = setting(
+        10, "--sync-requests", "SYNC_REQUESTS",
+        "requests in the synchronous (one at a time) probe", parse=int)
+    attainment: float = setting(
+        0.9, "--attainment", "ATTAINMENT",
+        "share of requests that must meet the SLO at a rate (0..1]", parse=float)
+
+
 def add_sweep_args(parser: argparse.ArgumentParser) -> None:
     add_target_args(parser)
     add_workload_args(parser)
-    sweep = parser.add_argument_group("sweep")
-    sweep.add_argument("--steps", type=int, default=4,
-                       help="rates to try between the synchronous and the maximum rate")
-    sweep.add_argument("--sync-requests", type=int, default=10,
-                       help="requests in the synchronous (one at a time) probe")
-    sweep.add_argument("--attainment", type=float, default=0.9,
-                       help="share of requests that must meet the SLO at a rate (0..1]")
+    add_setting_args(parser.add_argument_group("sweep"), SweepOptions)
 
 
 def rescale(plan: list[BenchItem], rate: float) -> list[BenchItem]:

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from carpool.config import EngineConfig
+from carpool.settings_fields import add_setting_args, setting
 
 
 @dataclass
@@ -44,37 +45,65 @@ class BenchResult:
         return (self.prompt_tokens + self.output_tokens) / self.seconds
 
 
+@dataclass
+class ThroughputWorkload:
+    """Request lengths: fixed, or drawn from a lengths file."""
+
+    num_requests: int = setting(
+        256, "--num-requests", "NUM_REQUESTS", "requests in the workload", parse=int)
+    input_len: int = setting(128, "--input-len", "INPUT_LEN", "synthetic prompt length", parse=int)
+    output_len: int = setting(
+        128, "--output-len", "OUTPUT_LEN", "synthetic output length", parse=int)
+    lengths_file: str | None = setting(
+        None, "--lengths-file", "LENGTHS_FILE",
+        "CSV with num_prefill_tokens,num_decode_tokens columns (e.g. "
+        "../shared/traces/lengths/*.csv); lengths are drawn from it")
+    length_scale: float = setting(
+        1.0, "--length-scale", "LENGTH_SCALE",
+        "multiply drawn lengths by this (e.g. 0.125 for a small CPU)", parse=float)
+    max_input_len: int = setting(
+        1024, "--max-input-len", "MAX_INPUT_LEN",
+        "cap on a drawn prompt length (after --length-scale)", parse=int)
+    max_output_len: int = setting(
+        512, "--max-output-len", "MAX_OUTPUT_LEN",
+        "cap on a drawn output length (after --length-scale)", parse=int)
+    bench_seed: int = setting(
+        0, "--bench-seed", "BENCH_SEED", "seed for lengths and prompts", parse=int)
+
+
+@dataclass
+class HFBaseline:
+    """The transformers ``generate`` baseline: static batches."""
+
+    hf_batch_sizes: str = setting(
+        "1,8,32,64", "--hf-batch-sizes", "HF_BATCH_SIZES",
+        "static batch sizes for the transformers baseline ('' to skip it)")
+    hf_dtypes: str = setting(
+        "float32,bfloat16", "--hf-dtypes", "HF_DTYPES",
+        "dtypes to try for the baseline; the best is the reference")
+    hf_batches: int = setting(
+        2, "--hf-batches", "HF_BATCHES",
+        "static batches run per baseline batch size (the first requests of the workload; 0 = "
+        "all of them); tok/s is a rate, so a sample suffices and keeps batch size 1 affordable",
+        parse=int)
+
+
+@dataclass
+class ThroughputOutputs:
+    """Where the results go."""
+
+    json: str | None = setting(None, "--json", "JSON", "write the results here as JSON")
+
+
 def add_throughput_args(parser: argparse.ArgumentParser) -> None:
     add_workload_args(parser)
-    _add_baseline_args(parser.add_argument_group("baseline"))
-    parser.add_argument("--json", default=None, help="write the results here as JSON")
+    add_setting_args(parser.add_argument_group("baseline"), HFBaseline)
+    add_setting_args(parser, ThroughputOutputs)
 
 
 def add_workload_args(parser: argparse.ArgumentParser) -> None:
-    """Request lengths: fixed, or drawn from a lengths file (shared with ``bench regimes``)."""
-    group = parser.add_argument_group("workload")
-    group.add_argument("--num-requests", type=int, default=256)
-    group.add_argument("--input-len", type=int, default=128, help="synthetic prompt length")
-    group.add_argument("--output-len", type=int, default=128, help="synthetic output length")
-    group.add_argument("--lengths-file", default=None,
-                       help="CSV with num_prefill_tokens,num_decode_tokens columns (e.g. "
-                            "../shared/traces/lengths/*.csv); lengths are drawn from it")
-    group.add_argument("--length-scale", type=float, default=1.0,
-                       help="multiply drawn lengths by this (e.g. 0.125 for a small CPU)")
-    group.add_argument("--max-input-len", type=int, default=1024)
-    group.add_argument("--max-output-len", type=int, default=512)
-    group.add_argument("--bench-seed", type=int, default=0, help="seed for lengths and prompts")
-
-
-def _add_baseline_args(hf) -> None:
-    hf.add_argument("--hf-batch-sizes", default="1,8,32,64",
-                    help="static batch sizes for the transformers baseline ('' to skip it)")
-    hf.add_argument("--hf-dtypes", default="float32,bfloat16",
-                    help="dtypes to try for the baseline; the best is the reference")
-    hf.add_argument("--hf-batches", type=int, default=2,
-                    help="static batches run per baseline batch size (the first requests "
-                         "of the workload; 0 = all of them); tok/s is a rate, so a sample "
-                         "suffices and keeps batch size 1 affordable")
+    """Request lengths: fixed, or drawn from a lengths file (``ThroughputWorkload``)."""
+    add_setting_args(parser.add_argument_group("workload"), ThroughputWorkload)
 
 
 def make_workload(args: argparse.Namespace, vocab_size: int,

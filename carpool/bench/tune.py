@@ -20,8 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from carpool.config import EngineConfig, SchedulerConfig
+from carpool.settings_fields import add_setting_args, setting
 from carpool.slo import SLO_METRICS as LATENCY_METRICS
 from carpool.slo import parse_duration, parse_slo
+from carpool.workload.command import add_workload_args, arg_type
 
 
 @dataclass(frozen=True)
@@ -220,32 +222,50 @@ def profile_header(rec: Recommendation, workload: str, slo: dict[str, float],
             f"Command: {command}"]
 
 
+@dataclass
+class TuneSweep:
+    """The grid ``carpool tune`` sweeps and how it judges the points."""
+
+    batch_sizes: list[int] = setting(
+        [4, 8, 16, 32], "--batch-sizes", "BATCH_SIZES",
+        "batch sizes: preferred_batch_size (static/dynamic) or max_num_seqs (continuous) "
+        "(default 4,8,16,32)", parse=arg_type(parse_batch_sizes))
+    max_waits: list[float] = setting(
+        [0.05, 0.1, 0.2, 0.3], "--max-waits", "MAX_WAITS",
+        "batching waits, seconds or with ms/s (default 0.05,0.1,0.2,0.3); not used by "
+        "continuous batching", parse=arg_type(parse_max_waits))
+    latency_metric: str = setting(
+        "e2e", "--latency-metric", None, "latency side of the Pareto front (p99; default e2e)",
+        choices=LATENCY_METRICS)
+    slo: dict[str, float] = setting(
+        {}, "--slo", "SLO", "p99 limits, e.g. ttft=2s,tpot=200ms (units ms or s)",
+        parse=arg_type(parse_slo))
+    max_rejected: float = setting(
+        0.0, "--max-rejected", "MAX_REJECTED",
+        "share of requests a setting may reject and still meet the SLO",
+        parse=arg_type(parse_share))
+    tolerance: float = setting(
+        0.02, "--tolerance", "TOLERANCE",
+        "throughputs within this share of the best count as tied; the lower latency wins "
+        "(default 0.02: measurement noise)", parse=arg_type(parse_share))
+
+
+@dataclass
+class TuneOutputs:
+    """Where ``carpool tune`` writes its points and its recommendation."""
+
+    json: str | None = setting(None, "--json", "JSON", "write all points here as JSON")
+    write_profile: str | None = setting(
+        None, "--write-profile", "PATH.yaml",
+        "write the recommended setting as a profile (carpool serve --profile PATH.yaml)")
+
+
 def add_tune_args(parser: argparse.ArgumentParser) -> None:
     """Workload, replay and sweep flags (the engine flags come separately;
     the engine flag ``--batching`` picks the regime to tune)."""
-    from carpool.workload.command import add_workload_args, arg_type
-
     add_workload_args(parser, seed_flag="--workload-seed")
-    group = parser.add_argument_group("sweep")
-    group.add_argument("--batch-sizes", type=arg_type(parse_batch_sizes), default=[4, 8, 16, 32],
-                       help="batch sizes: preferred_batch_size (static/dynamic) or "
-                            "max_num_seqs (continuous) (default 4,8,16,32)")
-    group.add_argument("--max-waits", type=arg_type(parse_max_waits), default=[0.05, 0.1, 0.2, 0.3],
-                       help="batching waits, seconds or with ms/s (default 0.05,0.1,0.2,0.3); "
-                            "not used by continuous batching")
-    group.add_argument("--latency-metric", choices=LATENCY_METRICS, default="e2e",
-                       help="latency side of the Pareto front (p99; default e2e)")
-    group.add_argument("--slo", type=arg_type(parse_slo), default={},
-                       help="p99 limits, e.g. ttft=2s,tpot=200ms (units ms or s)")
-    group.add_argument("--max-rejected", type=arg_type(parse_share), default=0.0,
-                       help="share of requests a setting may reject and still meet the SLO")
-    group.add_argument("--tolerance", type=arg_type(parse_share), default=0.02,
-                       help="throughputs within this share of the best count as tied; the "
-                            "lower latency wins (default 0.02: measurement noise)")
-    parser.add_argument("--json", default=None, help="write all points here as JSON")
-    parser.add_argument("--write-profile", default=None, metavar="PATH.yaml",
-                        help="write the recommended setting as a profile "
-                             "(carpool serve --profile PATH.yaml)")
+    add_setting_args(parser.add_argument_group("sweep"), TuneSweep)
+    add_setting_args(parser, TuneOutputs)
 
 
 def add_tune_parser(commands, add_engine_flags) -> argparse.ArgumentParser:
