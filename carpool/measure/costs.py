@@ -35,6 +35,7 @@ from carpool.executor.shapes import (
 )
 from carpool.machine import available_cpus, machine_identity
 from carpool.measure.steps import save_steps
+from carpool.settings_fields import add_setting_args, setting
 from carpool.sim.costs import save_cost_model
 from carpool.sim.fitted import FEATURES, FittedCostModel, fit
 
@@ -182,25 +183,43 @@ def _all_decoding(scheduler) -> bool:
         for request in scheduler.running)
 
 
+@dataclass(frozen=True)
+class MeasureFlags:
+    """``carpool measure``'s own flags (the engine's come from the engine flags)."""
+
+    out: str = setting("cost-model.json", "--out", None, "where to write the fit")
+    grid: str = setting(
+        "full", "--grid", None,
+        "full (~5 min for the default model on 2 cores), quick (~1 min, every step kind) or "
+        "smoke (seconds, a poor fit)", choices=GRIDS)
+    # given, it wins over --grid (`measure_grid`)
+    quick: bool = setting(False, "--quick", None, "the same as --grid quick", parse=bool)
+    repeats: int = setting(2, "--repeats", None, "runs of each grid point", parse=int)
+    measure_seed: int = setting(0, "--measure-seed", None,
+                                "seed of the grid's random prompt tokens", parse=int)
+    steps_out: str | None = setting(
+        None, "--steps-out", "FILE",
+        "also write the measured steps (shape and seconds, gzipped JSON lines), for judging "
+        "a fit offline")
+    from_url: str | None = setting(
+        None, "--from", "URL",
+        "fit on the steps a live carpool server ran (its GET /carpool/steps; an operator "
+        "key) instead of running a grid")
+    # None: $OPENAI_API_KEY, read when the command runs rather than at import
+    api_key: str | None = setting(
+        None, "--api-key", None, "with --from: the server's key (default $OPENAI_API_KEY)")
+    steps_limit: int | None = setting(None, "--steps-limit", "N",
+                                      "with --from: only the server's last N steps", parse=int)
+
+
 def add_measure_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", default="cost-model.json", help="where to write the fit")
-    parser.add_argument("--grid", choices=GRIDS, default="full",
-                        help="full (~5 min for the default model on 2 cores), quick "
-                             "(~1 min, every step kind) or smoke (seconds, a poor fit)")
-    parser.add_argument("--quick", dest="grid", action="store_const", const="quick",
-                        help="the same as --grid quick")
-    parser.add_argument("--repeats", type=int, default=2, help="runs of each grid point")
-    parser.add_argument("--measure-seed", type=int, default=0)
-    parser.add_argument("--steps-out", metavar="FILE",
-                        help="also write the measured steps (shape and seconds, gzipped "
-                             "JSON lines), for judging a fit offline")
-    parser.add_argument("--from", dest="from_url", metavar="URL",
-                        help="fit on the steps a live carpool server ran (its GET "
-                             "/carpool/steps; an operator key) instead of running a grid")
-    parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
-                        help="with --from: the server's key (default $OPENAI_API_KEY)")
-    parser.add_argument("--steps-limit", type=int, default=None, metavar="N",
-                        help="with --from: only the server's last N steps")
+    """`MeasureFlags`."""
+    add_setting_args(parser, MeasureFlags)
+
+
+def measure_grid(args: argparse.Namespace) -> str:
+    """The grid to run: ``--quick`` or ``--grid``."""
+    return "quick" if getattr(args, "quick", False) else args.grid
 
 
 def run_measure(config: EngineConfig, args: argparse.Namespace) -> int:
@@ -211,6 +230,7 @@ def run_measure(config: EngineConfig, args: argparse.Namespace) -> int:
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     config.scheduler.batching = "continuous"
+    args.grid = measure_grid(args)
     model = measure(LLMEngine.from_config(config), config, args)
     save_cost_model(model, args.out)
     print(format_cost_model(model))
@@ -221,7 +241,8 @@ def run_measure(config: EngineConfig, args: argparse.Namespace) -> int:
 def _measure_from_server(args: argparse.Namespace) -> int:
     from carpool.measure.live import fetch_steps, fit_live, format_live_fit
 
-    document = fetch_steps(args.from_url, args.api_key, args.steps_limit)
+    key = args.api_key if args.api_key is not None else os.environ.get("OPENAI_API_KEY")
+    document = fetch_steps(args.from_url, key, args.steps_limit)
     model, notes = fit_live(document, args.from_url)
     save_cost_model(model, args.out)
     print(format_cost_model(model))

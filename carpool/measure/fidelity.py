@@ -31,7 +31,9 @@ from carpool.measure.steps import (
     save_steps,
     step_error_line,
 )
+from carpool.settings_fields import add_setting_args, setting
 from carpool.workload.command import add_workload_args, workload_spec
+from carpool.workload.flag_types import RequiredFlags
 from carpool.workload.spec import describe_workload, mooncake_block_tokens, plan_workload
 from carpool.workload.traces import TraceRequest
 
@@ -64,21 +66,33 @@ class FidelityRow:
         return self.error is not None and abs(self.error) <= self.goal
 
 
+@dataclass(frozen=True)
+class FidelityFlags:
+    """``carpool fidelity``'s own flags (besides the workload's and the engine's)."""
+
+    # required: the simulator's error is judged against this machine's own model
+    cost_model: str | None = setting(
+        None, "--cost-model", None, "this machine's measured cost model (carpool measure --out)")
+    json: str | None = setting(
+        None, "--json", None, "write real.json and simulated.json (bench-serve results) here")
+    real_runs: int = setting(
+        2, "--real-runs", None,
+        "real replays (each on a fresh scheduler): the real side's own run-to-run spread is "
+        "printed beside the errors (default 2)", parse=int)
+    steps_out: str | None = setting(
+        None, "--steps-out", "FILE",
+        "write the real runs' steps (shape and seconds, gzipped JSON lines) here, for judging "
+        "a cost model offline")
+    check: bool = setting(
+        False, "--check", None,
+        "exit 1 unless every error is within the goal (p50 10%, p99 15%, throughput 10%) and "
+        "the machine was quiet", parse=bool)
+
+
 def add_fidelity_args(parser: argparse.ArgumentParser) -> None:
+    """The workload's flags (``--workload-seed``: the engine has ``--seed``) and `FidelityFlags`."""
     add_workload_args(parser, seed_flag="--workload-seed")
-    parser.add_argument("--cost-model", required=True,
-                        help="this machine's measured cost model (carpool measure --out)")
-    parser.add_argument("--json", default=None,
-                        help="write real.json and simulated.json (bench-serve results) here")
-    parser.add_argument("--real-runs", type=int, default=2,
-                        help="real replays (each on a fresh scheduler): the real side's own "
-                             "run-to-run spread is printed beside the errors (default 2)")
-    parser.add_argument("--steps-out", default=None, metavar="FILE",
-                        help="write the real runs' steps (shape and seconds, gzipped JSON "
-                             "lines) here, for judging a cost model offline")
-    parser.add_argument("--check", action="store_true",
-                        help="exit 1 unless every error is within the goal (p50 10%%, p99 "
-                             "15%%, throughput 10%%) and the machine was quiet")
+    add_setting_args(RequiredFlags(parser, "cost_model"), FidelityFlags)
 
 
 def compare(real: dict, simulated: dict, more_real: list[dict] = ()) -> list[FidelityRow]:

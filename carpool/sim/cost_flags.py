@@ -3,9 +3,11 @@ flags ``carpool simulate``, ``plan`` and ``evaluate`` share."""
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 from pathlib import Path
 
 from carpool.config import EngineConfig, parse_size
+from carpool.settings_fields import add_setting_args, setting
 from carpool.sim.costs import CostModel, kv_bytes_per_token
 
 # The measured model of carpool's development machine (2-core CPU, default
@@ -13,25 +15,37 @@ from carpool.sim.costs import CostModel, kv_bytes_per_token
 DEFAULT_COST_MODEL = Path(__file__).parent / "data" / "dev-cpu-smollm2-bf16.json"
 
 
+@dataclass(frozen=True)
+class CostModelFlags:
+    """The cost model a command simulates with: a saved one (``carpool
+    measure``'s or an analytic one) or an analytic model from presets
+    (``cost_model_from_args`` reads them)."""
+
+    cost_model: str | None = setting(
+        None, "--cost-model", None,
+        "a cost model JSON (carpool measure --out); default: the analytic model when "
+        "--hardware is given, else the measured model of carpool's 2-core development CPU "
+        "(default model, bf16)")
+    hardware: str | None = setting(
+        None, "--hardware", None,
+        "analytic model: accelerator preset (h100-sxm, h200, a100-80gb, l4; 8xh100-sxm, "
+        "8xh200: a whole node as one replica)")
+    model_shape: str | None = setting(
+        None, "--model-shape", None,
+        "analytic model: model preset (llama-3-8b, llama-3-70b, qwen2-7b, smollm2-135m, "
+        "mixtral-8x7b, qwen3-30b-a3b, deepseek-v3)")
+    dtype_bytes: float = setting(2.0, "--dtype-bytes", None,
+                                 "analytic model: bytes per weight and KV value", parse=float)
+    # None (not 1.0): given without an analytic model it is an error
+    expert_imbalance: float | None = setting(
+        None, "--expert-imbalance", None,
+        "analytic model, MoE presets: the busiest expert's tokens over the mean, scaling the "
+        "routed experts' FLOPs (default 1.0: balanced)", parse=float)
+
+
 def add_cost_model_args(parser: argparse.ArgumentParser) -> None:
-    """Group "cost model": a saved model (``carpool measure``'s or an
-    analytic one) or an analytic model from presets."""
-    group = parser.add_argument_group("cost model")
-    group.add_argument("--cost-model", default=None,
-                       help="a cost model JSON (carpool measure --out); default: the analytic "
-                            "model when --hardware is given, else the measured model of "
-                            "carpool's 2-core development CPU (default model, bf16)")
-    group.add_argument("--hardware", default=None,
-                       help="analytic model: accelerator preset (h100-sxm, h200, a100-80gb, l4; "
-                            "8xh100-sxm, 8xh200: a whole node as one replica)")
-    group.add_argument("--model-shape", default=None,
-                       help="analytic model: model preset (llama-3-8b, llama-3-70b, qwen2-7b, "
-                            "smollm2-135m, mixtral-8x7b, qwen3-30b-a3b, deepseek-v3)")
-    group.add_argument("--dtype-bytes", type=float, default=2.0,
-                       help="analytic model: bytes per weight and KV value")
-    group.add_argument("--expert-imbalance", type=float, default=None,
-                       help="analytic model, MoE presets: the busiest expert's tokens over the "
-                            "mean, scaling the routed experts' FLOPs (default 1.0: balanced)")
+    """Group "cost model": `CostModelFlags`."""
+    add_setting_args(parser.add_argument_group("cost model"), CostModelFlags)
 
 
 def cost_model_from_args(args: argparse.Namespace) -> CostModel:

@@ -21,8 +21,10 @@ import argparse
 import dataclasses
 import json
 import time
+from dataclasses import dataclass
 
 from carpool.config import EngineConfig
+from carpool.settings_fields import add_setting_args, setting
 from carpool.sim.command import add_kv_tier_args, kv_tier_from_args
 from carpool.sim.cost_flags import cost_model_from_args, pool_blocks
 from carpool.sim.costs import CostModel
@@ -59,16 +61,26 @@ def _counts(text: str) -> tuple[int, ...]:
     return counts
 
 
+@dataclass(frozen=True)
+class RoutingEvaluationFlags:
+    """``carpool evaluate routing``'s own flags (group "evaluation")."""
+
+    # fleet sizes, unlike `carpool simulate`'s --replicas (one count)
+    replicas: tuple[int, ...] = setting(
+        (8, 16), "--replicas", None, "fleet sizes, comma separated (default 8,16)",
+        parse=arg_type(_counts))
+    policies: tuple[str, ...] = setting(
+        DEFAULT_POLICIES, "--policies", None, f"comma separated, of {', '.join(ROUTING)}",
+        parse=arg_type(_names))
+    load: float = setting(
+        0.8, "--load", None,
+        "offered rate as a share of the fleet's measured capacity (default 0.8)", parse=float)
+    json: str | None = setting(None, "--json", None, "write every row here")
+
+
 def add_routing_evaluation_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("evaluation")
-    group.add_argument("--replicas", type=arg_type(_counts), default=(8, 16),
-                       help="fleet sizes, comma separated (default 8,16)")
-    group.add_argument("--policies", type=arg_type(_names), default=DEFAULT_POLICIES,
-                       help=f"comma separated, of {', '.join(ROUTING)}")
-    group.add_argument("--load", type=float, default=0.8,
-                       help="offered rate as a share of the fleet's measured capacity "
-                            "(default 0.8)")
-    group.add_argument("--json", default=None, help="write every row here")
+    """`RoutingEvaluationFlags` and the shared KV tier's flags."""
+    add_setting_args(parser.add_argument_group("evaluation"), RoutingEvaluationFlags)
     add_kv_tier_args(parser)
 
 

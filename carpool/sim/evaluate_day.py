@@ -25,7 +25,7 @@ from __future__ import annotations
 import argparse
 import math
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -37,6 +37,7 @@ from carpool.cluster.autoscaler import (
     replicas_for,
 )
 from carpool.config import EngineConfig
+from carpool.settings_fields import add_setting_args, flag_fields, setting
 from carpool.sim.cost_flags import cost_model_from_args, pool_blocks
 from carpool.sim.day_load import (
     DAY_S,
@@ -75,44 +76,75 @@ def _policies(text: str) -> tuple[str, ...]:
     return names
 
 
+@dataclass(frozen=True)
+class DayEvaluationFlags:
+    """``carpool evaluate autoscale``'s own flags (group "evaluation"; the
+    reactive scaler's thresholds come after ``scale_tick``)."""
+
+    policies: tuple[str, ...] = setting(
+        DAY_POLICIES, "--policies", None, f"comma separated, of {', '.join(DAY_POLICIES)}",
+        parse=arg_type(_policies))
+    peak_replicas: int = setting(
+        275, "--peak-replicas", None,
+        "replicas the sizing rule wants at the curve's peak (default 275)", parse=int)
+    trough: float = setting(SEEDS_TROUGH, "--trough", None,
+                            "the quietest hour's share of the peak (default 75/275)", parse=float)
+    daily_curve: tuple[float, ...] = setting(
+        DIURNAL_CURVE, "--daily-curve", "M0,...,M23",
+        "hourly shape (default: an assumed typical diurnal shape, not data), rescaled to "
+        "--trough", parse=arg_type(parse_curve))
+    surges: tuple = setting(
+        parse_surges("20:20:1.25"), "--surges", None,
+        "unplanned surges HOUR:MINUTES:FACTOR,... or none (default 20:20:1.25: +25% for 20 "
+        "minutes from 20:00)", parse=arg_type(parse_surges))
+    calibration_replicas: int = setting(4, "--calibration-replicas", None,
+                                        "the calibration fleet's replicas", parse=int)
+    calibration_loads: tuple[float, ...] = setting(
+        (0.2, 0.4, 0.6, 0.7, 0.8, 0.9, 1.0, 1.25), "--calibration-loads", None,
+        "shares of the calibration fleet's capacity to measure", parse=arg_type(_floats))
+    hour_goal: float = setting(
+        0.99, "--hour-goal", None,
+        "an hour meets the SLO when this share of what the calibrated replicas reached at "
+        "their lightest load does (default 0.99)", parse=float)
+    startup_s: float = setting(60.0, "--startup-s", None,
+                               "a replica's start-up time (default 60)", parse=float)
+    scale_tick: float = setting(10.0, "--scale-tick", None,
+                                "seconds between autoscaler decisions", parse=float)
+    target_utilization: tuple[float, ...] = setting(
+        (0.7, 0.9), "--target-utilization", None,
+        "the sizing rule's target utilisation of the calibrated SLO rate, comma separated: "
+        "every policy runs the day at each; the first sizes the day (--peak-replicas) and the "
+        "check (default 0.7,0.9)", parse=arg_type(_floats))
+    price_per_hour: float | None = setting(
+        None, "--price-per-hour", None, f"$ per replica-hour (default an assumed "
+        f"${ASSUMED_PRICE:g})", parse=float)
+    check_replicas: int = setting(
+        4, "--check-replicas", None, "the per-request check's pool before its surge (0: no "
+        "check)", parse=int)
+    check_surge: float = setting(
+        1.5, "--check-surge", None,
+        "the check's step: this many times the rate for 10 of its 20 minutes", parse=float)
+    check_policies: tuple[str, ...] = setting(
+        ("reactive", "predictive"), "--check-policies", None,
+        "the policies the per-request check runs, comma separated (default "
+        "reactive,predictive)", parse=arg_type(_policies))
+    json: str | None = setting(None, "--json", None, "write every row here")
+
+
+# DayEvaluationFlags' fields before the reactive scaler's flags in the group
+_BEFORE_REACTIVE = ("policies", "peak_replicas", "trough", "daily_curve", "surges",
+                    "calibration_replicas", "calibration_loads", "hour_goal", "startup_s",
+                    "scale_tick")
+
+
 def add_day_evaluation_args(parser: argparse.ArgumentParser) -> None:
+    """`DayEvaluationFlags`, with the reactive scaler's thresholds among them."""
     group = parser.add_argument_group("evaluation")
-    group.add_argument("--policies", type=arg_type(_policies), default=DAY_POLICIES,
-                       help=f"comma separated, of {', '.join(DAY_POLICIES)}")
-    group.add_argument("--peak-replicas", type=int, default=275,
-                       help="replicas the sizing rule wants at the curve's peak (default 275)")
-    group.add_argument("--trough", type=float, default=SEEDS_TROUGH,
-                       help="the quietest hour's share of the peak (default 75/275)")
-    group.add_argument("--daily-curve", type=arg_type(parse_curve), default=DIURNAL_CURVE,
-                       metavar="M0,...,M23", help="hourly shape (default: an assumed typical "
-                                                  "diurnal shape, not data), rescaled to --trough")
-    group.add_argument("--surges", type=arg_type(parse_surges), default=parse_surges("20:20:1.25"),
-                       help="unplanned surges HOUR:MINUTES:FACTOR,... or none (default "
-                            "20:20:1.25: +25%% for 20 minutes from 20:00)")
-    group.add_argument("--calibration-replicas", type=int, default=4)
-    group.add_argument("--calibration-loads", type=arg_type(_floats),
-                       default=(0.2, 0.4, 0.6, 0.7, 0.8, 0.9, 1.0, 1.25),
-                       help="shares of the calibration fleet's capacity to measure")
-    group.add_argument("--hour-goal", type=float, default=0.99,
-                       help="an hour meets the SLO when this share of what the calibrated "
-                            "replicas reached at their lightest load does (default 0.99)")
-    group.add_argument("--startup-s", type=float, default=60.0,
-                       help="a replica's start-up time (default 60)")
-    group.add_argument("--scale-tick", type=float, default=10.0)
+    after = tuple(name for name, _ in flag_fields(DayEvaluationFlags)
+                  if name not in _BEFORE_REACTIVE)
+    add_setting_args(group, DayEvaluationFlags, skip=after)
     add_reactive_args(group)
-    group.add_argument("--target-utilization", type=arg_type(_floats), default=(0.7, 0.9),
-                       help="the sizing rule's target utilisation of the calibrated SLO rate, "
-                            "comma separated: every policy runs the day at each; the first "
-                            "sizes the day (--peak-replicas) and the check (default 0.7,0.9)")
-    group.add_argument("--price-per-hour", type=float, default=None,
-                       help=f"$ per replica-hour (default an assumed ${ASSUMED_PRICE:g})")
-    group.add_argument("--check-replicas", type=int, default=4,
-                       help="the per-request check's pool before its surge (0: no check)")
-    group.add_argument("--check-surge", type=float, default=1.5,
-                       help="the check's step: this many times the rate for 10 of its 20 minutes")
-    group.add_argument("--check-policies", type=arg_type(_policies),
-                       default=("reactive", "predictive"))
-    group.add_argument("--json", default=None, help="write every row here")
+    add_setting_args(group, DayEvaluationFlags, skip=_BEFORE_REACTIVE)
 
 
 def load_point(run, plan, replicas: int) -> LoadPoint:

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import dataclass
 
 from carpool.config import EngineConfig
+from carpool.settings_fields import add_setting_args, setting
 from carpool.sim.command import add_pd_args, pd_from_args
 from carpool.sim.cost_flags import cost_model_from_args, pool_blocks
 from carpool.sim.evaluate import fleet_capacity, latency_row, offered_rate, scaled, write_rows
@@ -34,17 +36,26 @@ def _splits(text: str) -> tuple[tuple[int, int], ...]:
     return tuple(splits)
 
 
+@dataclass(frozen=True)
+class PDEvaluationFlags:
+    """``carpool evaluate pd``'s own flags (group "evaluation")."""
+
+    splits: tuple[tuple[int, int], ...] = setting(
+        ((2, 6), (3, 5), (4, 4)), "--splits", None,
+        "prefill:decode replica splits, comma separated (default 2:6,3:5,4:4); the colocated "
+        "fleet has P + D replicas", parse=arg_type(_splits))
+    modes: str = setting("always,conditional", "--modes", None,
+                         "planner modes per split (default always,conditional)")
+    load: float = setting(
+        0.8, "--load", None,
+        "offered rate as a share of the colocated fleet's measured capacity (default 0.8)",
+        parse=float)
+    json: str | None = setting(None, "--json", None, "write every row here")
+
+
 def add_pd_evaluation_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("evaluation")
-    group.add_argument("--splits", type=arg_type(_splits), default=((2, 6), (3, 5), (4, 4)),
-                       help="prefill:decode replica splits, comma separated (default "
-                            "2:6,3:5,4:4); the colocated fleet has P + D replicas")
-    group.add_argument("--modes", default="always,conditional",
-                       help="planner modes per split (default always,conditional)")
-    group.add_argument("--load", type=float, default=0.8,
-                       help="offered rate as a share of the colocated fleet's measured "
-                            "capacity (default 0.8)")
-    group.add_argument("--json", default=None, help="write every row here")
+    """`PDEvaluationFlags` and the P/D link's flags (no pool sizes: the splits give them)."""
+    add_setting_args(parser.add_argument_group("evaluation"), PDEvaluationFlags)
     add_pd_args(parser, pools=False)
 
 

@@ -4,10 +4,13 @@ carpool/sim/evaluate_pd.py; ``autoscale``: carpool/sim/evaluate_day.py) sharing 
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 
 from carpool.config import EngineConfig
+from carpool.settings_fields import add_setting_args, setting
 from carpool.sim import evaluate, evaluate_day, evaluate_pd
 from carpool.sim.cost_flags import add_cost_model_args
+from carpool.slo import parse_slo
 from carpool.workload.command import add_workload_args, arg_type
 
 _KINDS = {
@@ -20,18 +23,24 @@ _KINDS = {
 }
 
 
+@dataclass(frozen=True)
+class EvaluateFlags:
+    """The flags every evaluation takes besides the workload and cost model."""
+
+    slo: dict = setting(
+        {"ttft": 2.0, "tpot": 0.05}, "--slo", None,
+        "per-request limits for goodput (default ttft=2s,tpot=50ms)", parse=arg_type(parse_slo))
+
+
 def add_evaluate_args(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
     """The evaluations as sub-commands; returns them (each takes the engine flags)."""
-    from carpool.slo import parse_slo
-
     kinds = parser.add_subparsers(dest="evaluation", required=True)
     parsers = []
     for name, (help_text, add_args, _) in _KINDS.items():
         sub = kinds.add_parser(name, help=help_text)
         add_workload_args(sub, seed_flag="--workload-seed")
         add_cost_model_args(sub)
-        sub.add_argument("--slo", type=arg_type(parse_slo), default={"ttft": 2.0, "tpot": 0.05},
-                         help="per-request limits for goodput (default ttft=2s,tpot=50ms)")
+        add_setting_args(sub, EvaluateFlags)
         add_args(sub)
         parsers.append(sub)
     return parsers

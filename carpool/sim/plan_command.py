@@ -10,47 +10,65 @@ import math
 import time
 
 from carpool.config import EngineConfig
+from carpool.settings_fields import add_setting_args, setting
 from carpool.sim.command import add_simulation_args, cost_label, settings_from_args
 from carpool.sim.cost_flags import add_cost_model_args, cost_model_from_args, pool_blocks
 from carpool.sim.costs import machine_warning
 from carpool.sim.plan import ASSUMED_PRICE, Batching, PeakProblem, plan_peak
+from carpool.slo import parse_slo
 from carpool.workload.arrivals import rescale_offsets
-from carpool.workload.command import add_workload_args, arg_type, workload_spec
+from carpool.workload.command import add_workload_args, workload_spec
+from carpool.workload.flag_types import RequiredFlags, arg_type
 from carpool.workload.spec import WorkloadSpec, describe_workload, plan_workload
 from carpool.workload.traces import TraceRequest
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanFlags:
+    """``carpool plan``'s targets (group "plan"); ``--peak-rate`` and
+    ``--slo`` are required (None only until parsed)."""
+
+    peak_rate: float | None = setting(
+        None, "--peak-rate", None,
+        "requests/s at the peak; replaces --rate and --num-requests (a timed trace is looped "
+        "and its time scaled to this mean rate)", parse=float)
+    window: float = setting(300.0, "--window", None,
+                            "seconds of peak traffic each probe simulates", parse=float)
+    slo: dict | None = setting(
+        None, "--slo", None,
+        "per-request limits, e.g. ttft=500ms,tpot=100ms (ttft, tpot, e2e)",
+        parse=arg_type(parse_slo))
+    attainment: float = setting(0.95, "--attainment", None,
+                                "share of requests that must meet the SLO, in (0, 1]",
+                                parse=float)
+    utilization: float = setting(0.8, "--utilization", None,
+                                 "target utilisation of the first estimate, in (0, 1]",
+                                 parse=float)
+    price_per_hour: float | None = setting(
+        None, "--price-per-hour", None,
+        f"$ per replica-hour (default {ASSUMED_PRICE:g}: a placeholder assumption, replace it)",
+        parse=float)
+    batching_candidates: tuple[Batching, ...] | None = setting(
+        None, "--batching-candidates", "SEQSxTOKENS,...",
+        "max_num_seqs x max_num_batched_tokens settings to search, e.g. "
+        "64x512,128x1024,256x2048 (default: the engine's)", parse=arg_type(Batching.parse_list))
+    # the search's bound, not an autoscaler's (`carpool simulate --max-replicas`)
+    max_replicas: int = setting(1024, "--max-replicas", None,
+                                "the search gives up (an error) above this many replicas",
+                                parse=int)
+    json: str | None = setting(None, "--json", None, "write the plan here")
 
 
 def add_plan_args(parser: argparse.ArgumentParser) -> None:
     """Workload, cost model, simulation options (no --replicas: the plan
     chooses them), the planning targets and the day-long mode."""
     from carpool.sim.plan_day import add_day_args
-    from carpool.slo import parse_slo
 
     add_workload_args(parser, seed_flag="--workload-seed")
     add_cost_model_args(parser)
     add_simulation_args(parser, fleet=False)
-    group = parser.add_argument_group("plan")
-    group.add_argument("--peak-rate", type=float, required=True,
-                       help="requests/s at the peak; replaces --rate and --num-requests (a "
-                            "timed trace is looped and its time scaled to this mean rate)")
-    group.add_argument("--window", type=float, default=300.0,
-                       help="seconds of peak traffic each probe simulates")
-    group.add_argument("--slo", type=arg_type(parse_slo), required=True,
-                       help="per-request limits, e.g. ttft=500ms,tpot=100ms (ttft, tpot, e2e)")
-    group.add_argument("--attainment", type=float, default=0.95,
-                       help="share of requests that must meet the SLO, in (0, 1]")
-    group.add_argument("--utilization", type=float, default=0.8,
-                       help="target utilisation of the first estimate, in (0, 1]")
-    group.add_argument("--price-per-hour", type=float, default=None,
-                       help=f"$ per replica-hour (default {ASSUMED_PRICE:g}: a placeholder "
-                            f"assumption, replace it)")
-    group.add_argument("--batching-candidates", type=arg_type(Batching.parse_list),
-                       default=None, metavar="SEQSxTOKENS,...",
-                       help="max_num_seqs x max_num_batched_tokens settings to search, e.g. "
-                            "64x512,128x1024,256x2048 (default: the engine's)")
-    group.add_argument("--max-replicas", type=int, default=1024,
-                       help="the search gives up (an error) above this many replicas")
-    group.add_argument("--json", default=None, help="write the plan here")
+    group = RequiredFlags(parser.add_argument_group("plan"), "peak_rate", "slo")
+    add_setting_args(group, PlanFlags)
     add_day_args(parser)
 
 

@@ -27,10 +27,13 @@ import argparse
 import dataclasses
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from carpool.config import EngineConfig
+from carpool.settings_fields import add_setting_args, setting
 from carpool.sim.simulate import simulate
 from carpool.workload.arrivals import rescale_offsets
+from carpool.workload.flag_types import arg_type
 from carpool.workload.stats import distribution, meets_slo
 from carpool.workload.traces import TraceRequest
 
@@ -58,20 +61,26 @@ def parse_curve(text: str) -> tuple[float, ...]:
     return values
 
 
-def add_day_args(parser: argparse.ArgumentParser) -> None:
-    """Group "day": the day-long mode's flags."""
-    from carpool.workload.command import arg_type
+@dataclass(frozen=True)
+class DayFlags:
+    """``carpool plan``'s day-long mode (group "day")."""
 
-    day = parser.add_argument_group("day")
-    day.add_argument("--day", action="store_true",
-                     help="also simulate a 24-hour load curve with a replica schedule")
-    day.add_argument("--daily-curve", type=arg_type(parse_curve), default=None,
-                     metavar="M0,...,M23",
-                     help="24 hourly multipliers of the peak in [0, 1], largest 1 (default: "
-                          "an assumed typical diurnal shape, not data)")
-    day.add_argument("--hour-seconds", type=float, default=None,
-                     help="simulated seconds per hour of the curve (default 3600; less "
-                          "compresses the day at the same rates)")
+    day: bool = setting(False, "--day", None,
+                        "also simulate a 24-hour load curve with a replica schedule", parse=bool)
+    # None: DIURNAL_CURVE; given without --day it is an error (validate_day_args)
+    daily_curve: tuple[float, ...] | None = setting(
+        None, "--daily-curve", "M0,...,M23",
+        "24 hourly multipliers of the peak in [0, 1], largest 1 (default: an assumed typical "
+        "diurnal shape, not data)", parse=arg_type(parse_curve))
+    hour_seconds: float | None = setting(
+        None, "--hour-seconds", None,
+        "simulated seconds per hour of the curve (default 3600; less compresses the day at "
+        "the same rates)", parse=float)
+
+
+def add_day_args(parser: argparse.ArgumentParser) -> None:
+    """Group "day": `DayFlags`."""
+    add_setting_args(parser.add_argument_group("day"), DayFlags)
 
 
 def validate_day_args(args: argparse.Namespace) -> None:

@@ -14,10 +14,13 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from carpool.settings_fields import setting
 from carpool.workload.arrivals import Ramp, Surge, arrival_offsets, describe_process
+from carpool.workload.flag_types import arg_type
 from carpool.workload.prompts import PromptFactory, TokenizerLike
 from carpool.workload.traces import (
     MOONCAKE_BLOCK_TOKENS,
+    TRACE_FILES,
     TraceRequest,
     excerpt_note,
     has_arrivals,
@@ -37,26 +40,66 @@ ARRIVALS = ("constant", "poisson", "gamma", "trace")
 @dataclass(frozen=True)
 class WorkloadSpec:
     """What to replay: a source of lengths (``workload``: ``synthetic`` or a
-    trace name or path) and an arrival process. The fields are those of the
-    command-line flags of the same names (``carpool.workload.command``
-    builds one from them: `workload_spec`) and take their defaults from here."""
+    trace name or path) and an arrival process. Each field carries its
+    command-line flag (``carpool.workload.command.add_workload_args``
+    registers them, `workload_spec` builds one back). ``surge`` and
+    ``ramp`` are tuples; the flags' lists become tuples here."""
 
-    workload: str = SYNTHETIC
-    num_requests: int = 100
-    input_len: int = 128  # synthetic prompt tokens
-    output_len: int = 128  # synthetic output tokens
-    token_scale: float = 1.0
-    max_input_len: int = 1024
-    max_output_len: int = 512
-    trace_start: float = 0.0  # seconds into a timed trace
-    trace_loop: bool = False
-    workload_seed: int = 0
-    arrival: str = "poisson"  # one of ARRIVALS
-    rate: float = 2.0  # requests per second (generated arrivals)
-    burstiness: float = 1.0  # gamma shape
-    time_scale: float = 1.0  # multiplies trace gaps
-    surge: tuple[Surge, ...] = ()
-    ramp: tuple[Ramp, ...] = ()
+    workload: str = setting(
+        SYNTHETIC, "--workload", None,
+        f"'{SYNTHETIC}' (fixed lengths), a trace by name ({', '.join(TRACE_FILES)}: "
+        f"`carpool traces list` shows the file each reads) or the path of such a file")
+    num_requests: int = setting(100, "--num-requests", None, "requests to replay", parse=int)
+    input_len: int = setting(128, "--input-len", None, "synthetic prompt tokens", parse=int)
+    output_len: int = setting(128, "--output-len", None, "synthetic output tokens", parse=int)
+    token_scale: float = setting(
+        1.0, "--token-scale", None,
+        "multiply trace token counts by this (e.g. 0.125 for a small CPU model); Mooncake "
+        "prefix blocks shrink by the same factor", parse=float)
+    max_input_len: int = setting(1024, "--max-input-len", None, "cap on trace prompts",
+                                 parse=int)
+    max_output_len: int = setting(512, "--max-output-len", None, "cap on trace outputs",
+                                  parse=int)
+    trace_start: float = setting(0.0, "--trace-start", None,
+                                 "seconds into a timed trace where the replay starts",
+                                 parse=float)
+    trace_loop: bool = setting(
+        False, "--trace-loop", None,
+        "a timed trace shorter than --num-requests replays back to back (with --time-scale "
+        "0.1: ten copies at 10x the rate)", parse=bool)
+    # --seed, or --workload-seed where a command takes the engine's own --seed
+    workload_seed: int = setting(0, "--seed", "SEED",
+                                 "seed for arrivals, sampled lengths and prompt text", parse=int)
+    # The "arrivals" group (ARRIVAL_FIELDS) starts here.
+    arrival: str = setting(
+        "poisson", "--arrival", None,
+        "arrival process; 'trace' replays a timed trace's timestamps", choices=ARRIVALS)
+    rate: float = setting(2.0, "--rate", None,
+                          "mean requests per second (ignored by --arrival trace)", parse=float)
+    burstiness: float = setting(1.0, "--burstiness", None,
+                                "gamma shape: 1 = Poisson, < 1 burstier, > 1 smoother",
+                                parse=float)
+    time_scale: float = setting(1.0, "--time-scale", None,
+                                "multiply trace gaps by this (4 = four times slower)",
+                                parse=float)
+    surge: tuple[Surge, ...] = setting(
+        [], "--surge", "FACTORx@START+DURATION",
+        "multiply the rate over a window of seconds, e.g. 3x@20+30 (repeatable)",
+        parse=arg_type(Surge.parse), nargs="append")
+    ramp: tuple[Ramp, ...] = setting(
+        [], "--ramp", "FROMx-TOx@START+DURATION",
+        "move the rate multiplier linearly over a window, e.g. 1x-3x@10+20 (repeatable; "
+        "multiplies with surges)", parse=arg_type(Ramp.parse), nargs="append")
+
+    def __post_init__(self) -> None:
+        # The repeatable flags collect lists (argparse appends to its default);
+        # the spec keeps tuples, so that it stays immutable and comparable.
+        object.__setattr__(self, "surge", tuple(self.surge))
+        object.__setattr__(self, "ramp", tuple(self.ramp))
+
+
+# The fields of the "arrivals" help group; the others are the "workload" group's.
+ARRIVAL_FIELDS = ("arrival", "rate", "burstiness", "time_scale", "surge", "ramp")
 
 
 @dataclass(frozen=True)
