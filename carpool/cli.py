@@ -15,26 +15,30 @@ from collections.abc import Sequence
 from carpool import __version__
 from carpool.cli_flags import (
     ENGINE_FLAGS,
+    FLEET_FLAGS,
     SERVER_FLAGS,
+    SERVER_LIST_FLAGS,
     HelpFormatter,
     TopHelpFormatter,
     add_flags,
     describe_commands,
     engine_defaults,
     file_settings,
+    register_flag,
     server_defaults,
+    sources_flag,
 )
+from carpool.cli_options import GenerateOptions, add_sampling_flags, sampling_from_args
 from carpool.config import EngineConfig, read_yaml
-from carpool.sampling_params import SamplingParams
-from carpool.slo import slo_arg, slo_sources
+from carpool.settings_fields import add_setting_args
+from carpool.slo import slo_sources
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     """The engine's flags (``carpool.cli_flags.ENGINE_FLAGS``) and ``--config``."""
     group = parser.add_argument_group("engine")
-    group.add_argument("--config", metavar="FILE",
-                       help="YAML settings file: carpool's sections or vLLM's flat flag names "
-                            "(max-num-seqs: 64); flags given override it")
+    spec = sources_flag("config")
+    register_flag(group, spec, "config", None, spec.help)
     add_flags(group, ENGINE_FLAGS, "engine_", engine_defaults())
 
 
@@ -130,14 +134,10 @@ def server_config_from_args(args: argparse.Namespace):
             if not hasattr(config, key):
                 raise ValueError(f"unknown config key 'server.{key}'")
             setattr(config, key, value)
-    for flag in SERVER_FLAGS:
+    for flag in SERVER_FLAGS + SERVER_LIST_FLAGS:
         value = getattr(args, f"server_{flag.key}")
         if value is not None:
             setattr(config, flag.key, value)
-    if args.cors_origins:
-        config.cors_origins = list(args.cors_origins)
-    if args.allowed_hosts:
-        config.allowed_hosts = list(args.allowed_hosts)
     return config.validate()
 
 
@@ -146,47 +146,16 @@ def add_serve_parser(commands) -> None:
     serve.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
                        help="HF model directory, .gguf file or Hugging Face repo id, served "
                             "under this name as given (default: SmolLM2-135M-Instruct)")
-    serve.add_argument("--profile", default=None, metavar="NAME|FILE",
-                       help="settings profile: a built-in name or a YAML file (flags override it)")
+    spec = sources_flag("profile")
+    register_flag(serve, spec, "profile", None, spec.help)
     group = serve.add_argument_group("server")
-    add_flags(group, SERVER_FLAGS, "server_", server_defaults())
-    group.add_argument("--cors-origins", nargs="*", default=None, metavar="ORIGIN",
-                       help="allowed CORS origins (CORS is off unless given)")
-    group.add_argument("--allowed-hosts", nargs="*", default=None, metavar="HOST",
-                       help="Host header names accepted (default: loopback names on a keyless "
-                            "loopback server, else any)")
+    add_flags(group, [f for f in SERVER_FLAGS + SERVER_LIST_FLAGS if f not in FLEET_FLAGS],
+              "server_", server_defaults())
+    add_flags(serve.add_argument_group("fleet (shared with `carpool simulate`)"), FLEET_FLAGS,
+              "server_", server_defaults())
     add_engine_flags(serve)
-    serve.add_argument("--slo", dest="engine_slo", type=slo_arg, default=None,
-                       metavar="ttft=500ms,tpot=100ms,e2e=2s",
-                       help="latency targets for admitted requests (p99): the controller keeps "
-                            "them and sheds what would miss the TTFT one (429); default: "
-                            "measured at start-up, steering the batching without shedding, "
-                            "see docs/server/scheduling.md#adaptive-controller")
-
-
-def add_sampling_flags(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("sampling")
-    group.add_argument("--max-tokens", type=int, default=256, metavar="N",
-                       help="most tokens to generate")
-    group.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy")
-    group.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling")
-    group.add_argument("--top-k", type=int, default=0, metavar="K", help="0 = off")
-    group.add_argument("--min-p", type=float, default=0.0, metavar="P",
-                       help="drop tokens below this share of the top one's probability")
-    group.add_argument("--repetition-penalty", type=float, default=1.1, metavar="X",
-                       help="1 = off; the mild default keeps a small model's greedy reply "
-                            "from looping until --max-tokens (carpool serve's requests: 1)")
-    group.add_argument("--sample-seed", type=int, default=None, metavar="N",
-                       help="per-request seed")
-    group.add_argument("--stop", action="append", default=[], metavar="TEXT",
-                       help="stop string (repeatable)")
-
-
-def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                          top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                          repetition_penalty=args.repetition_penalty, seed=args.sample_seed,
-                          stop=args.stop)
+    spec = sources_flag("slo")
+    register_flag(serve, spec, "engine_slo", None, spec.help)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -237,13 +206,12 @@ def build_parser() -> argparse.ArgumentParser:
                                      prog="carpool", help=argparse.SUPPRESS, parser_class=_Parser)
     generate = commands.add_parser("generate", help="complete one prompt, streaming to stdout")
     generate.add_argument("prompt", help="the prompt text")
-    generate.add_argument("--raw", action="store_true",
-                          help="send the prompt as is instead of through the chat template")
+    add_setting_args(generate, GenerateOptions, only=("raw",))
     add_sampling_flags(generate)
     add_engine_flags(generate)
 
     chat = commands.add_parser("chat", help="interactive chat with the model's chat template")
-    chat.add_argument("--system", default=None, help="system prompt")
+    add_setting_args(chat, GenerateOptions, only=("system",))
     add_sampling_flags(chat)
     add_engine_flags(chat)
 

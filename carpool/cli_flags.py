@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from carpool.cluster.fleet_config import FleetConfig
 from carpool.config import (
     DESIGN_SECTION,
     CacheConfig,
@@ -31,7 +32,9 @@ from carpool.settings_fields import (  # noqa: F401
     flag_bool_or_auto,
     flag_fields,
     register_flag,
+    setting,
 )
+from carpool.slo import slo_arg
 
 
 @dataclass(frozen=True)
@@ -50,12 +53,38 @@ class Flag:
     metavar: str | None
     help: str
     aliases: tuple[str, ...] = ()
+    nargs: str | None = None
 
 
 def _flags_of(*classes: type) -> list[Flag]:
     """The flags the config dataclasses' fields declare (``settings_fields``)."""
-    return [Flag(spec.flag, name, spec.parse, spec.metavar, spec.help, spec.aliases)
+    return [Flag(spec.flag, name, spec.parse, spec.metavar, spec.help, spec.aliases, spec.nargs)
             for cls in classes for name, spec in flag_fields(cls)]
+
+
+@dataclass
+class SettingsSources:
+    """What the command line adds besides the config dataclasses' fields:
+    the settings files under the flags, and the latency targets' shorthand
+    (``slo:`` in a settings file, the controller's targets)."""
+
+    config: str | None = setting(
+        None, "--config", "FILE",
+        "YAML settings file: carpool's sections or vLLM's flat flag names (max-num-seqs: 64); "
+        "flags given override it")
+    profile: str | None = setting(
+        None, "--profile", "NAME|FILE",
+        "settings profile: a built-in name or a YAML file (flags override it)")
+    slo: str | None = setting(
+        None, "--slo", "ttft=500ms,tpot=100ms,e2e=2s",
+        "latency targets for admitted requests (p99): the controller keeps them and sheds what "
+        "would miss the TTFT one (429); default: measured at start-up, steering the batching "
+        "without shedding, see docs/server/scheduling.md#adaptive-controller", parse=slo_arg)
+
+
+def sources_flag(name: str) -> FlagSpec:
+    """``SettingsSources``' flag of field ``name``."""
+    return dict(flag_fields(SettingsSources))[name]
 
 
 # Engine and server flags: declared once, on their config fields.
@@ -63,7 +92,11 @@ ENGINE_FLAGS: list[Flag] = [
     *_flags_of(ModelSettings, CacheConfig, SchedulerConfig, ControllerConfig),
     Flag("--max-batch-tokens", "max_batch_tokens", int, "N", "same as --max-num-batched-tokens"),
 ]
-SERVER_FLAGS: list[Flag] = _flags_of(ServerConfig)
+# ServerConfig inherits the fleet's (FleetConfig: shared with `carpool simulate`).
+# The list-valued ones (--cors-origins A B ...) apart: the tables' flags take one value.
+SERVER_FLAGS: list[Flag] = [f for f in _flags_of(ServerConfig) if f.nargs is None]
+SERVER_LIST_FLAGS: list[Flag] = [f for f in _flags_of(ServerConfig) if f.nargs is not None]
+FLEET_FLAGS: list[Flag] = _flags_of(FleetConfig)
 
 
 def engine_defaults() -> dict[str, Any]:
@@ -103,7 +136,8 @@ def add_flags(group, flags: Iterable[Flag], prefix: str, defaults: dict[str, Any
     """Register ``flags`` on ``group``, each with ``dest=prefix + key`` and
     default None; every boolean also gets its ``--no-`` spelling."""
     for flag in flags:
-        spec = FlagSpec(flag.flag, flag.metavar, flag.help, flag.kind, flag.aliases)
+        spec = FlagSpec(flag.flag, flag.metavar, flag.help, flag.kind, flag.aliases,
+                        nargs=flag.nargs)
         register_flag(group, spec, prefix + flag.key, None, _help(flag, defaults))
 
 

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
 from datetime import datetime, time
 from typing import Any, TextIO
 
 from carpool.profiles import describe, list_profiles, load_profile
 from carpool.profiles.schedule import ProfileSchedule, Window, parse_clock
+from carpool.settings_fields import add_setting_args, setting
 
 
 def _clock(value: str) -> time:
@@ -24,12 +26,17 @@ def _clock(value: str) -> time:
     return time(seconds // 3600, seconds // 60 % 60, seconds % 60)
 
 
+@dataclass
+class ProfilesOptions:
+    at: time | None = setting(None, "--at", "HH:MM",
+                              "resolve at this local time of day instead of now", parse=_clock)
+
+
 def add_profiles_args(parser: argparse.ArgumentParser) -> None:
     """The arguments of ``carpool profiles``."""
     parser.add_argument("name", nargs="?", default=None,
                         help="show this profile (built-in name or YAML file) resolved as YAML")
-    parser.add_argument("--at", type=_clock, default=None, metavar="HH:MM",
-                        help="resolve at this local time of day instead of now")
+    add_setting_args(parser, ProfilesOptions)
 
 
 def _knobs(mapping: dict[str, Any]) -> str:

@@ -54,14 +54,16 @@ class FlagSpec:
     aliases: tuple[str, ...] = ()
     choices: tuple[str, ...] | None = None
     nargs: str | None = None  # "*" or "+": a list of values; "append": repeatable
+    required: bool = False  # the command cannot run without it (the default: until parsed)
 
 
 def setting(default: Any, flag: str, metavar: str | None, help_text: str, *,
             parse: Callable[[str], Any] = str, aliases: tuple[str, ...] = (),
-            choices: tuple[str, ...] | None = None, nargs: str | None = None) -> Any:
+            choices: tuple[str, ...] | None = None, nargs: str | None = None,
+            required: bool = False) -> Any:
     """A dataclass field with ``default`` and its flag (module docstring). A
     list or dict default is copied for each instance (a default factory)."""
-    spec = FlagSpec(flag, metavar, help_text, parse, aliases, choices, nargs)
+    spec = FlagSpec(flag, metavar, help_text, parse, aliases, choices, nargs, required)
     if isinstance(default, (list, dict)):
         return dataclasses.field(default_factory=lambda: type(default)(default),
                                  metadata={FLAG: spec})
@@ -85,39 +87,49 @@ def register_flag(group: Any, spec: FlagSpec, dest: str, default: Any, help_text
     gets ``--no-x``; a ``flag_bool`` takes an optional value and ``--no-x``."""
     names = (spec.flag, *spec.aliases)
     if spec.parse is bool:  # --x / --no-x for each name
-        group.add_argument(*names, dest=dest, action=argparse.BooleanOptionalAction,
-                           default=default, help=help_text)
+        action = group.add_argument(*names, dest=dest, action=argparse.BooleanOptionalAction,
+                                    default=default, help=help_text)
+        action.flag_spec = spec
         return
     if spec.parse is flag_bool:  # --x [BOOL]; --no-x (shown on the same help line)
         action = group.add_argument(*names, dest=dest, type=flag_bool, nargs="?", const=True,
                                     default=default, metavar=spec.metavar, help=help_text)
         negatives = tuple("--no-" + name[2:] for name in names)
-        group.add_argument(*negatives, dest=dest, action="store_const", const=False,
-                           default=default, help=argparse.SUPPRESS)
+        negative = group.add_argument(*negatives, dest=dest, action="store_const",
+                                      const=False, default=default, help=argparse.SUPPRESS)
         action.negative_flags = negatives
+        action.flag_spec = negative.flag_spec = spec
         return
-    extra: dict[str, Any] = {"choices": spec.choices} if spec.choices else {}
+    extra: dict[str, Any] = {"metavar": spec.metavar}
+    if spec.choices:  # argparse lists them where the metavar would be
+        extra = {"choices": spec.choices}
+    if spec.required:
+        extra["required"] = True
     if spec.nargs == "append":
         extra["action"] = "append"
     elif spec.nargs:
         extra["nargs"] = spec.nargs
-    group.add_argument(*names, dest=dest, type=spec.parse, default=default,
-                       metavar=spec.metavar, help=help_text, **extra)
+    action = group.add_argument(*names, dest=dest, type=spec.parse, default=default,
+                                help=help_text, **extra)
+    action.flag_spec = spec  # which declaration made it (tests/test_settings_fields.py)
 
 
 def add_setting_args(group: Any, cls: type, *, skip: tuple[str, ...] = (),
+                     only: tuple[str, ...] | None = None,
                      defaults: dict[str, tuple[Any, str]] | None = None) -> None:
     """Register ``cls``'s flagged fields on ``group`` (dest: the field's name,
-    default: the field's). ``skip``: fields this command does not take.
+    default: the field's). ``skip``: fields this command does not take;
+    ``only``: just these (a help group of a larger dataclass).
     ``defaults``: field -> (default, help) where this command deliberately
     differs from the field's default; its help must say so."""
     defaults = defaults or {}
-    unknown = set(defaults) - {name for name, _ in flag_fields(cls)}
+    unknown = (set(defaults) | set(skip) | set(only or ())) - {
+        name for name, _ in flag_fields(cls)}
     if unknown:
         raise ValueError(f"{cls.__name__} has no flagged field {sorted(unknown)}")
     for field in dataclasses.fields(cls):
         spec = field.metadata.get(FLAG)
-        if spec is None or field.name in skip:
+        if spec is None or field.name in skip or (only is not None and field.name not in only):
             continue
         default, help_text = defaults.get(field.name, (field_default(field), spec.help))
         register_flag(group, spec, field.name, default, help_text.replace("%", "%%"))

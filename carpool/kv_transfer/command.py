@@ -6,21 +6,30 @@ from __future__ import annotations
 import argparse
 import signal
 import threading
+from dataclasses import dataclass
 
 from carpool.config import parse_size
 from carpool.kv_transfer.stores import DEFAULT_TTL_S, MemoryStore
 from carpool.kv_transfer.tcp_store import TcpStoreServer
+from carpool.settings_fields import add_setting_args, setting
+
+
+@dataclass
+class KVStoreOptions:
+    """Where the store listens, and what it holds."""
+
+    host: str = setting(
+        "127.0.0.1", "--host", None,
+        "address to listen on (default: loopback only; another machine's replicas need a "
+        "reachable one, on a trusted network: the store has no authentication)")
+    port: int = setting(7600, "--port", None, "port (0: any free one)", parse=int)
+    capacity: str = setting("1GiB", "--capacity", None, "bytes of blocks held, e.g. 4GiB")
+    ttl: float = setting(DEFAULT_TTL_S, "--ttl", None,
+                         "seconds a block stays after its last use", parse=float)
 
 
 def add_kv_store_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="127.0.0.1",
-                        help="address to listen on (default: loopback only; another "
-                             "machine's replicas need a reachable one, on a trusted network: "
-                             "the store has no authentication)")
-    parser.add_argument("--port", type=int, default=7600, help="port (0: any free one)")
-    parser.add_argument("--capacity", default="1GiB", help="bytes of blocks held, e.g. 4GiB")
-    parser.add_argument("--ttl", type=float, default=DEFAULT_TTL_S,
-                        help="seconds a block stays after its last use")
+    add_setting_args(parser, KVStoreOptions)
 
 
 def run_kv_store(args: argparse.Namespace) -> int:

@@ -33,7 +33,6 @@ from carpool.measure.steps import (
 )
 from carpool.settings_fields import add_setting_args, setting
 from carpool.workload.command import add_workload_args, workload_spec
-from carpool.workload.flag_types import RequiredFlags
 from carpool.workload.spec import describe_workload, mooncake_block_tokens, plan_workload
 from carpool.workload.traces import TraceRequest
 
@@ -72,7 +71,8 @@ class FidelityFlags:
 
     # required: the simulator's error is judged against this machine's own model
     cost_model: str | None = setting(
-        None, "--cost-model", None, "this machine's measured cost model (carpool measure --out)")
+        None, "--cost-model", None, "this machine's measured cost model (carpool measure --out)",
+        required=True)
     json: str | None = setting(
         None, "--json", None, "write real.json and simulated.json (bench-serve results) here")
     real_runs: int = setting(
@@ -92,7 +92,7 @@ class FidelityFlags:
 def add_fidelity_args(parser: argparse.ArgumentParser) -> None:
     """The workload's flags (``--workload-seed``: the engine has ``--seed``) and `FidelityFlags`."""
     add_workload_args(parser, seed_flag="--workload-seed")
-    add_setting_args(RequiredFlags(parser, "cost_model"), FidelityFlags)
+    add_setting_args(parser, FidelityFlags)
 
 
 def compare(real: dict, simulated: dict, more_real: list[dict] = ()) -> list[FidelityRow]:

@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from carpool import limits
+from carpool.cluster.fleet_config import FleetConfig
 from carpool.server.reasoning_parsers import REASONING_PARSERS
 from carpool.server.tools import TOOL_PARSERS
 from carpool.settings_fields import flag_bool, setting
@@ -17,11 +18,13 @@ LOG_DATE_FORMAT = "%Y-%m-%d %H:%M:%S"  # %(asctime)s in log_format
 
 
 @dataclass
-class ServerConfig:
+class ServerConfig(FleetConfig):
     """Everything about the HTTP front; the engine has its own ``EngineConfig``.
 
     Every size a client controls has a cap here, so one request can never
     hold the server hostage (body, headers, n, logprobs, stop strings, ...).
+    The fleet's settings (replicas, routing, P/D, autoscaling) are
+    ``FleetConfig``'s, shared with ``carpool simulate``.
     """
 
     # loopback by default; 0.0.0.0 to serve the network
@@ -53,8 +56,13 @@ class ServerConfig:
     # Host names (no port) accepted in the Host header; empty = automatic:
     # on a keyless server bound to loopback only loopback names (against
     # DNS rebinding), otherwise any.
-    allowed_hosts: list[str] = field(default_factory=list)
-    cors_origins: list[str] = field(default_factory=list)  # CORS is off when empty
+    allowed_hosts: list[str] = setting(
+        [], "--allowed-hosts", "HOST",
+        "Host header names accepted (default: loopback names on a keyless loopback server, "
+        "else any)", nargs="*")
+    cors_origins: list[str] = setting(  # CORS is off when empty
+        [], "--cors-origins", "ORIGIN", "allowed CORS origins (CORS is off unless given)",
+        nargs="*")
     # The largest valid request: 32 prompts of 8192 token ids (~1.8 MB of JSON).
     max_body_bytes: int = setting(
         2 * 2**20, "--max-body-bytes", "BYTES",
@@ -130,95 +138,6 @@ class ServerConfig:
         "local", "--backend", "BACKEND",
         "where the replicas run: local (worker processes on this machine) | ray (Ray Serve "
         "deployments on a local or attached Ray cluster; pip install -e '.[ray]')")
-    # Engine worker processes behind the router (carpool.fleet.local); 1 =
-    # one engine. Each takes its own KV pool and torch threads: on one
-    # machine, at most about one per two cores pays.
-    replicas: int = setting(
-        1, "--replicas", "N",
-        "engine worker processes behind carpool's router (each its own KV pool and threads)",
-        parse=int)
-    # P/D serving (carpool.fleet.pd): prefill and decode replica pools,
-    # the KV of each prompt moving from one to the other through the KV
-    # store (kv_store: local by default). 0 and 0: colocated (--replicas).
-    prefill: int = setting(
-        0, "--prefill", "N",
-        "P/D serving: N prefill replicas (with --decode), each prompt's KV sent to a decode "
-        "replica through the KV store", parse=int)
-    decode: int = setting(
-        0, "--decode", "N",
-        "P/D serving: N decode replicas (with --prefill)", parse=int)
-    # Where each P/D request runs (carpool.cluster.pd.PDPlanner): always (every
-    # request prefilled on the prefill pool) | conditional (only where the
-    # predicted first token with the transfer beats a prefill on the decode
-    # replica; local backend). The link the planner prices the KV transfer
-    # with: GB/s and seconds per transfer (default: the local TCP store's
-    # load rate on a 2-core machine, docs/numbers/pd.md); shortest uncached prompt sent.
-    pd_mode: str = setting(
-        "always", "--pd-mode", "MODE",
-        "P/D: always (every prompt on the prefill pool) | conditional (where the predicted "
-        "TTFT says it pays; local backend)")
-    pd_bandwidth: float = setting(
-        0.5, "--pd-bandwidth", "GBPS",
-        "P/D: GB/s the planner prices a KV transfer at", parse=float)
-    pd_latency: float = setting(
-        0.0002, "--pd-latency", "SECONDS",
-        "P/D: seconds per KV transfer besides the bytes", parse=float)
-    pd_min_remote_tokens: int = setting(
-        0, "--pd-min-remote-tokens", "N",
-        "P/D conditional: shortest uncached prompt prefilled remotely (0: the predictions "
-        "decide)", parse=int)
-    # conditional: what a colocated prefill's stall of the decode replica's
-    # running requests weighs against the request's own TTFT (PDPlanner).
-    pd_stall_weight: float = setting(
-        0.0, "--pd-stall-weight", "W",
-        "P/D conditional: weight of the decodes a colocated prefill stalls against the "
-        "request's own TTFT (1: alike)", parse=float)
-    # The fleet router's policy (carpool.cluster.policies.POLICIES).
-    routing: str = setting(
-        "predicted-ttft", "--routing", "POLICY",
-        "the router's policy with --replicas > 1: predicted-ttft | cache-aware | "
-        "approx-cache-aware | session | least-outstanding | response-time | round-robin | "
-        "random")
-    # Live replica counts (carpool.cluster.autoscaler): reactive | predictive,
-    # None = the fixed --replicas. The count moves within [min, max]
-    # (max: default --replicas); the rules' thresholds follow.
-    autoscale: str | None = setting(
-        None, "--autoscale", "POLICY",
-        "change the replica count live: reactive | predictive (default: fixed --replicas)")
-    min_replicas: int = setting(
-        1, "--min-replicas", "N",
-        "--autoscale: fewest replicas", parse=int)
-    max_replicas: int | None = setting(
-        None, "--max-replicas", "N",
-        "--autoscale: most replicas (default: --replicas; one machine: its cores bound it)",
-        parse=int)
-    # seconds between autoscaler ticks
-    scale_tick: float = setting(
-        10.0, "--scale-tick", "SECONDS",
-        "--autoscale: seconds between ticks", parse=float)
-    # scale out when more than this many wait ...
-    scale_out_backlog: int = setting(
-        100, "--scale-out-backlog", "N",
-        "--autoscale: scale out when more than N requests wait ...", parse=int)
-    # ... longer than this at the recent rate (0: the count alone)
-    scale_out_wait: float = setting(
-        1.0, "--scale-out-wait", "SECONDS",
-        "... longer than this at the recent arrival rate (0: the count alone)", parse=float)
-    scale_out_cooldown: float = setting(
-        30.0, "--scale-out-cooldown", "SECONDS",
-        "--autoscale: seconds between two scale-outs (unless arrivals panic)", parse=float)
-    # scale in when slots stay less used than this ...
-    scale_in_utilization: float = setting(
-        0.5, "--scale-in-utilization", "FRACTION",
-        "--autoscale: scale in when slot use stays under this ...", parse=float)
-    # ... for this many seconds
-    scale_in_after: float = setting(
-        300.0, "--scale-in-after", "SECONDS",
-        "... for this long", parse=float)
-    # and the highest want of this window is lower
-    scale_in_window: float = setting(
-        300.0, "--scale-in-window", "SECONDS",
-        "--autoscale: scale in only to the highest want of this window", parse=float)
     # seconds a connection may take to send its request head
     header_timeout: float = setting(
         10.0, "--header-timeout", "SECONDS",
@@ -304,30 +223,6 @@ class ServerConfig:
             raise ValueError(f"response_cache_ttl must be > 0 seconds, "
                              f"got {self.response_cache_ttl}")
 
-    def _validate_pd(self) -> None:
-        from carpool.cluster.pd import PD_MODES
-
-        if self.pd_mode not in PD_MODES:
-            raise ValueError(f"pd_mode must be one of {', '.join(PD_MODES)}, got "
-                             f"{self.pd_mode!r}")
-        if not self.pd_bandwidth > 0 or not self.pd_latency >= 0:  # also rejects NaN
-            raise ValueError(f"P/D link needs pd_bandwidth > 0 GB/s and pd_latency >= 0 s, "
-                             f"got {self.pd_bandwidth} and {self.pd_latency}")
-        if not self.pd_stall_weight >= 0:
-            raise ValueError(f"pd_stall_weight must be >= 0, got {self.pd_stall_weight}")
-        if self.pd_min_remote_tokens < 0:
-            raise ValueError(f"pd_min_remote_tokens must be >= 0, got "
-                             f"{self.pd_min_remote_tokens}")
-        if self.prefill and self.backend == "ray" and self.pd_mode != "always":
-            raise ValueError("--backend ray: Ray Serve's request routers place each part, so "
-                             "P/D there is --pd-mode always")
-
-    def pd_link(self):
-        """The planner's ``Link`` (``pd_bandwidth`` GB/s, ``pd_latency`` s)."""
-        from carpool.cluster.pd import Link
-
-        return Link(self.pd_bandwidth * 1e9, self.pd_latency)
-
     def validate(self) -> "ServerConfig":
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
@@ -366,7 +261,10 @@ class ServerConfig:
         if self.prefill and (self.replicas > 1 or self.autoscale or not self.engine_process):
             raise ValueError("--prefill/--decode run their own pools of engine replicas: drop "
                              "--replicas, --autoscale and --no-engine-process")
-        self._validate_pd()
+        self.validate_pd()
+        if self.prefill and self.backend == "ray" and self.pd_mode != "always":
+            raise ValueError("--backend ray: Ray Serve's request routers place each part, so "
+                             "P/D there is --pd-mode always")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got "
                              f"{self.backend!r}")
@@ -393,17 +291,6 @@ class ServerConfig:
             raise ValueError(f"uvicorn_log_level must be one of {', '.join(UVICORN_LOG_LEVELS)}, "
                              f"got {self.uvicorn_log_level!r}")
         return self
-
-    def autoscale_config(self):
-        """The ``AutoscaleConfig`` these settings describe (``--autoscale``)."""
-        from carpool.cluster.autoscaler import AutoscaleConfig
-
-        return AutoscaleConfig(
-            min_replicas=self.min_replicas, max_replicas=self.max_replicas or self.replicas,
-            tick_s=self.scale_tick, scale_out_backlog=self.scale_out_backlog,
-            scale_out_wait_s=self.scale_out_wait, scale_out_cooldown_s=self.scale_out_cooldown,
-            scale_in_utilization=self.scale_in_utilization, scale_in_after_s=self.scale_in_after,
-            scale_in_window_s=self.scale_in_window).validate()
 
     def prompt_chars_cap(self, max_model_len: int) -> int:
         """The character cap in force for a model of this context length."""

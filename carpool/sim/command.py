@@ -5,93 +5,88 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from carpool.config import EngineConfig, parse_size
+from carpool.cluster.fleet_config import FleetConfig
+from carpool.config import EngineConfig
 from carpool.machine import available_cpus
+from carpool.settings_fields import add_setting_args
 from carpool.sim.cost_flags import add_cost_model_args, cost_model_from_args, pool_blocks
 from carpool.sim.costs import CostModel, machine_warning
-from carpool.sim.failures import FailureSettings, parse_failures
-from carpool.sim.scale_flags import add_reactive_args, parse_scale_schedule, reactive_knobs
+from carpool.sim.failures import FailureSettings
+from carpool.sim.flags import (  # noqa: F401  (parse_pd_links: its home before)
+    FailureFlags,
+    KVTierFlags,
+    ResultFlags,
+    SimPoolFlags,
+    SimScaleFlags,
+    parse_pd_links,
+)
+from carpool.sim.scale_flags import add_reactive_args, reactive_knobs
 from carpool.sim.simulate import (
-    ROUTING,
     SimRun,
     SimSettings,
     cyclic_gc_paused,
     simulate,
 )
-from carpool.workload.command import add_workload_args, arg_type, workload_spec
+from carpool.workload.command import add_workload_args, workload_spec
 from carpool.workload.spec import describe_workload, mooncake_block_tokens, plan_workload
+
+# `carpool simulate` studies policies where `carpool serve` picks the best
+# one for a live fleet: its defaults are the baselines, and say so.
+SIM_FLEET_DEFAULTS = {
+    "routing": ("round-robin", "the fleet router's policy (default: round-robin, the "
+                "baseline the other policies are measured against; `carpool serve` defaults "
+                "to predicted-ttft)"),
+    "max_replicas": (None, "--autoscale: most replicas (default: 4x --replicas; `carpool "
+                     "serve`'s is --replicas, one machine's cores bound it)"),
+}
+
+
+def _link_defaults() -> dict:
+    """The P/D flags' defaults where the simulator models a datacenter link
+    and `carpool serve` prices its local TCP store."""
+    from carpool.cluster.pd import Link
+
+    return {
+        "pd_mode": ("conditional", "conditional: prefill remotely only where it pays (default: "
+                    "the planner under study); always: every request (`carpool serve`'s "
+                    "default, the mode every backend has)"),
+        "pd_bandwidth": (Link.bandwidth / 1e9, f"GB/s of the link between the pools (default "
+                         f"{Link.bandwidth / 1e9:g}: 400 Gb/s RDMA; `carpool serve`'s prices "
+                         f"its local KV store)"),
+        "pd_latency": (Link.latency, f"seconds per transfer besides the bytes (default "
+                       f"{Link.latency:g}; `carpool serve`'s: its local KV store's)"),
+    }
+
+
+SIM_OPTIONS = ("fleet_ttft_target", "front_seconds", "fast_forward", "workers")
+
 
 
 def add_simulation_args(parser: argparse.ArgumentParser, *, fleet: bool = True) -> None:
     """Group "simulation": routing and the simulator's options; with
-    ``fleet`` also the replica count and per-token times (``carpool plan``
-    chooses the replicas itself)."""
+    ``fleet`` also the replica count, per-token times, autoscaling and
+    failures (``carpool plan`` chooses the replicas itself)."""
     group = parser.add_argument_group("simulation")
-    if fleet:
-        group.add_argument("--replicas", type=int, default=1)
-    group.add_argument("--routing", choices=ROUTING, default="round-robin",
-                       help="the fleet router's policy (default: round-robin, the baseline "
-                            "the other policies are measured against; `carpool serve` "
-                            "defaults to predicted-ttft)")
-    group.add_argument("--fleet-ttft-target", type=float, default=None, metavar="SECONDS",
-                       help="fleet admission: turn a request away at the front (429) when no "
-                            "replica's predicted TTFT is within this (predicted-ttft routing)")
-    group.add_argument("--front-seconds", type=float, default=0.0, metavar="SECONDS",
-                       help="the front's serial work per request (HTTP, tokenizing, routing, "
-                            "the hop to a worker): a burst reaches the replicas one request "
-                            "after another (default 0: at once)")
-    group.add_argument("--no-fast-forward", dest="fast_forward", action="store_false",
-                       help="step through every decode step (same result, slower)")
-    group.add_argument("--workers", type=int, default=None,
-                       help="processes for round-robin replicas, which are simulated "
-                            "independently (default: the CPUs available; same result)")
-    if fleet:
-        group.add_argument("--token-times", action="store_true",
-                           help="keep every token's time, for inter-token latency (memory "
-                                "grows with output tokens)")
-        scale = parser.add_argument_group("autoscaling (--replicas is then the start)")
-        scale.add_argument("--autoscale", choices=("reactive", "predictive", "schedule", "oracle"),
-                           default=None, help="scale the fleet with this policy")
-        scale.add_argument("--scale-schedule", type=arg_type(parse_scale_schedule), default=(),
-                           metavar="SECONDS:REPLICAS,...",
-                           help="--autoscale schedule: the replicas from each time on")
-        scale.add_argument("--min-replicas", type=int, default=1)
-        scale.add_argument("--max-replicas", type=int, default=None,
-                           help="default: 4x --replicas")
-        scale.add_argument("--startup-s", type=float, default=60.0,
-                           help="seconds a new replica takes before it serves")
-        scale.add_argument("--replica-concurrency", type=float, default=32.0,
-                           help="requests one replica holds within the SLO (sizing)")
-        scale.add_argument("--scale-tick", type=float, default=10.0,
-                           help="seconds between autoscaler decisions")
-        add_reactive_args(scale)
-        faults = parser.add_argument_group("failure injection")
-        faults.add_argument("--fail", type=arg_type(parse_failures), default=None,
-                            metavar="SECONDS:REPLICA,...",
-                            help="kill replica REPLICA (its index) SECONDS into the run; its "
-                                 "streaming requests fail, the others are routed again")
-        faults.add_argument("--failure-restart-s", type=float, default=60.0,
-                            help="seconds until a fresh replica replaces a failed one "
-                                 "(without --autoscale; default 60)")
+    add_setting_args(group, FleetConfig, only=("replicas", "routing") if fleet else ("routing",),
+                     defaults={"routing": SIM_FLEET_DEFAULTS["routing"]})
+    add_setting_args(group, SimSettings, only=SIM_OPTIONS + (("token_times",) if fleet else ()),
+                     defaults={"workers": (None, "processes for round-robin replicas, which "
+                                           "are simulated independently (default: the CPUs "
+                                           "available; same result)")})
+    if not fleet:
+        return
+    scale = parser.add_argument_group("autoscaling (--replicas is then the start)")
+    add_setting_args(scale, FleetConfig, only=("autoscale", "min_replicas", "max_replicas",
+                                               "scale_tick"),
+                     defaults={"max_replicas": SIM_FLEET_DEFAULTS["max_replicas"]})
+    add_setting_args(scale, SimScaleFlags)
+    add_reactive_args(scale)
+    add_setting_args(parser.add_argument_group("failure injection"), FailureFlags)
 
 
 def add_kv_tier_args(parser: argparse.ArgumentParser) -> None:
     """Group "shared KV tier": a fleet-wide external KV store (fleet.KVTierSettings)."""
-    from carpool.sim.fleet import TIER_BANDWIDTH, TIER_LATENCY_S, TIER_MEMORY_PER_REPLICA
-
-    group = parser.add_argument_group("shared KV tier")
-    group.add_argument("--kv-tier", action="store_true",
-                       help="give the fleet a shared KV tier replicas write through to and "
-                            "load prefixes from on a local miss")
-    group.add_argument("--kv-tier-memory", type=arg_type(parse_size), default=None,
-                       help=f"its capacity, e.g. 4TiB (default: "
-                            f"{TIER_MEMORY_PER_REPLICA >> 30} GiB per replica)")
-    group.add_argument("--kv-tier-bandwidth", type=float, default=TIER_BANDWIDTH / 1e9,
-                       help=f"GB/s a replica loads at (default {TIER_BANDWIDTH / 1e9:g})")
-    group.add_argument("--kv-tier-latency", type=float, default=TIER_LATENCY_S,
-                       help=f"seconds per load besides the bytes (default {TIER_LATENCY_S:g})")
-    group.add_argument("--kv-tier-ttl", type=float, default=1800.0,
-                       help="seconds a block is kept after its last use (default 1800)")
+    add_setting_args(parser.add_argument_group("shared KV tier"), KVTierFlags)
 
 
 def kv_tier_from_args(args: argparse.Namespace):
@@ -107,33 +102,16 @@ def kv_tier_from_args(args: argparse.Namespace):
 def add_pd_args(parser: argparse.ArgumentParser, *, pools: bool = True) -> None:
     """Group "prefill/decode": pools and the planner (pd.PDSettings); without
     ``pools`` only the link and the planner's threshold (evaluate pd sets the rest)."""
-    from carpool.cluster.pd import Link
-
     group = parser.add_argument_group("prefill/decode (analytic cost model)")
+    link = _link_defaults()
     if pools:
-        group.add_argument("--prefill-replicas", type=int, default=0,
-                           help="replicas of the prefill pool (the rest decode); 0: all "
-                                "replicas mixed (colocated)")
-        group.add_argument("--pd-mode", choices=("conditional", "always"), default="conditional",
-                           help="conditional: prefill remotely only where it pays (default: "
-                                "the planner under study); always: every request (`carpool "
-                                "serve`'s default, the mode every backend has)")
-    group.add_argument("--pd-bandwidth", type=float, default=Link.bandwidth / 1e9,
-                       help=f"GB/s of the link between the pools (default "
-                            f"{Link.bandwidth / 1e9:g}: 400 Gb/s RDMA)")
-    group.add_argument("--pd-latency", type=float, default=Link.latency,
-                       help=f"seconds per transfer besides the bytes (default {Link.latency:g})")
-    group.add_argument("--pd-link", type=arg_type(parse_pd_links), default=(),
-                       metavar="P:D:GBPS[:LATENCY],...",
-                       help="links that differ from --pd-bandwidth/--pd-latency, between "
-                            "prefill replica P and decode replica D (indices)")
-    group.add_argument("--pd-min-remote-tokens", type=int, default=0,
-                       help="shortest uncached prompt the planner prefills remotely (default 0: "
-                            "the predicted first tokens decide)")
-    group.add_argument("--pd-stall-weight", type=float, default=0.0,
-                       help="conditional: what a colocated prefill's stall of the decode "
-                            "replica's running requests weighs against the request's own "
-                            "TTFT (default 0: its own TTFT only; 1: request-seconds alike)")
+        add_setting_args(group, SimPoolFlags, only=("prefill_replicas",))
+        add_setting_args(group, FleetConfig, only=("pd_mode",),
+                         defaults={"pd_mode": link["pd_mode"]})
+    add_setting_args(group, FleetConfig, only=("pd_bandwidth", "pd_latency"),
+                     defaults={k: link[k] for k in ("pd_bandwidth", "pd_latency")})
+    add_setting_args(group, SimPoolFlags, only=("pd_link",))
+    add_setting_args(group, FleetConfig, only=("pd_min_remote_tokens", "pd_stall_weight"))
 
 
 def pd_from_args(args: argparse.Namespace, prefill_replicas: int | None = None,
@@ -149,39 +127,13 @@ def pd_from_args(args: argparse.Namespace, prefill_replicas: int | None = None,
                       args.pd_stall_weight)
 
 
-def parse_pd_links(text: str) -> tuple[tuple[int, int, float, float], ...]:
-    """``P:D:GBPS[:LATENCY_S],...`` as (prefill, decode, bytes/s, seconds)."""
-    from carpool.cluster.pd import Link
-
-    links = []
-    for part in text.split(","):
-        fields = part.split(":")
-        try:
-            if len(fields) not in (3, 4):
-                raise ValueError
-            latency = float(fields[3]) if len(fields) == 4 else Link.latency
-            links.append((int(fields[0]), int(fields[1]), float(fields[2]) * 1e9, latency))
-        except ValueError:
-            raise ValueError(f"a link is P:D:GBPS[:LATENCY_S], got {part!r}") from None
-    return tuple(links)
-
-
 def add_simulate_args(parser: argparse.ArgumentParser) -> None:
-    from carpool.slo import parse_slo
-
     add_workload_args(parser, seed_flag="--workload-seed")
     add_cost_model_args(parser)
     add_simulation_args(parser)
     add_kv_tier_args(parser)
     add_pd_args(parser)
-    out = parser.add_argument_group("results")
-    out.add_argument("--slo", type=arg_type(parse_slo), default={},
-                     help="per-request limits for goodput, e.g. ttft=500ms,tpot=100ms")
-    out.add_argument("--label", default=None, help="name of this run in reports")
-    out.add_argument("--price-per-hour", type=float, default=None,
-                     help="$ per replica-hour for the fleet's cost (default: an assumed $1)")
-    out.add_argument("--json", default=None, help="write the result here")
-    out.add_argument("--html", default=None, help="write an HTML report with plots here (dir)")
+    add_setting_args(parser.add_argument_group("results"), ResultFlags)
 
 
 def settings_from_args(config: EngineConfig, cost: CostModel,

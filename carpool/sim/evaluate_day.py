@@ -36,6 +36,7 @@ from carpool.cluster.autoscaler import (
     make_scaler,
     replicas_for,
 )
+from carpool.cluster.fleet_config import FleetConfig
 from carpool.config import EngineConfig
 from carpool.settings_fields import add_setting_args, flag_fields, setting
 from carpool.sim.cost_flags import cost_model_from_args, pool_blocks
@@ -79,7 +80,7 @@ def _policies(text: str) -> tuple[str, ...]:
 @dataclass(frozen=True)
 class DayEvaluationFlags:
     """``carpool evaluate autoscale``'s own flags (group "evaluation"; the
-    reactive scaler's thresholds come after ``scale_tick``)."""
+    reactive scaler's tick and thresholds, ``FleetConfig``'s, come after ``startup_s``)."""
 
     policies: tuple[str, ...] = setting(
         DAY_POLICIES, "--policies", None, f"comma separated, of {', '.join(DAY_POLICIES)}",
@@ -108,8 +109,6 @@ class DayEvaluationFlags:
         "their lightest load does (default 0.99)", parse=float)
     startup_s: float = setting(60.0, "--startup-s", None,
                                "a replica's start-up time (default 60)", parse=float)
-    scale_tick: float = setting(10.0, "--scale-tick", None,
-                                "seconds between autoscaler decisions", parse=float)
     target_utilization: tuple[float, ...] = setting(
         (0.7, 0.9), "--target-utilization", None,
         "the sizing rule's target utilisation of the calibrated SLO rate, comma separated: "
@@ -133,8 +132,7 @@ class DayEvaluationFlags:
 
 # DayEvaluationFlags' fields before the reactive scaler's flags in the group
 _BEFORE_REACTIVE = ("policies", "peak_replicas", "trough", "daily_curve", "surges",
-                    "calibration_replicas", "calibration_loads", "hour_goal", "startup_s",
-                    "scale_tick")
+                    "calibration_replicas", "calibration_loads", "hour_goal", "startup_s")
 
 
 def add_day_evaluation_args(parser: argparse.ArgumentParser) -> None:
@@ -143,6 +141,7 @@ def add_day_evaluation_args(parser: argparse.ArgumentParser) -> None:
     after = tuple(name for name, _ in flag_fields(DayEvaluationFlags)
                   if name not in _BEFORE_REACTIVE)
     add_setting_args(group, DayEvaluationFlags, skip=after)
+    add_setting_args(group, FleetConfig, only=("scale_tick",))
     add_reactive_args(group)
     add_setting_args(group, DayEvaluationFlags, skip=_BEFORE_REACTIVE)
 

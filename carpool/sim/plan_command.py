@@ -18,7 +18,7 @@ from carpool.sim.plan import ASSUMED_PRICE, Batching, PeakProblem, plan_peak
 from carpool.slo import parse_slo
 from carpool.workload.arrivals import rescale_offsets
 from carpool.workload.command import add_workload_args, workload_spec
-from carpool.workload.flag_types import RequiredFlags, arg_type
+from carpool.workload.flag_types import arg_type
 from carpool.workload.spec import WorkloadSpec, describe_workload, plan_workload
 from carpool.workload.traces import TraceRequest
 
@@ -31,13 +31,13 @@ class PlanFlags:
     peak_rate: float | None = setting(
         None, "--peak-rate", None,
         "requests/s at the peak; replaces --rate and --num-requests (a timed trace is looped "
-        "and its time scaled to this mean rate)", parse=float)
+        "and its time scaled to this mean rate)", parse=float, required=True)
     window: float = setting(300.0, "--window", None,
                             "seconds of peak traffic each probe simulates", parse=float)
     slo: dict | None = setting(
         None, "--slo", None,
         "per-request limits, e.g. ttft=500ms,tpot=100ms (ttft, tpot, e2e)",
-        parse=arg_type(parse_slo))
+        parse=arg_type(parse_slo), required=True)
     attainment: float = setting(0.95, "--attainment", None,
                                 "share of requests that must meet the SLO, in (0, 1]",
                                 parse=float)
@@ -67,7 +67,7 @@ def add_plan_args(parser: argparse.ArgumentParser) -> None:
     add_workload_args(parser, seed_flag="--workload-seed")
     add_cost_model_args(parser)
     add_simulation_args(parser, fleet=False)
-    group = RequiredFlags(parser.add_argument_group("plan"), "peak_rate", "slo")
+    group = parser.add_argument_group("plan")
     add_setting_args(group, PlanFlags)
     add_day_args(parser)
 

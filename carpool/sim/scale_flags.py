@@ -1,28 +1,19 @@
 """The reactive autoscaling rules' flags, shared by ``carpool simulate``
-and ``carpool evaluate autoscale`` (defaults: the seeds' thresholds)."""
+and ``carpool evaluate autoscale`` (defaults: the seeds' thresholds), and
+the ``--scale-schedule`` parser."""
 from __future__ import annotations
 
 import argparse
 
-from carpool.cluster.autoscaler import AutoscaleConfig
-
-_DEFAULTS = AutoscaleConfig()
-
 
 def add_reactive_args(group: argparse._ArgumentGroup) -> None:
-    group.add_argument("--scale-out-backlog", type=int, default=_DEFAULTS.scale_out_backlog,
-                       help="scale out when more than this many requests wait (default "
-                            f"{_DEFAULTS.scale_out_backlog}) ...")
-    group.add_argument("--scale-out-wait", type=float, default=_DEFAULTS.scale_out_wait_s,
-                       help="... and they would wait longer than this many seconds at the "
-                            "recent arrival rate (0: the count alone; default "
-                            f"{_DEFAULTS.scale_out_wait_s:g})")
-    group.add_argument("--scale-in-utilization", type=float,
-                       default=_DEFAULTS.scale_in_utilization,
-                       help="scale in when utilisation stays under this (default "
-                            f"{_DEFAULTS.scale_in_utilization:g}) ...")
-    group.add_argument("--scale-in-after", type=float, default=_DEFAULTS.scale_in_after_s,
-                       help=f"... for this many seconds (default {_DEFAULTS.scale_in_after_s:g})")
+    """The reactive rules' thresholds, ``FleetConfig``'s flags (its
+    defaults: the seeds' thresholds, ``AutoscaleConfig``'s)."""
+    from carpool.cluster.fleet_config import FleetConfig
+    from carpool.settings_fields import add_setting_args
+
+    add_setting_args(group, FleetConfig, only=("scale_out_backlog", "scale_out_wait",
+                                               "scale_in_utilization", "scale_in_after"))
 
 
 def reactive_knobs(args: argparse.Namespace) -> dict:

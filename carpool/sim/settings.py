@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from carpool.cluster.autoscaler import AutoscaleConfig
+from carpool.settings_fields import setting
 from carpool.sim.failures import FailureSettings
 from carpool.sim.fleet import ROUTING, KVTierSettings
 from carpool.sim.pd import PDSettings
@@ -17,11 +18,23 @@ class SimSettings:
 
     replicas: int = 1
     routing: str = "round-robin"
-    fast_forward: bool = True  # jump over runs of identical decode steps
-    token_times: bool = False  # keep every token's time (ITL); costs memory on big runs
+    # jump over runs of identical decode steps
+    fast_forward: bool = setting(
+        True, "--fast-forward", None,
+        "jump over runs of identical decode steps (--no-fast-forward: step through every "
+        "one; same result, slower)", parse=bool)
+    # keep every token's time (ITL); costs memory on big runs
+    token_times: bool = setting(
+        False, "--token-times", None,
+        "keep every token's time, for inter-token latency (memory grows with output tokens)",
+        parse=bool)
     max_model_len: int | None = None
     hash_block: int = 1  # tokens per Mooncake hash block (after token scaling)
-    workers: int = 1  # processes simulating independent (round-robin) replicas
+    # processes simulating independent (round-robin) replicas
+    workers: int = setting(
+        1, "--workers", None,
+        "processes for round-robin replicas, which are simulated independently (same result)",
+        parse=int)
     # Autoscaling: (from time s, replicas taking new requests), times ascending;
     # before the first entry all ``replicas`` do. A replica scaled in stops
     # receiving requests and finishes the ones it has.
@@ -37,14 +50,21 @@ class SimSettings:
     failures: FailureSettings | None = None  # replicas killed on a schedule (failures.py)
     # Fleet admission: the router turns a request away (429) when no replica's
     # predicted TTFT is within this many seconds (predicted-ttft routing).
-    fleet_ttft_target: float | None = None
+    fleet_ttft_target: float | None = setting(
+        None, "--fleet-ttft-target", "SECONDS",
+        "fleet admission: turn a request away at the front (429) when no replica's predicted "
+        "TTFT is within this (predicted-ttft routing)", parse=float)
     # The front's serial work per request (HTTP, tokenizing, routing, the hop
     # to a worker): requests reach the replicas one after another, each this
     # long after the one before left the front. Why it matters: requests of
     # a burst never reach a live engine at one instant, so an idle engine
     # starts a step on the first and the rest wait a whole step for it
     # (simulate.py's ``front_times``). 0: they arrive together.
-    front_seconds: float = 0.0
+    front_seconds: float = setting(
+        0.0, "--front-seconds", "SECONDS",
+        "the front's serial work per request (HTTP, tokenizing, routing, the hop to a "
+        "worker): a burst reaches the replicas one request after another (default 0: at "
+        "once)", parse=float)
 
     def validate(self) -> SimSettings:
         if self.replicas < 1:
