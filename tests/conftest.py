@@ -130,3 +130,13 @@ def tiny_async_engine(tiny_model_dir):
     async_engine = AsyncEngine(LLMEngine.from_config(config))
     yield async_engine
     async_engine.shutdown()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """A crash while the interpreter finalizes, after every test passed,
+    says where and in which thread: pytest's own faulthandler is off by then."""
+    import faulthandler
+    import sys
+
+    faulthandler.enable(file=sys.__stderr__, all_threads=True)

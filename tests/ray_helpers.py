@@ -11,6 +11,7 @@ import ray
 from ray import serve
 
 from carpool.ray_serve.app import application, settings_from_args
+from carpool.ray_serve.driver import stop_driver_router
 
 
 def free_port() -> int:
@@ -37,6 +38,7 @@ def serving(app_name: str, args: dict, env: dict[str, str] | None = None) -> Ite
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
+        stop_driver_router()  # the tests' handles started it in this process
         ray.shutdown()
         for name, value in saved.items():
             if value is None:

@@ -282,6 +282,8 @@ class AsyncEngine(PinFront, RequestIntake):
             self._fail_all(EngineDeadError(f"engine loop failed: {exc!r}"))
             if self.on_failure is not None:
                 self.on_failure(exc)
+        finally:
+            self.engine.close()
 
     def _publish_stats(self) -> None:
         self.stats = self.engine.stats()

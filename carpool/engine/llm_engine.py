@@ -290,6 +290,12 @@ class LLMEngine:
             return None
         return self.output_stage.final(request, "abort")
 
+    def close(self) -> None:
+        """Stop what the engine runs besides its steps: the KV connector's I/O
+        thread (idempotent). Its front calls this when it shuts down."""
+        if self.kv_connector is not None:
+            self.kv_connector.close()
+
     @property
     def has_unfinished(self) -> bool:
         """Requests in the scheduler, or a step's outputs not handed out yet."""

@@ -286,6 +286,8 @@ def serve(endpoint: str, parent_pid: int) -> int:
         socket.send(encoder.encode(Failed(repr(exc))))
         socket.close()
         return 1
+    finally:
+        engine.close()
     socket.close()
     return 0
 

@@ -68,6 +68,8 @@ def run_ray_server(engine_config: EngineConfig, server_config: ServerConfig,
     try:
         import ray
         from ray import serve
+
+        from carpool.ray_serve.driver import stop_driver_router
     except ImportError:
         print(f"carpool: error: {INSTALL_HINT}", file=sys.stderr, flush=True)
         return 2
@@ -123,5 +125,6 @@ def run_ray_server(engine_config: EngineConfig, server_config: ServerConfig,
             serve.delete(APP_NAME)
             serve.shutdown()
         finally:
+            stop_driver_router()
             if not attached:
                 ray.shutdown()
