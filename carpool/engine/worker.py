@@ -24,6 +24,7 @@ import signal
 import sys
 import time
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 import msgspec
 import zmq
@@ -48,6 +49,7 @@ from carpool.engine.wire import (
     to_worker_decoder,
 )
 from carpool.scheduler import RejectedError
+from carpool.settings_fields import add_setting_args, setting
 
 log = logging.getLogger("carpool.worker")
 
@@ -292,13 +294,22 @@ def serve(endpoint: str, parent_pid: int) -> int:
     return 0
 
 
+@dataclass
+class WorkerArgs:
+    """What the front starts a worker process with."""
+
+    connect: str = setting(None, "--connect", None, "the front's ZeroMQ endpoint",
+                           required=True)
+    parent_pid: int | None = setting(
+        None, "--parent-pid", None, "the front's pid (default: this process's parent now)",
+        parse=int)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m carpool.engine.worker", allow_abbrev=False,
                                      description="a carpool engine worker (started by the "
                                                  "API process, not by hand)")
-    parser.add_argument("--connect", required=True, help="the front's ZeroMQ endpoint")
-    parser.add_argument("--parent-pid", type=int, default=None,
-                        help="the front's pid (default: this process's parent now)")
+    add_setting_args(parser, WorkerArgs)
     args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
