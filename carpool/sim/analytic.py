@@ -118,6 +118,12 @@ HARDWARE = types.MappingProxyType({
     "h200": HardwareSpec("h200", 989e12, 4.8e12, memory_bytes=141e9),
     "a100-80gb": HardwareSpec("a100-80gb", 312e12, 2.039e12, memory_bytes=80e9),
     "l4": HardwareSpec("l4", 121e12, 300e9, memory_bytes=24e9),
+    # H800 SXM: an H100 SXM's compute and HBM3 (80 GB, 3.35 TB/s) with NVLink
+    # cut to 400 GB/s (carpool/sim/parallel.py has its links); h800-fp8 is the
+    # same part at its dense FP8 peak (1,979 TFLOP/s), for FP8 weights
+    # (--dtype-bytes 1) as DeepSeek serves V3.
+    "h800": HardwareSpec("h800", 989e12, 3.35e12, memory_bytes=80e9),
+    "h800-fp8": HardwareSpec("h800-fp8", 1979e12, 3.35e12, memory_bytes=80e9),
     "8xh100-sxm": HardwareSpec("8xh100-sxm", 8 * 989e12, 8 * 3.35e12, memory_bytes=8 * 80e9),
     "8xh200": HardwareSpec("8xh200", 8 * 989e12, 8 * 4.8e12, memory_bytes=8 * 141e9),
 })

@@ -28,8 +28,8 @@ class CostModelFlags:
         "(default model, bf16)")
     hardware: str | None = setting(
         None, "--hardware", None,
-        "analytic model: accelerator preset (h100-sxm, h200, a100-80gb, l4; 8xh100-sxm, "
-        "8xh200: a whole node as one replica)")
+        "analytic model: accelerator preset (h100-sxm, h200, a100-80gb, l4, h800, h800-fp8; "
+        "8xh100-sxm, 8xh200: a whole node as one replica)")
     model_shape: str | None = setting(
         None, "--model-shape", None,
         "analytic model: model preset (llama-3-8b, llama-3-70b, qwen2-7b, smollm2-135m, "
@@ -44,8 +44,22 @@ class CostModelFlags:
 
 
 def add_cost_model_args(parser: argparse.ArgumentParser) -> None:
-    """Group "cost model": `CostModelFlags`."""
-    add_setting_args(parser.add_argument_group("cost model"), CostModelFlags)
+    """Group "cost model": `CostModelFlags` and a replica's slicing over GPUs
+    (``parallel.ParallelShape``)."""
+    from carpool.sim.parallel import ParallelShape
+
+    group = parser.add_argument_group("cost model")
+    add_setting_args(group, CostModelFlags)
+    add_setting_args(group, ParallelShape)
+
+
+def parallel_from_args(args: argparse.Namespace):
+    """The ``ParallelShape`` the flags ask for (one GPU, no split, when a
+    command does not take them)."""
+    from carpool.settings_fields import values_from_args
+    from carpool.sim.parallel import ParallelShape
+
+    return values_from_args(ParallelShape, args)
 
 
 def cost_model_from_args(args: argparse.Namespace) -> CostModel:
@@ -59,17 +73,26 @@ def cost_model_from_args(args: argparse.Namespace) -> CostModel:
                          "(--hardware/--model-shape)")
     if args.cost_model and (args.hardware or args.model_shape):
         raise ValueError("give either --cost-model or --hardware/--model-shape, not both")
+    parallel = parallel_from_args(args)
     if args.cost_model:
+        if not parallel.trivial:
+            raise ValueError("a saved cost model keeps its own slicing: the --sim-*-parallel-"
+                             "size and --sim-micro-batches flags apply to --hardware/"
+                             "--model-shape")
         cost = load_cost_model(args.cost_model)
         warn_if_elsewhere(cost)
         return cost
     if args.hardware or args.model_shape:
         if not (args.hardware and args.model_shape):
             raise ValueError("the analytic cost model needs both --hardware and --model-shape")
-        from carpool.sim.analytic import analytic_from_names
+        from carpool.sim.parallel_cost import parallel_from_names
 
-        return analytic_from_names(args.hardware, args.model_shape, args.dtype_bytes,
-                                   1.0 if imbalance is None else imbalance)
+        return parallel_from_names(args.hardware, args.model_shape, parallel,
+                                   args.dtype_bytes, 1.0 if imbalance is None else imbalance)
+    if not parallel.trivial:
+        raise ValueError("--sim-tensor-parallel-size, --sim-expert-parallel-size and "
+                         "--sim-micro-batches apply to the analytic model "
+                         "(--hardware/--model-shape)")
     cost = load_cost_model(DEFAULT_COST_MODEL)
     warn_if_elsewhere(cost)
     return cost

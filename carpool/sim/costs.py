@@ -110,6 +110,9 @@ def load_cost_model(path: str | Path) -> CostModel:
 
         return FittedCostModel.from_dict(data)
     if data.get("model_kind") == "analytic":
+        if "parallel" in data:  # a replica over several GPUs (parallel_cost.py)
+            from carpool.sim.parallel_cost import ParallelCostModel
 
+            return ParallelCostModel.from_dict(data)
         return AnalyticCostModel.from_dict(data)
     raise ValueError(f"{path}: unknown model_kind {data.get('model_kind')!r}")

@@ -1,6 +1,8 @@
 """``carpool evaluate``: fleet policies side by side in the simulator, as
 sub-commands (``routing``: carpool/sim/evaluate.py; ``pd``:
-carpool/sim/evaluate_pd.py; ``autoscale``: carpool/sim/evaluate_day.py) sharing the workload, cost-model and SLO flags."""
+carpool/sim/evaluate_pd.py; ``autoscale``: carpool/sim/evaluate_day.py;
+``batching``: carpool/sim/evaluate_batching.py) sharing the workload,
+cost-model and SLO flags."""
 from __future__ import annotations
 
 import argparse
@@ -8,7 +10,7 @@ from dataclasses import dataclass
 
 from carpool.config import EngineConfig
 from carpool.settings_fields import add_setting_args, setting
-from carpool.sim import evaluate, evaluate_day, evaluate_pd
+from carpool.sim import evaluate, evaluate_batching, evaluate_day, evaluate_pd
 from carpool.sim.cost_flags import add_cost_model_args
 from carpool.slo import parse_slo
 from carpool.workload.command import add_workload_args, arg_type
@@ -20,6 +22,10 @@ _KINDS = {
            evaluate_pd.add_pd_evaluation_args, evaluate_pd.run_pd_evaluation),
     "autoscale": ("autoscaling policies over a full-size day (fluid, calibrated per request)",
                   evaluate_day.add_day_evaluation_args, evaluate_day.run_day_evaluation),
+    "batching": ("the design's table: static vs dynamic batching vs dynamic batching with "
+                 "two micro-batches overlapping communication, on a replica sliced over GPUs, "
+                 "and their day", evaluate_batching.add_batching_evaluation_args,
+                 evaluate_batching.run_batching_evaluation),
 }
 
 

@@ -35,6 +35,9 @@ class CostModelExecutor(Executor):
         self.last_step_seconds = 0.0
         # The rows the measured process padded its steps to (1: exact).
         self.shapes = ShapeMemory(row_bucket=cost.row_bucket)
+        # A cost model that meters steps (``meter(items, shape)``, as
+        # carpool/sim/evaluate_batching.py wraps one) hears of each executed step.
+        self.meter = getattr(cost, "meter", None)
 
     def execute(self, items: Sequence[BatchItem], padding: Padding | None = None) -> list[int]:
         """Price the step (``last_step_seconds``); one ``SAMPLED_TOKEN`` per
@@ -42,6 +45,8 @@ class CostModelExecutor(Executor):
         shape = batch_shape(items, padding)
         self.last_step_seconds = self.cost.step_seconds(shape) + self._new_shape_seconds(
             shape.tokens)
+        if self.meter is not None:
+            self.meter(items, shape)
         return [SAMPLED_TOKEN for item in items if item.sampling is not None]
 
     def decode_step_seconds(self, seqs: int, context_tokens: int) -> float:

@@ -130,6 +130,7 @@ class SimReplica:
         self._last_end = 0.0  # when the last step ended: a step later than it woke the engine
         self._sampled: list[tuple[Request, int]] = []  # what the step in flight sampled
         self._run: tuple[list[float], list[float]] = ([], [])  # (seconds, ends) of a RUN
+        self._run_shape = (0, 0)  # its sequences and its first step's context
         self._run_steps = _FIRST_RUN
         self.listener: ReplicaListener | None = None
 
@@ -341,6 +342,7 @@ class SimReplica:
         if len(seconds) < 2:
             return False
         self._run = (seconds, ends)
+        self._run_shape = (running, context - len(seconds) * running)  # its first step's
         self._set(State.RUN, ends[-1])
         return True
 
@@ -358,6 +360,8 @@ class SimReplica:
     def _apply_run(self, steps: int) -> None:
         seconds, ends = self._run
         seconds, ends = seconds[:steps], ends[:steps]
+        if self.executor.meter is not None:  # the steps that ran, as execute meters its own
+            self.executor.meter.decodes(*self._run_shape, steps)
         if self.token_times:
             for request in self.scheduler.running:
                 self._records[request.request_id].chunk_times.extend(ends)
