@@ -63,6 +63,14 @@ class ModelSettings:
     device: str = setting(
         "auto", "--device", "DEVICE",
         "auto | cpu | cuda[:N]")
+    # One replica over N processes (carpool/parallel, executor/tensor_parallel.py):
+    # rank 0 schedules, every rank holds its slice of the weights and the KV
+    # pool and runs the step's forward; gloo on the CPU, NCCL on CUDA (rank r
+    # on cuda:r).
+    tensor_parallel_size: int = setting(
+        1, "--tensor-parallel-size", "N",
+        "processes one replica's model is sliced over (heads, MLP features, experts' "
+        "features, vocabulary); greedy output is the same as one process's", parse=int)
     # defaults to the model's context length
     max_model_len: int | None = setting(
         None, "--max-model-len", "N",
@@ -159,4 +167,7 @@ class ModelSettings:
             raise ValueError(f"overlap must be auto|on|off, got {self.overlap!r}")
         if self.row_bucket < 1:
             raise ValueError(f"row_bucket must be >= 1 (1: exact rows), got {self.row_bucket}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got "
+                             f"{self.tensor_parallel_size}")
         capture_sizes(self.cuda_graph_sizes, 1)  # raises on a bad spec

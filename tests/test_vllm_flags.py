@@ -180,14 +180,14 @@ def test_flat_vllm_yaml_sets_engine_and_server(tmp_path):
 
 def test_an_unknown_key_is_one_line_naming_it(tmp_path):
     path = tmp_path / "vllm.yaml"
-    path.write_text("max-num-seqs: 4\ntensor-parallel-size: 2\n")
-    with pytest.raises(ValueError, match="unknown config key 'tensor-parallel-size'"):
+    path.write_text("max-num-seqs: 4\npipeline-parallel-size: 2\n")
+    with pytest.raises(ValueError, match="unknown config key 'pipeline-parallel-size'"):
         engine_config_from_args(_serve("--config", str(path)))
     done = subprocess.run([sys.executable, "-m", "carpool.cli", "generate", "hi", "--config",
                            str(path)], capture_output=True, text=True, timeout=120)
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1, done.stderr
-    assert "tensor-parallel-size" in lines[0] and str(path) in lines[0]
+    assert "pipeline-parallel-size" in lines[0] and str(path) in lines[0]
     path.write_text("max-num-seqs: lots\n")
     with pytest.raises(ValueError, match="max-num-seqs"):
         engine_config_from_args(_serve("--config", str(path)))

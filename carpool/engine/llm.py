@@ -69,6 +69,17 @@ class LLM:
                     final[output.request_id] = output
         return [final[i] for i in ids]
 
+    def close(self) -> None:
+        """End what the engine runs beside this process (a tensor-parallel
+        replica's followers, the KV store's I/O thread); idempotent."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def chat(self, messages: list[dict[str, str]],
              params: SamplingParams | None = None) -> RequestOutput:
         """One chat completion using the model's chat template."""

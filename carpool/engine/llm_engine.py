@@ -16,7 +16,6 @@ import time
 from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta
 from operator import attrgetter
-from pathlib import Path
 
 from carpool.config import CacheConfig, EngineConfig
 from carpool.engine.core import EngineCore
@@ -125,22 +124,14 @@ class LLMEngine:
         connector instead of the one ``config.cache.kv_store`` names (a
         backend the engine layer cannot import, e.g. Ray's object store).
         """
-        from carpool.executor.torch_executor import TorchExecutor, resolve_device, resolve_dtype
-        from carpool.model.loader import load_model
-        from carpool.paths import default_cache_dir
+        from carpool.executor.loading import load_served_model
 
         config.validate()
         settings = config.model
-        cache_dir = Path(settings.cache_dir) if settings.cache_dir else default_cache_dir()
-        dtype = resolve_dtype(settings.dtype, resolve_device(settings.device))
-        loaded = load_model(settings.model, cache_dir, dtype, tokenizer=settings.tokenizer,
-                            chat_template=settings.chat_template)
-        max_len = loaded.config.max_position_embeddings
-        if settings.max_model_len:
-            max_len = min(max_len, settings.max_model_len)
-        executor = TorchExecutor(loaded.config, loaded.weights, settings, config.cache, max_len,
-                                 max_num_seqs=config.scheduler.max_num_seqs,
-                                 kernels_in_background=kernels_in_background)
+        loaded, max_len = load_served_model(settings)
+        executor = _build_executor(config, loaded, max_len, kernels_in_background,
+                                   external_kv=config.cache.kv_store is not None
+                                   or kv_store is not None)
         loaded.weights.clear()
         connector = None
         if config.cache.kv_store is not None or kv_store is not None:
@@ -292,9 +283,11 @@ class LLMEngine:
 
     def close(self) -> None:
         """Stop what the engine runs besides its steps: the KV connector's I/O
-        thread (idempotent). Its front calls this when it shuts down."""
+        thread, a tensor-parallel replica's followers (idempotent). Its front
+        calls this when it shuts down."""
         if self.kv_connector is not None:
             self.kv_connector.close()
+        self.executor.close()
 
     @property
     def has_unfinished(self) -> bool:
@@ -492,3 +485,32 @@ class LLMEngine:
         if row.penalized:  # only penalties read the output tokens: copy them only then
             row.output_token_ids = request.token_ids[len(prompt):]
         return row
+
+
+def _build_executor(config: EngineConfig, loaded, max_len: int,  # noqa: ANN001
+                    kernels_in_background: bool, external_kv: bool):
+    """The replica's executor: the model here, or (``--tensor-parallel-size``
+    N > 1) rank 0's slice with the other ranks in follower processes."""
+    from carpool.executor.torch_executor import TorchExecutor
+
+    settings, tp, followers = config.model, None, []
+    if settings.tensor_parallel_size > 1:
+        from carpool.executor.tensor_parallel import start_followers
+
+        if external_kv:
+            raise ValueError("tensor parallelism does not combine with a KV store or P/D "
+                             "serving yet (each rank's slice of the blocks would move)")
+        tp, followers = start_followers(config)
+    try:
+        executor = TorchExecutor(loaded.config, loaded.weights, settings, config.cache, max_len,
+                                 max_num_seqs=config.scheduler.max_num_seqs,
+                                 kernels_in_background=kernels_in_background, tp=tp)
+    except BaseException:
+        for follower in followers:
+            follower.kill()
+        raise
+    if tp is None:
+        return executor
+    from carpool.executor.tensor_parallel import TensorParallelExecutor
+
+    return TensorParallelExecutor(executor, tp, followers)

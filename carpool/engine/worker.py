@@ -17,7 +17,6 @@ so a killed front leaves no orphan holding the model's memory.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import logging
 import os
 import signal
@@ -29,6 +28,7 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
+from carpool.child_process import die_with_parent
 from carpool.engine.front import ContextLengthError
 from carpool.engine.llm_engine import LLMEngine
 from carpool.engine.outputs import RequestOutput
@@ -58,7 +58,6 @@ STATS_INTERVAL_S = 0.25
 HEARTBEAT_S = 1.0
 # Test hook: make the engine loop raise on this step (exercises the failure path).
 FAULT_ENV = "CARPOOL_FAULT_AT_STEP"
-_PR_SET_PDEATHSIG = 1
 
 
 def build_serving_engine(config, slo_sources: dict[str, str] | None = None, schedule=None,
@@ -228,14 +227,6 @@ class WorkerLoop:
             progress.refused.append(refusal_of(add.request_id, ValueError("aborted")))
 
 
-def _die_with_parent() -> None:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass  # not Linux: the heartbeat's parent check still ends the worker
-
-
 def _build(launch: Launch) -> LLMEngine:
     schedule = None
     if launch.profile is not None:
@@ -314,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     parent_pid = args.parent_pid if args.parent_pid is not None else os.getppid()
-    _die_with_parent()
+    die_with_parent()
     # A front that died before the line above sent no death signal: its
     # worker already has another parent.
     if os.getppid() != parent_pid:

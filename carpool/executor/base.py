@@ -101,6 +101,11 @@ class Executor(ABC):
         return lambda: results
 
 
+    def close(self) -> None:
+        """Release what runs beside the model (a tensor-parallel replica's
+        follower processes); the engine calls it once, at its end."""
+
+
 def batch_items(spans: Sequence[Any], block_tables: Mapping[str, Sequence[int]],
                 sampling_row: Callable[[Any], Any]) -> list[BatchItem]:
     """The executor's items for a step's scheduled spans (the scheduler's

@@ -133,12 +133,14 @@ class TorchExecutor(Executor):
     def __init__(self, model_config: ModelConfig, weights: dict[str, torch.Tensor],
                  settings: ModelSettings, cache: CacheConfig, max_model_len: int,
                  max_num_seqs: int = 256, graph_type: type | None = None,
-                 kernels_in_background: bool = False) -> None:
+                 kernels_in_background: bool = False, tp=None) -> None:  # noqa: ANN001
         """``graph_type``: how decode steps are captured (``CudaGraph`` by
         default on CUDA unless ``settings.enforce_eager``; tests pass
         ``EagerGraph`` to drive the same path on the CPU); None: no graphs
         on the CPU. ``kernels_in_background``: do not wait for the CPU
-        kernels' first build (``load_cpu_ops``)."""
+        kernels' first build (``load_cpu_ops``). ``tp``: this process's
+        tensor-parallel group (``carpool.parallel.group``): the model is cut
+        to its rank's slice and the KV pool holds that slice's heads."""
         if settings.threads:
             torch.set_num_threads(settings.threads)
         self.device = resolve_device(settings.device)
@@ -151,6 +153,9 @@ class TorchExecutor(Executor):
         with torch.device(self.device):
             self.model = DecoderModel(model_config, max_model_len)
         self.model.load_hf_weights(weights)
+        self.tp = tp
+        if tp is not None:
+            model_config = self._shard(model_config, settings)
         self.model.to(device=self.device, dtype=self.dtype).eval()
         # Rotary tables stay fp32 whatever the weights' dtype.
         for rotary in self.model.rotaries():
@@ -174,6 +179,8 @@ class TorchExecutor(Executor):
 
             self.model.ops = TritonOps()
         self.num_blocks = self._num_blocks(model_config, cache)
+        if tp is not None:  # one pool for the scheduler: what every rank's memory holds
+            self.num_blocks = tp.smallest(self.num_blocks)
         self.kv_caches = self._kv_caches(model_config)
         self.sampler = Sampler(model_config.vocab_size)
         if self.cpu_ops is not None and self.device.type == "cpu":
@@ -182,6 +189,15 @@ class TorchExecutor(Executor):
         moe_blocks = [layer.moe for layer in self.model.layers if layer.moe is not None]
         self.expert_load = ExpertLoad(moe_blocks) if moe_blocks else None
         self.graphs = self._capture_graphs(settings, max_model_len, max_num_seqs, graph_type)
+
+    def _shard(self, config: ModelConfig, settings: ModelSettings) -> ModelConfig:
+        """Cut the loaded model to this rank's slice; the slice's config."""
+        from carpool.parallel.shard import local_config, shard_model
+
+        if settings.quantization is not None:
+            raise ValueError("--quantization does not combine with tensor parallelism yet")
+        shard_model(self.model, self.tp)
+        return local_config(config, self.tp.size)
 
     def _kv_caches(self, config: ModelConfig) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (K, V); layouts: see carpool/model/attention.py (K blocks
@@ -213,6 +229,8 @@ class TorchExecutor(Executor):
         if graph_type is None or not self.attention.graph_safe:
             return None
         if self.expert_load is not None:  # expert GEMMs are sized by each step's routing
+            return None
+        if self.tp is not None:  # collectives inside a captured graph: not yet
             return None
 
         def forward(ids: torch.Tensor, meta) -> torch.Tensor:  # noqa: ANN001

@@ -67,6 +67,10 @@ class DecoderLayer(nn.Module):
         self.window = c.window_of(index)
         self.local_rope = self.window is not None and c.local_rope_theta is not None
         self.scale = c.scale
+        # Tensor parallel (carpool/parallel/shard.py): the group whose ranks
+        # hold the rest of this layer; o_proj's and the MLP's outputs are
+        # partial sums over it. None: the whole layer is here.
+        self.tp = None
 
     def linear_names(self) -> tuple[str, ...]:
         """The dense linear layers decode paths may replace (quantized,
@@ -85,8 +89,8 @@ class DecoderLayer(nn.Module):
         # they never touch a real row, and attention sees only real ones.
         rows, tokens = hidden.shape[0], meta.positions.shape[0]
         if self.mla is not None:
-            attn = self.mla(self.input_layernorm(hidden, ops)[:tokens], rope, meta, kv[0],
-                            attention)
+            attn = self._reduced(self.mla(self.input_layernorm(hidden, ops)[:tokens], rope,
+                                          meta, kv[0], attention))
             if rows > tokens:
                 attn = F.pad(attn, (0, 0, 0, rows - tokens))
             return self._residual_mlp(hidden, attn, tokens, ops)
@@ -104,17 +108,23 @@ class DecoderLayer(nn.Module):
             attn = self._attention(qkv, rope, kv, meta, attention, ops)
         if rows > tokens:
             attn = F.pad(attn, (0, 0, 0, rows - tokens))
-        return self._residual_mlp(hidden, self.o_proj(attn), tokens, ops)
+        return self._residual_mlp(hidden, self._reduced(self.o_proj(attn)), tokens, ops)
+
+    def _reduced(self, partial: torch.Tensor) -> torch.Tensor:
+        """A row-parallel output summed over the ranks (as is without them)."""
+        return partial if self.tp is None else self.tp.all_reduce(partial)
 
     def _residual_mlp(self, hidden: torch.Tensor, attn: torch.Tensor, tokens: int,
                       ops) -> torch.Tensor:  # noqa: ANN001
         """The attention's output (projected) added, then the MLP's."""
         if self.sandwich:
             hidden = hidden + self.post_attention_layernorm(attn, ops)
-            out = self._mlp(self.pre_feedforward_layernorm(hidden, ops), tokens, ops)
+            out = self._reduced(self._mlp(self.pre_feedforward_layernorm(hidden, ops), tokens,
+                                          ops))
             return hidden + self.post_feedforward_layernorm(out, ops)
         hidden = hidden + attn
-        return hidden + self._mlp(self.post_attention_layernorm(hidden, ops), tokens, ops)
+        return hidden + self._reduced(self._mlp(self.post_attention_layernorm(hidden, ops),
+                                                tokens, ops))
 
     def _mlp(self, x: torch.Tensor, tokens: int, ops) -> torch.Tensor:  # noqa: ANN001
         if self.moe is not None:  # pad rows would be routed (and counted) like tokens
@@ -174,12 +184,22 @@ class DecoderModel(nn.Module):
         # Called with each layer's index once its KV of the step is in the
         # cache (a P/D prefill streams it out: carpool/kv_transfer/layer_export.py).
         self.after_layer: Callable[[int], None] | None = None
+        # Tensor parallel (carpool/parallel/shard.py): the group, and the
+        # first vocab row of this rank's embedding and LM head slice.
+        self.tp = None
+        self.vocab_start = 0
 
     def rotaries(self) -> list[Rotary]:
         return [self.rotary] + ([self.local_rotary] if self.local_rotary is not None else [])
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+        if self.tp is None:
+            hidden = self.embed_tokens(input_ids)
+        else:  # vocab-parallel: the rows of ids in this rank's range, zeros else, summed
+            local = input_ids - self.vocab_start
+            outside = (local < 0) | (local >= self.embed_tokens.num_embeddings)
+            hidden = self.embed_tokens(local.masked_fill(outside, 0))
+            hidden = self.tp.all_reduce(hidden.masked_fill(outside.unsqueeze(-1), 0))
         if self.config.embed_scale is not None:  # in the weights' dtype, as Gemma's reference
             hidden = hidden * torch.tensor(self.config.embed_scale, dtype=hidden.dtype)
         return hidden
@@ -214,6 +234,8 @@ class DecoderModel(nn.Module):
         else:
             weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
             logits = F.linear(normed, weight)
+        if self.tp is not None:  # each rank's vocab slice, side by side, padding dropped
+            logits = self.tp.all_gather_columns(logits)[:, :self.config.vocab_size]
         cap = self.config.final_logit_softcap
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
