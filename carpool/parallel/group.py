@@ -8,6 +8,7 @@ since every rank runs the same forward over the same step.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,9 @@ class TensorParallelGroup:
     group: object = None
     control: object = None
     backend: str = "gloo"
+    # Seconds spent in the model's collectives (all-reduce, all-gather) so far:
+    # with nothing overlapping them, all of it is exposed in the step's time.
+    comm_seconds: float = 0.0
 
     @classmethod
     def join(cls, rank: int, size: int, port: int, device: torch.device,
@@ -48,21 +52,26 @@ class TensorParallelGroup:
         can be (the callers pass a layer's fresh output)."""
         if self.size == 1:
             return tensor
+        start = time.perf_counter()
         if self.backend == "gloo" and tensor.dtype not in _GLOO_NATIVE:
             wide = tensor.float()
             dist.all_reduce(wide, group=self.group)
-            return wide.to(tensor.dtype)
-        tensor = tensor.contiguous()
-        dist.all_reduce(tensor, group=self.group)
+            tensor = wide.to(tensor.dtype)
+        else:
+            tensor = tensor.contiguous()
+            dist.all_reduce(tensor, group=self.group)
+        self.comm_seconds += time.perf_counter() - start
         return tensor
 
     def all_gather_columns(self, tensor: torch.Tensor) -> torch.Tensor:
         """[rows, cols] from every rank, side by side: [rows, size * cols]."""
         if self.size == 1:
             return tensor
+        start = time.perf_counter()
         tensor = tensor.contiguous()
         parts = [torch.empty_like(tensor) for _ in range(self.size)]
         dist.all_gather(parts, tensor, group=self.group)
+        self.comm_seconds += time.perf_counter() - start
         return torch.cat(parts, dim=-1)
 
     def smallest(self, value: int) -> int:
