@@ -71,6 +71,15 @@ class ModelSettings:
         1, "--tensor-parallel-size", "N",
         "processes one replica's model is sliced over (heads, MLP features, experts' "
         "features, vocabulary); greedy output is the same as one process's", parse=int)
+    # Two micro-batches per step (carpool/model/decoder.py
+    # forward_micro_batches): one's tensor-parallel sums travel while the
+    # other computes. auto: under tensor parallelism, for steps of two or
+    # more sequences; on: always then (one process too: the same outputs);
+    # off: one batch.
+    micro_batches: str = setting(
+        "auto", "--micro-batches", "MODE",
+        "split a step into two micro-batches whose tensor-parallel communication overlaps "
+        "the other's compute: auto (with --tensor-parallel-size > 1) | on | off")
     # defaults to the model's context length
     max_model_len: int | None = setting(
         None, "--max-model-len", "N",
@@ -167,6 +176,8 @@ class ModelSettings:
             raise ValueError(f"overlap must be auto|on|off, got {self.overlap!r}")
         if self.row_bucket < 1:
             raise ValueError(f"row_bucket must be >= 1 (1: exact rows), got {self.row_bucket}")
+        if self.micro_batches not in ("auto", "on", "off"):
+            raise ValueError(f"micro_batches must be auto|on|off, got {self.micro_batches!r}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got "
                              f"{self.tensor_parallel_size}")

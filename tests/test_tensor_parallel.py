@@ -39,14 +39,15 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def run_ranks(model_dir: Path, size: int, steps: int = 5, dtype: str = "float32") -> dict:
+def run_ranks(model_dir: Path, size: int, steps: int = 5, dtype: str = "float32",
+              micro_batches: str = "off") -> dict:
     """Every rank of a ``size``-way run as its own process; rank 0's JSON."""
     port = _free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen(
         [sys.executable, "-m", "tests.tp_rank", "--model-dir", str(model_dir), "--rank",
          str(rank), "--size", str(size), "--port", str(port), "--steps", str(steps),
-         "--dtype", dtype], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+         "--dtype", dtype, "--micro-batches", micro_batches], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True) for rank in range(size)]
     try:
         outputs = [proc.communicate(timeout=240) for proc in procs]
@@ -68,17 +69,32 @@ def family_dirs(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
     return dirs
 
 
+def _same(result: dict, reference: dict) -> None:
+    assert result["tokens"] == reference["tokens"]
+    for mine, theirs in zip(result["logprobs"], reference["logprobs"]):
+        assert mine == pytest.approx(theirs, abs=1e-4)
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_two_ranks_say_what_one_process_says(family, family_dirs):
+    """Two ranks with their steps in two micro-batches (auto's choice under
+    tensor parallelism) against the whole model in one batch."""
     alone = run_ranks(family_dirs[family], 1)
-    split = run_ranks(family_dirs[family], 2)
+    split = run_ranks(family_dirs[family], 2, micro_batches="auto")
     # The ranks hold halves (a KV head shared by both when there is one).
     assert split["heads"] * 2 == alone["heads"]
     assert split["vocab_rows"] == -(-alone["vocab_rows"] // 2)
     assert split["kv_pool_heads"] == max(1, alone["kv_pool_heads"] // 2)
-    assert split["tokens"] == alone["tokens"]
-    for mine, theirs in zip(split["logprobs"], alone["logprobs"]):
-        assert mine == pytest.approx(theirs, abs=1e-4)
+    _same(split, alone)
+
+
+@pytest.mark.parametrize("family", ["llama-gqa", "mixtral"])
+def test_micro_batches_change_no_output_alone_or_split(family, family_dirs):
+    """One batch per step on two ranks, two micro-batches in one process:
+    the same tokens as the whole model in one batch."""
+    alone = run_ranks(family_dirs[family], 1)
+    _same(run_ranks(family_dirs[family], 2, micro_batches="off"), alone)
+    _same(run_ranks(family_dirs[family], 1, micro_batches="on"), alone)
 
 
 def test_a_config_that_does_not_divide_is_refused_naming_what(family_dirs):

@@ -1,5 +1,6 @@
 """One rank of a tensor-parallel check (``python -m tests.tp_rank``): the
-model of ``--model-dir`` cut over ``--size`` processes, the same greedy
+model of ``--model-dir`` cut over ``--size`` processes (``--micro-batches``
+auto | on | off: two micro-batches per step or one), the same greedy
 steps on every rank (ragged prefills of three prompts, then decodes, through
 ``TorchExecutor`` and its paged KV pool); rank 0 prints each prompt's tokens
 and log-probabilities as JSON. ``--size 1`` is the whole model alone."""
@@ -24,10 +25,11 @@ PROMPTS = [[5, 9, 13, 21, 34], list(range(3, 40, 2)), [7] * 3 + list(range(50, 8
 BLOCKS_PER_PROMPT = 8
 
 
-def run(model_dir: str, rank: int, size: int, port: int, steps: int, dtype: str) -> dict:
+def run(model_dir: str, rank: int, size: int, port: int, steps: int, dtype: str,
+        micro_batches: str) -> dict:
     torch.manual_seed(0)
     loaded = load_model_dir(model_dir)
-    settings = ModelSettings(dtype=dtype, device="cpu", threads=1)
+    settings = ModelSettings(dtype=dtype, device="cpu", threads=1, micro_batches=micro_batches)
     cache = CacheConfig(block_size=16, num_blocks=len(PROMPTS) * BLOCKS_PER_PROMPT)
     tp = TensorParallelGroup.join(rank, size, port, torch.device("cpu")) if size > 1 else None
     executor = TorchExecutor(loaded.config, loaded.weights, settings, cache, max_model_len=256,
@@ -59,10 +61,11 @@ def run(model_dir: str, rank: int, size: int, port: int, steps: int, dtype: str)
 def main() -> int:
     parser = argparse.ArgumentParser()
     for flag, kind in (("--model-dir", str), ("--rank", int), ("--size", int), ("--port", int),
-                       ("--steps", int), ("--dtype", str)):
+                       ("--steps", int), ("--dtype", str), ("--micro-batches", str)):
         parser.add_argument(flag, type=kind, required=True)
     args = parser.parse_args()
-    result = run(args.model_dir, args.rank, args.size, args.port, args.steps, args.dtype)
+    result = run(args.model_dir, args.rank, args.size, args.port, args.steps, args.dtype,
+                 args.micro_batches)
     if args.rank == 0:
         json.dump(result, sys.stdout)
     return 0

@@ -154,6 +154,7 @@ class TorchExecutor(Executor):
             self.model = DecoderModel(model_config, max_model_len)
         self.model.load_hf_weights(weights)
         self.tp = tp
+        self.micro_batches = settings.micro_batches
         if tp is not None:
             model_config = self._shard(model_config, settings)
         self.model.to(device=self.device, dtype=self.dtype).eval()
@@ -344,26 +345,23 @@ class TorchExecutor(Executor):
         bucket = self._graph_bucket(runs) if padding is None else None
         if bucket is not None:  # pad the batch to its graph's size
             runs += [pad for _ in range(bucket - len(runs)) for pad in self._pad_run(1)]
-        input_ids: list[int] = []
+        groups = self._micro_batches(runs, padding, bucket)
+        runs = [run for group in groups for run in group]
         sample_rows: list[int] = []  # rows of the flattened batch to sample
         sampled_items: list[int] = []  # their indices in `items`
+        row = 0
         for run in runs:
-            input_ids.extend(run.token_ids)
+            row += len(run.token_ids)
             if run.item is not None and items[run.item].sampling is not None:
-                sample_rows.append(len(input_ids) - 1)
+                sample_rows.append(row - 1)
                 sampled_items.append(run.item)
-        meta = self.attention.build_metadata([run.span for run in runs], self.block_size,
-                                             self.device)
-        if bucket is None:
-            # Pad rows: the same kernels serve every step of a bucket (shapes.py);
-            # a graph's batch is padded to its size already.
-            input_ids += [PAD_TOKEN_ID] * (padded_rows(len(input_ids), self.row_bucket)
-                                           - len(input_ids))
-        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        if bucket is not None:
-            hidden = self.graphs.replay(ids, meta, len(items))
+        if len(groups) > 1:
+            hidden = torch.cat(self.model.forward_micro_batches(
+                [self._batch(group, None) for group in groups], self.kv_caches, self.attention))
+        elif bucket is not None:
+            hidden = self.graphs.replay(*self._batch(runs, bucket), len(items))
         else:
-            hidden = self.model(ids, meta, self.kv_caches, self.attention)
+            hidden = self.model(*self._batch(runs, None), self.kv_caches, self.attention)
         if self.expert_load is not None:
             self.expert_load.record()
         if not sampled_items:
@@ -380,6 +378,29 @@ class TorchExecutor(Executor):
             # Back to item order (indices are unique, so results are never compared).
             return [result for _, result in sorted(zip(sampled_items, results))]
         return sample
+
+    def _batch(self, runs: list[_Run], bucket: int | None):  # noqa: ANN202
+        """(token ids, attention metadata) of ``runs``; outside a graph's
+        bucket the ids are padded to a row bucket: the same kernels serve
+        every step of a bucket (shapes.py)."""
+        input_ids = [token for run in runs for token in run.token_ids]
+        meta = self.attention.build_metadata([run.span for run in runs], self.block_size,
+                                             self.device)
+        if bucket is None:
+            input_ids += [PAD_TOKEN_ID] * (padded_rows(len(input_ids), self.row_bucket)
+                                           - len(input_ids))
+        return torch.tensor(input_ids, dtype=torch.long, device=self.device), meta
+
+    def _micro_batches(self, runs: list[_Run], padding: Padding | None,
+                       bucket: int | None) -> list[list[_Run]]:
+        """The step as two micro-batches (every other run: each keeps decodes
+        first) where ``micro_batches`` asks for them and both get work, else
+        as one. auto: under tensor parallelism, whose sums the split hides."""
+        mode = self.micro_batches
+        wanted = mode == "on" or (mode == "auto" and self.tp is not None)
+        if not wanted or padding is not None or bucket is not None or len(runs) < 2:
+            return [runs]
+        return [runs[0::2], runs[1::2]]
 
     def _graph_bucket(self, runs: list[_Run]) -> int | None:
         """The captured batch size a step of decodes only replays in, else None."""

@@ -83,17 +83,27 @@ class DecoderLayer(nn.Module):
                 meta: AttentionMetadata, kv: tuple[torch.Tensor, torch.Tensor],
                 attention: TorchAttention, ops=None) -> torch.Tensor:  # noqa: ANN001
         """``ops``: fused kernels (RMSNorm, SwiGLU; rotary where they have it):
-        our compiled CPU kernels or the Triton ones on a GPU; or None."""
+        our compiled CPU kernels or the Triton ones on a GPU; or None.
+
+        Three stages around the two sums a tensor-parallel layer waits for
+        (``DecoderModel.forward_micro_batches`` interleaves two batches' stages)."""
+        attn = self._reduced(self.attention_partial(hidden, rope, meta, kv, attention, ops))
+        hidden, mlp = self.mlp_partial(hidden, attn, meta.positions.shape[0], ops)
+        return self.finish(hidden, self._reduced(mlp), ops)
+
+    def attention_partial(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                          meta: AttentionMetadata, kv: tuple[torch.Tensor, torch.Tensor],
+                          attention: TorchAttention, ops=None) -> torch.Tensor:  # noqa: ANN001
+        """Stage 1: the attention's output, projected; under tensor
+        parallelism this rank's partial sum."""
         # ``hidden`` may hold pad rows past the step's tokens (see
         # ``DecoderModel.forward``); every op but attention is row by row, so
         # they never touch a real row, and attention sees only real ones.
         rows, tokens = hidden.shape[0], meta.positions.shape[0]
         if self.mla is not None:
-            attn = self._reduced(self.mla(self.input_layernorm(hidden, ops)[:tokens], rope,
-                                          meta, kv[0], attention))
-            if rows > tokens:
-                attn = F.pad(attn, (0, 0, 0, rows - tokens))
-            return self._residual_mlp(hidden, attn, tokens, ops)
+            attn = self.mla(self.input_layernorm(hidden, ops)[:tokens], rope, meta, kv[0],
+                            attention)
+            return F.pad(attn, (0, 0, 0, rows - tokens)) if rows > tokens else attn
         qkv = self.qkv_proj(self.input_layernorm(hidden, ops))[:tokens]
         if self.q_norm is not None:
             qkv = self._norm_qk(qkv, ops)
@@ -108,23 +118,25 @@ class DecoderLayer(nn.Module):
             attn = self._attention(qkv, rope, kv, meta, attention, ops)
         if rows > tokens:
             attn = F.pad(attn, (0, 0, 0, rows - tokens))
-        return self._residual_mlp(hidden, self._reduced(self.o_proj(attn)), tokens, ops)
+        return self.o_proj(attn)
+
+    def mlp_partial(self, hidden: torch.Tensor, attn: torch.Tensor, tokens: int,
+                    ops) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001
+        """Stage 2: the attention's output (summed) added; the residual
+        stream and the MLP's output (a partial sum under tensor parallelism)."""
+        if self.sandwich:
+            hidden = hidden + self.post_attention_layernorm(attn, ops)
+            return hidden, self._mlp(self.pre_feedforward_layernorm(hidden, ops), tokens, ops)
+        hidden = hidden + attn
+        return hidden, self._mlp(self.post_attention_layernorm(hidden, ops), tokens, ops)
+
+    def finish(self, hidden: torch.Tensor, mlp: torch.Tensor, ops) -> torch.Tensor:  # noqa: ANN001
+        """Stage 3: the MLP's output (summed) added."""
+        return hidden + (self.post_feedforward_layernorm(mlp, ops) if self.sandwich else mlp)
 
     def _reduced(self, partial: torch.Tensor) -> torch.Tensor:
         """A row-parallel output summed over the ranks (as is without them)."""
         return partial if self.tp is None else self.tp.all_reduce(partial)
-
-    def _residual_mlp(self, hidden: torch.Tensor, attn: torch.Tensor, tokens: int,
-                      ops) -> torch.Tensor:  # noqa: ANN001
-        """The attention's output (projected) added, then the MLP's."""
-        if self.sandwich:
-            hidden = hidden + self.post_attention_layernorm(attn, ops)
-            out = self._reduced(self._mlp(self.pre_feedforward_layernorm(hidden, ops), tokens,
-                                          ops))
-            return hidden + self.post_feedforward_layernorm(out, ops)
-        hidden = hidden + attn
-        return hidden + self._reduced(self._mlp(self.post_attention_layernorm(hidden, ops),
-                                                tokens, ops))
 
     def _mlp(self, x: torch.Tensor, tokens: int, ops) -> torch.Tensor:  # noqa: ANN001
         if self.moe is not None:  # pad rows would be routed (and counted) like tokens
@@ -225,6 +237,44 @@ class DecoderModel(nn.Module):
                 after_layer(index)
         return hidden[:meta.positions.shape[0]]
 
+    def forward_micro_batches(self, batches: list[tuple[torch.Tensor, AttentionMetadata]],
+                              kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                              attention: TorchAttention) -> list[torch.Tensor]:
+        """``forward`` of two (or more) batches, layer by layer interleaved so
+        each batch's sums travel while the others compute: a batch's
+        attention starts its all-reduce, the next batch's attention runs,
+        the first waits and runs its MLP, and so on (SGLang's two-batch
+        overlap). Every rank issues the collectives in this same order.
+        Each batch's rows are computed exactly as ``forward`` would."""
+        self.step_kind.decode_only = all(not meta.prefills for _, meta in batches)
+        states = [_BatchState(self, ids, meta) for ids, meta in batches]
+        for index, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
+            for state in states:  # the last layer's MLP sum, then this attention
+                state.finish_mlp(layer_before=self.layers[index - 1] if index else None)
+                state.pending = self._start(layer.attention_partial(
+                    state.hidden, state.local_rope if layer.local_rope else state.rope,
+                    state.meta, kv, attention, self.ops))
+            counts = []  # the experts' tokens of every batch (the step's, as forward counts)
+            for state in states:
+                state.hidden, mlp = layer.mlp_partial(state.hidden, self._finish(state.pending),
+                                                      state.tokens, self.ops)
+                state.pending = self._start(mlp)
+                if layer.moe is not None:
+                    counts.append(layer.moe.last_expert_counts)
+            if counts:
+                layer.moe.last_expert_counts = sum(counts[1:], counts[0])
+            if self.after_layer is not None:
+                self.after_layer(index)
+        for state in states:
+            state.finish_mlp(layer_before=self.layers[-1])
+        return [state.hidden[:state.tokens] for state in states]
+
+    def _start(self, partial: torch.Tensor):  # noqa: ANN202 - a PendingSum or the tensor
+        return partial if self.tp is None else self.tp.start_all_reduce(partial)
+
+    def _finish(self, pending) -> torch.Tensor:  # noqa: ANN001
+        return pending if self.tp is None else self.tp.finish(pending)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [S, vocab] for the given rows only, in the model's dtype: the
         sampler widens what it needs (an all-greedy batch needs nothing)."""
@@ -277,3 +327,23 @@ class DecoderModel(nn.Module):
                                ("q_norm", layer.q_norm), ("k_norm", layer.k_norm)):
                 if norm is not None:
                     norm.weight.copy_(take(n[role]))
+
+
+class _BatchState:
+    """One micro-batch through ``DecoderModel.forward_micro_batches``: its
+    residual stream, rope tables, metadata and the sum it waits for."""
+
+    def __init__(self, model: DecoderModel, ids: torch.Tensor, meta: AttentionMetadata) -> None:
+        self.model, self.meta = model, meta
+        self.tokens = meta.positions.shape[0]
+        self.hidden = model.embed(ids)
+        self.rope = model.rotary.tables(meta.positions, self.hidden.dtype)
+        self.local_rope = (None if model.local_rotary is None
+                           else model.local_rotary.tables(meta.positions, self.hidden.dtype))
+        self.pending = None
+
+    def finish_mlp(self, layer_before: DecoderLayer | None) -> None:
+        """The previous layer's MLP sum added (nothing before the first layer)."""
+        if layer_before is not None:
+            mlp = self.model._finish(self.pending)
+            self.hidden = layer_before.finish(self.hidden, mlp, self.model.ops)

@@ -21,6 +21,16 @@ _GLOO_NATIVE = (torch.float32, torch.float64, torch.int32, torch.int64)
 
 
 @dataclass
+class PendingSum:
+    """An all-reduce in flight: its handle (None: nothing to wait for), the
+    tensor it sums into and the dtype the sum is returned in."""
+
+    handle: object
+    tensor: torch.Tensor
+    dtype: torch.dtype
+
+
+@dataclass
 class TensorParallelGroup:
     """Rank ``rank`` of ``size``; ``group`` carries the model's tensors and
     ``control`` (gloo) the step descriptions rank 0 sends its followers."""
@@ -30,8 +40,8 @@ class TensorParallelGroup:
     group: object = None
     control: object = None
     backend: str = "gloo"
-    # Seconds spent in the model's collectives (all-reduce, all-gather) so far:
-    # with nothing overlapping them, all of it is exposed in the step's time.
+    # Seconds the forward waited on the model's collectives so far: the
+    # communication left exposed (all of it, where nothing overlaps it).
     comm_seconds: float = 0.0
 
     @classmethod
@@ -62,6 +72,24 @@ class TensorParallelGroup:
             dist.all_reduce(tensor, group=self.group)
         self.comm_seconds += time.perf_counter() - start
         return tensor
+
+    def start_all_reduce(self, tensor: torch.Tensor) -> PendingSum:
+        """Begin ``all_reduce``; ``finish`` waits for it. Another batch's
+        compute runs meanwhile (gloo and NCCL move the bytes on their own threads)."""
+        if self.size == 1:
+            return PendingSum(None, tensor, tensor.dtype)
+        work = tensor.float() if self.backend == "gloo" and tensor.dtype not in _GLOO_NATIVE \
+            else tensor.contiguous()
+        handle = dist.all_reduce(work, group=self.group, async_op=True)
+        return PendingSum(handle, work, tensor.dtype)
+
+    def finish(self, pending: PendingSum) -> torch.Tensor:
+        """The sum ``start_all_reduce`` began (the wait counts as exposed)."""
+        if pending.handle is not None:
+            start = time.perf_counter()
+            pending.handle.wait()
+            self.comm_seconds += time.perf_counter() - start
+        return pending.tensor.to(pending.dtype)
 
     def all_gather_columns(self, tensor: torch.Tensor) -> torch.Tensor:
         """[rows, cols] from every rank, side by side: [rows, size * cols]."""
