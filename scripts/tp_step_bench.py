@@ -7,10 +7,11 @@
 A random-weight Llama-shaped model (hidden 512, 8 heads, 4 KV heads, MLP
 1536, vocab 32768; ``--layers``) in ``--dtype``, through ``TorchExecutor``
 and its paged KV pool: decode steps of ``--batch`` sequences at 256 tokens
-of context, and prefill steps of 512 tokens. Per step: the median time, and
-for TP 2 the seconds inside the collectives (all-reduce, all-gather), all of
-it exposed since nothing overlaps it yet. Each rank is a process of this
-script (gloo on 127.0.0.1).
+of context, and prefill steps of two 256-token prompts. Per step: the median
+time and the time the forward waited on collectives (all-reduce,
+all-gather): with one batch all of the communication, with two
+micro-batches (``--micro-batches on``) what the other batch's compute did
+not hide. Each rank is a process of this script (gloo on 127.0.0.1).
 """
 from __future__ import annotations
 
@@ -78,7 +79,8 @@ def run_rank(args: argparse.Namespace) -> dict:
           if args.size > 1 else None)
     config, weights = _weights(args.layers)
     blocks = 16 * (args.batch + 1) * 2
-    executor = TorchExecutor(config, weights, ModelSettings(dtype=args.dtype, device="cpu"),
+    settings = ModelSettings(dtype=args.dtype, device="cpu", micro_batches=args.micro_batches)
+    executor = TorchExecutor(config, weights, settings,
                              CacheConfig(block_size=16, num_blocks=blocks), 2048, tp=tp)
     row = SamplingRow(SamplingParams(temperature=0.0), 0, 0)
     context = list(range(3, 259))
@@ -87,9 +89,10 @@ def run_rank(args: argparse.Namespace) -> dict:
         return [BatchItem(str(i), context, 255, 1, list(range(i * 16, i * 16 + 16)), row)
                 for i in range(args.batch)]
 
-    def prefill(step: int) -> list[BatchItem]:
-        return [BatchItem("p", list(range(3, 515)), 0, 512,
-                          list(range(args.batch * 16, args.batch * 16 + 32)), row)]
+    def prefill(step: int) -> list[BatchItem]:  # two prompts: both micro-batches have work
+        first = args.batch * 16
+        return [BatchItem(f"p{i}", list(range(3, 259)), 0, 256,
+                          list(range(first + 16 * i, first + 16 * i + 16)), row) for i in (0, 1)]
 
     result = {"decode": _time_steps(executor, tp, decodes, args.steps),
               "prefill": _time_steps(executor, tp, prefill, max(3, args.steps // 3))}
@@ -104,10 +107,10 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def launch(size: int, threads: int, args: argparse.Namespace) -> dict:
+def launch(size: int, threads: int, micro_batches: str, args: argparse.Namespace) -> dict:
     port = _free_port()
     common = ["--layers", str(args.layers), "--steps", str(args.steps), "--batch",
-              str(args.batch), "--dtype", args.dtype]
+              str(args.batch), "--dtype", args.dtype, "--micro-batches", micro_batches]
     procs = [subprocess.Popen([sys.executable, __file__, "--rank", str(rank), "--size", str(size),
                                "--port", str(port), "--threads", str(threads), *common],
                               stdout=subprocess.PIPE, text=True,
@@ -127,6 +130,7 @@ def main() -> int:
     parser.add_argument("--size", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--threads", type=int, default=2, help=argparse.SUPPRESS)
+    parser.add_argument("--micro-batches", default="off", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank is not None:
         result = run_rank(args)
@@ -134,13 +138,20 @@ def main() -> int:
             print(json.dumps(result))
         return 0
     cores = os.cpu_count() or 2
-    rows = [("TP 1", launch(1, cores, args)), ("TP 2", launch(2, max(1, cores // 2), args))]
-    print(f"{args.layers} layers, {args.dtype}, {cores} cores | step median ms "
-          f"(collectives ms, all exposed)")
+    half = max(1, cores // 2)
+    rows = [("TP 1", launch(1, cores, "off", args)),
+            ("TP 2, one batch", launch(2, half, "off", args)),
+            ("TP 2, two micro-batches", launch(2, half, "on", args))]
+    print(f"{args.layers} layers, {args.dtype}, {cores} cores, decode batch {args.batch}, "
+          f"prefill 2 x 256 | step median ms (of which waiting on collectives)")
     for name, result in rows:
         cells = [f"{kind} {result[kind]['step_ms']:.1f} ({result[kind]['comm_ms']:.1f})"
                  for kind in ("decode", "prefill")]
-        print(f"{name}: " + " | ".join(cells))
+        print(f"{name:<24} " + " | ".join(cells))
+    for kind in ("decode", "prefill"):
+        whole, left = rows[1][1][kind]["comm_ms"], rows[2][1][kind]["comm_ms"]
+        print(f"{kind}: {100 * (1 - left / whole):.0f}% of the one-batch wait hidden" if whole
+              else f"{kind}: no communication")
     return 0
 
 
