@@ -113,7 +113,7 @@ def test_a_config_that_does_not_divide_is_refused_naming_what(family_dirs):
 def _followers(worker_pid: int) -> list[int]:
     children = Path(f"/proc/{worker_pid}/task/{worker_pid}/children").read_text().split()
     return [int(child) for child in children
-            if "carpool.executor.tensor_parallel" in Path(f"/proc/{child}/cmdline").read_text()]
+            if "carpool.executor.tp_follower" in Path(f"/proc/{child}/cmdline").read_text()]
 
 
 def test_carpool_serve_with_two_ranks_answers_as_one_process_and_stops_them(tiny_model_dir):

@@ -33,7 +33,7 @@ from carpool.engine.stats import (
 )
 from carpool.engine.step_log import StepLog, StepPhases
 from carpool.engine.wire import EngineInfo, Handoff
-from carpool.executor.base import BatchItem, Executor, resolve_overlap, step_padding
+from carpool.executor.base import BatchItem, Executor, Padding, resolve_overlap, step_padding
 from carpool.executor.shapes import StepShape
 from carpool.host_cpu import HostCpu
 from carpool.model.grammar import GrammarCompiler
@@ -124,12 +124,12 @@ class LLMEngine:
         connector instead of the one ``config.cache.kv_store`` names (a
         backend the engine layer cannot import, e.g. Ray's object store).
         """
-        from carpool.executor.loading import load_served_model
+        from carpool.executor.loading import build_executor, load_served_model
 
         config.validate()
         settings = config.model
         loaded, max_len = load_served_model(settings)
-        executor = _build_executor(config, loaded, max_len, kernels_in_background,
+        executor = build_executor(config, loaded, max_len, kernels_in_background,
                                    external_kv=config.cache.kv_store is not None
                                    or kv_store is not None)
         loaded.weights.clear()
@@ -380,23 +380,28 @@ class LLMEngine:
         else:
             outputs += self._make_outputs(progressed)
         output_end = clock()
+        self._count_step(schedule, items, padding, len(progressed), elapsed, offered, begun)
+        self.last_phases = StepPhases(started - begun, built - started, executed - built,
+                                      committed - executed, output_end - committed,
+                                      clock() - output_end)
+        return outputs
+
+    def _count_step(self, schedule, items: list[BatchItem], padding: Padding | None,  # noqa: ANN001
+                    generated: int, elapsed: float, offered: StepOffer, begun: float) -> None:
+        """A step that ran a batch, in the counters and the step log."""
         counters = self.counters
         counters.steps += 1
-        counters.generation_tokens += len(progressed)  # the stop check saw each of them
+        counters.generation_tokens += generated  # the stop check saw each of them
         counters.busy_seconds += elapsed
         counters.count_offer(offered)
         if padding is None:  # a padded step costs its rectangle, not its ragged shape
             shape = StepShape.of(items)
             counters.computed_tokens += shape.prefill_tokens + shape.decode_seqs
             counters.slot_tokens += shape.prefill_tokens + shape.decode_seqs  # ragged: no padding
-            self.step_log.record(shape, clock() - begun, begun)
+            self.step_log.record(shape, time.perf_counter() - begun, begun)
         else:
             counters.computed_tokens += schedule.num_tokens
             counters.slot_tokens += schedule.num_slots  # padding included
-        self.last_phases = StepPhases(started - begun, built - started, executed - built,
-                                      committed - executed, output_end - committed,
-                                      clock() - output_end)
-        return outputs
 
     def _finish_loads(self, connector, worker) -> None:  # noqa: ANN001 - the two sides
         """Fetched loads join the running requests; a left request's are dropped."""
@@ -485,32 +490,3 @@ class LLMEngine:
         if row.penalized:  # only penalties read the output tokens: copy them only then
             row.output_token_ids = request.token_ids[len(prompt):]
         return row
-
-
-def _build_executor(config: EngineConfig, loaded, max_len: int,  # noqa: ANN001
-                    kernels_in_background: bool, external_kv: bool):
-    """The replica's executor: the model here, or (``--tensor-parallel-size``
-    N > 1) rank 0's slice with the other ranks in follower processes."""
-    from carpool.executor.torch_executor import TorchExecutor
-
-    settings, tp, followers = config.model, None, []
-    if settings.tensor_parallel_size > 1:
-        from carpool.executor.tensor_parallel import start_followers
-
-        if external_kv:
-            raise ValueError("tensor parallelism does not combine with a KV store or P/D "
-                             "serving yet (each rank's slice of the blocks would move)")
-        tp, followers = start_followers(config)
-    try:
-        executor = TorchExecutor(loaded.config, loaded.weights, settings, config.cache, max_len,
-                                 max_num_seqs=config.scheduler.max_num_seqs,
-                                 kernels_in_background=kernels_in_background, tp=tp)
-    except BaseException:
-        for follower in followers:
-            follower.kill()
-        raise
-    if tp is None:
-        return executor
-    from carpool.executor.tensor_parallel import TensorParallelExecutor
-
-    return TensorParallelExecutor(executor, tp, followers)

@@ -1,9 +1,12 @@
-"""The model an engine serves, loaded as its executor will run it."""
+"""The model an engine serves, loaded as its executor will run it, and
+that executor: the model here, or a tensor-parallel replica's rank 0."""
 from __future__ import annotations
 
 from pathlib import Path
 
-from carpool.executor.torch_executor import resolve_device, resolve_dtype
+from carpool.config import EngineConfig
+from carpool.executor.base import Executor
+from carpool.executor.torch_executor import TorchExecutor, resolve_device, resolve_dtype
 from carpool.model.loader import LoadedModel, load_model
 from carpool.model_settings import ModelSettings
 from carpool.paths import default_cache_dir
@@ -22,3 +25,30 @@ def load_served_model(settings: ModelSettings) -> tuple[LoadedModel, int]:
     if settings.max_model_len:
         max_len = min(max_len, settings.max_model_len)
     return loaded, max_len
+
+
+def build_executor(config: EngineConfig, loaded: LoadedModel, max_len: int,
+                   kernels_in_background: bool, external_kv: bool) -> Executor:
+    """The replica's executor: the model here, or (``--tensor-parallel-size``
+    N > 1) rank 0's slice with the other ranks in follower processes."""
+    settings, tp, followers = config.model, None, []
+    if settings.tensor_parallel_size > 1:
+        from carpool.executor.tensor_parallel import start_followers
+
+        if external_kv:
+            raise ValueError("tensor parallelism does not combine with a KV store or P/D "
+                             "serving yet (each rank's slice of the blocks would move)")
+        tp, followers = start_followers(config)
+    try:
+        executor = TorchExecutor(loaded.config, loaded.weights, settings, config.cache, max_len,
+                                 max_num_seqs=config.scheduler.max_num_seqs,
+                                 kernels_in_background=kernels_in_background, tp=tp)
+    except BaseException:
+        for follower in followers:
+            follower.kill()
+        raise
+    if tp is None:
+        return executor
+    from carpool.executor.tensor_parallel import TensorParallelExecutor
+
+    return TensorParallelExecutor(executor, tp, followers)

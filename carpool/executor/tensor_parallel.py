@@ -5,7 +5,7 @@ stay there, and its executor (``TensorParallelExecutor``) sends each step's
 items to the other ranks (``StepMessage``: msgpack with an explicit schema,
 over the group's gloo channel) before running its own slice of the forward.
 Ranks 1..N-1 are follower processes (``python -m carpool.executor.
-tensor_parallel``): each loads the model, cuts its slice and runs every step
+tp_follower``): each loads the model, cuts its slice and runs every step
 it is sent, so every rank calls the same collectives in the same order. The
 logits are gathered on every rank; only rank 0 samples.
 
@@ -19,7 +19,6 @@ import socket
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import msgspec
 import torch
@@ -27,7 +26,6 @@ import torch
 from carpool.config import EngineConfig
 from carpool.executor.base import BatchItem, Executor, Padding
 from carpool.parallel.group import TensorParallelGroup
-from carpool.settings_fields import add_setting_args, setting
 
 
 class StepItem(msgspec.Struct, array_like=True):
@@ -148,14 +146,14 @@ def start_followers(config: EngineConfig) -> tuple[TensorParallelGroup, list[sub
     followers = []
     for rank in range(1, size):
         proc = subprocess.Popen(
-            [sys.executable, "-m", "carpool.executor.tensor_parallel", "--rank", str(rank),
+            [sys.executable, "-m", "carpool.executor.tp_follower", "--rank", str(rank),
              "--size", str(size), "--port", str(port), "--parent-pid", str(os.getpid())],
             stdin=subprocess.PIPE)
         proc.stdin.write(launch)
         proc.stdin.close()
         followers.append(proc)
     try:
-        tp = TensorParallelGroup.join(0, size, port, _device(config, 0))
+        tp = TensorParallelGroup.join(0, size, port, device_of(config, 0))
     except Exception:
         for proc in followers:
             proc.kill()
@@ -163,7 +161,7 @@ def start_followers(config: EngineConfig) -> tuple[TensorParallelGroup, list[sub
     return tp, followers
 
 
-def _device(config: EngineConfig, rank: int) -> torch.device:
+def device_of(config: EngineConfig, rank: int) -> torch.device:
     from carpool.executor.torch_executor import resolve_device
 
     device = resolve_device(config.model.device)
@@ -171,44 +169,3 @@ def _device(config: EngineConfig, rank: int) -> torch.device:
         torch.cuda.set_device(rank)
         return torch.device("cuda", rank)
     return device
-
-
-@dataclass
-class FollowerArgs:
-    """What rank 0 starts a follower with (the engine settings come on stdin)."""
-
-    rank: int = setting(1, "--rank", None, "this process's rank (1..size-1)", parse=int)
-    size: int = setting(2, "--size", None, "the replica's processes", parse=int)
-    port: int = setting(0, "--port", None, "rank 0's port on 127.0.0.1", parse=int)
-    parent_pid: int | None = setting(None, "--parent-pid", None,
-                                     "rank 0's pid: the follower ends when it does", parse=int)
-
-
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    from carpool.child_process import die_with_parent
-    from carpool.executor.loading import load_served_model
-    from carpool.executor.torch_executor import TorchExecutor
-
-    parser = argparse.ArgumentParser(prog="python -m carpool.executor.tensor_parallel",
-                                     allow_abbrev=False,
-                                     description="a tensor-parallel follower (started by rank 0)")
-    add_setting_args(parser, FollowerArgs)
-    args = parser.parse_args(argv)
-    die_with_parent()
-    if args.parent_pid is not None and os.getppid() != args.parent_pid:
-        return 1
-    config = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=FollowerLaunch).config
-    tp = TensorParallelGroup.join(args.rank, args.size, args.port, _device(config, args.rank))
-    loaded, max_len = load_served_model(config.model)
-    executor = TorchExecutor(loaded.config, loaded.weights, config.model, config.cache, max_len,
-                             max_num_seqs=config.scheduler.max_num_seqs, tp=tp)
-    loaded.weights.clear()
-    follow(executor, tp)
-    tp.close()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -68,8 +68,6 @@ def run_ray_server(engine_config: EngineConfig, server_config: ServerConfig,
     try:
         import ray
         from ray import serve
-
-        from carpool.ray_serve.driver import stop_driver_router
     except ImportError:
         print(f"carpool: error: {INSTALL_HINT}", file=sys.stderr, flush=True)
         return 2
@@ -95,12 +93,7 @@ def run_ray_server(engine_config: EngineConfig, server_config: ServerConfig,
                             slo_sources, replica_cpus=cpus / _most_replicas(server_config))
     if server_config.port == 0:  # any free port (Ray's proxy cannot say which it took)
         server_config.port = free_port(server_config.host)
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    attached = bool(os.environ.get("RAY_ADDRESS"))
-    if attached:
-        ray.init(address=os.environ["RAY_ADDRESS"])
-    else:
-        ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=cpus)
+    attached = _start_ray(ray, cpus)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -121,10 +114,29 @@ def run_ray_server(engine_config: EngineConfig, server_config: ServerConfig,
         log.error("the Ray Serve application could not be deployed: %s", exc)
         return 1
     finally:
-        try:
-            serve.delete(APP_NAME)
-            serve.shutdown()
-        finally:
-            stop_driver_router()
-            if not attached:
-                ray.shutdown()
+        _leave_ray(ray, serve, attached)
+
+
+def _start_ray(ray, cpus: int) -> bool:  # noqa: ANN001
+    """Attach to ``$RAY_ADDRESS``'s cluster, else start one here on
+    127.0.0.1 with ``cpus``; whether it attached."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    attached = bool(os.environ.get("RAY_ADDRESS"))
+    if attached:
+        ray.init(address=os.environ["RAY_ADDRESS"])
+    else:
+        ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=cpus)
+    return attached
+
+
+def _leave_ray(ray, serve, attached: bool) -> None:  # noqa: ANN001
+    """Delete the application and stop Serve; stop Ray too where it was ours."""
+    from carpool.ray_serve.driver import stop_driver_router
+
+    try:
+        serve.delete(APP_NAME)
+        serve.shutdown()
+    finally:
+        stop_driver_router()
+        if not attached:
+            ray.shutdown()

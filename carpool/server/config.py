@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from carpool import limits
 from carpool.cluster.fleet_config import FleetConfig
+from carpool.cluster.policies import POLICIES
 from carpool.server.reasoning_parsers import REASONING_PARSERS
 from carpool.server.tools import TOOL_PARSERS
 from carpool.settings_fields import flag_bool, setting
@@ -250,6 +251,21 @@ class ServerConfig(FleetConfig):
         if not self.header_timeout > 0 or not self.keep_alive_timeout > 0:
             raise ValueError("header_timeout and keep_alive_timeout must be > 0 seconds")
         self._validate_connections()
+        self._validate_fleet()
+        if self.prep_workers < 1:
+            raise ValueError(f"prep_workers must be >= 1, got {self.prep_workers}")
+        if self.metrics_prefix not in METRICS_PREFIXES:
+            raise ValueError(f"metrics_prefix must be one of {', '.join(METRICS_PREFIXES)}, "
+                             f"got {self.metrics_prefix!r}")
+        _check_log_format(self.log_format)
+        if self.uvicorn_log_level not in UVICORN_LOG_LEVELS:
+            raise ValueError(f"uvicorn_log_level must be one of {', '.join(UVICORN_LOG_LEVELS)}, "
+                             f"got {self.uvicorn_log_level!r}")
+        return self
+
+    def _validate_fleet(self) -> None:
+        """The fleet's settings (``FleetConfig``'s) in this server's terms:
+        pools, engine processes and the backend that runs them."""
         if self.replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {self.replicas}")
         if (self.replicas > 1 or self.autoscale) and not self.engine_process:
@@ -276,21 +292,9 @@ class ServerConfig(FleetConfig):
             if self.autoscale not in ("reactive", "predictive"):
                 raise ValueError(f"autoscale must be reactive or predictive, got "
                                  f"{self.autoscale!r}")
-        from carpool.cluster.policies import POLICIES
-
         if self.routing not in POLICIES:
             raise ValueError(f"unknown routing policy {self.routing!r}; one of "
                              f"{', '.join(POLICIES)}")
-        if self.prep_workers < 1:
-            raise ValueError(f"prep_workers must be >= 1, got {self.prep_workers}")
-        if self.metrics_prefix not in METRICS_PREFIXES:
-            raise ValueError(f"metrics_prefix must be one of {', '.join(METRICS_PREFIXES)}, "
-                             f"got {self.metrics_prefix!r}")
-        _check_log_format(self.log_format)
-        if self.uvicorn_log_level not in UVICORN_LOG_LEVELS:
-            raise ValueError(f"uvicorn_log_level must be one of {', '.join(UVICORN_LOG_LEVELS)}, "
-                             f"got {self.uvicorn_log_level!r}")
-        return self
 
     def prompt_chars_cap(self, max_model_len: int) -> int:
         """The character cap in force for a model of this context length."""
