@@ -35,26 +35,28 @@ def test_evaluate_batching_simulates_every_row_and_prices_its_day(tmp_path, caps
         assert 0 < row["utilisation"] <= row["busy"] <= 1 + 1e-9
         assert row["output_tok_s_per_gpu"] == pytest.approx(row["output_tok_s"] / 16)
         assert row["e2e_mean"] > row["ttft_mean"] > 0
-        if row["peak_qps"]:
-            assert row["slo_attainment"] >= 0.95
-            gpu_hours = row["node_hours"] * 8
-            assert row["dollars_per_day"] == pytest.approx(gpu_hours * 2.0)
-            assert row["nodes_min"] < row["nodes_max"]
+        if row["sized_by"] == "slo":
+            assert row["slo_attainment"] >= 0.95 and row["sizing_qps"] == row["peak_qps"]
+        else:
+            assert row["peak_qps"] == 0 and row["sizing_qps"] == row["capacity"]
+        assert row["dollars_per_day"] == pytest.approx(row["node_hours"] * 8 * 2.0)
+        assert row["nodes_min"] < row["nodes_max"]
     continuous, overlap = rows["continuous"], rows["overlap"]
     assert continuous["peak_qps"] > 0 and overlap["peak_qps"] > 0
     assert continuous["exposed_of_comm"] == pytest.approx(1.0)  # nothing overlaps
     assert continuous["split_steps"] == 0 < overlap["split_steps"]
     assert overlap["exposed_of_comm"] < 1.0
-    best = max(r["peak_qps"] for r in rows.values())
+    best = max(r["sizing_qps"] for r in rows.values())
     assert result["peak_rate"] == pytest.approx(40 / 2 * best)  # 16 GPUs: 2 nodes a replica
 
 
-def test_evaluate_batching_needs_a_sliced_replica(tmp_path):
+def test_evaluate_batching_needs_a_sliced_replica(capsys):
     from carpool.cli import main
 
-    with pytest.raises((ValueError, SystemExit)):
-        main(["evaluate", "batching", "--workload", "azure-conv", "--arrival", "trace",
-              "--num-requests", "20", "--hardware", "h100-sxm", "--model-shape", "llama-3-8b"])
+    code = main(["evaluate", "batching", "--workload", "azure-conv", "--arrival", "trace",
+                 "--num-requests", "20", "--hardware", "h100-sxm", "--model-shape",
+                 "llama-3-8b"])
+    assert code != 0 and "sliced over GPUs" in capsys.readouterr().err
 
 
 def test_step_meter_counts_every_executed_step():

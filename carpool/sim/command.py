@@ -9,7 +9,12 @@ from carpool.cluster.fleet_config import FleetConfig
 from carpool.config import EngineConfig
 from carpool.machine import available_cpus
 from carpool.settings_fields import add_setting_args
-from carpool.sim.cost_flags import add_cost_model_args, cost_model_from_args, pool_blocks
+from carpool.sim.cost_flags import (
+    add_cost_model_args,
+    cost_model_from_args,
+    parallel_from_args,
+    pool_blocks,
+)
 from carpool.sim.costs import CostModel, machine_warning
 from carpool.sim.failures import FailureSettings
 from carpool.sim.flags import (  # noqa: F401  (parse_pd_links: its home before)
@@ -57,6 +62,9 @@ def _link_defaults() -> dict:
                        f"{Link.latency:g}; `carpool serve`'s: its local KV store's)"),
     }
 
+
+# ParallelShape's fields: a run's config names them only for a sliced replica
+PARALLEL_KEYS = ("tensor_parallel_size", "expert_parallel_size", "micro_batches")
 
 SIM_OPTIONS = ("fleet_ttft_target", "front_seconds", "fast_forward", "workers")
 
@@ -200,6 +208,9 @@ def simulation_result(label: str, args: argparse.Namespace, config: EngineConfig
 
     run_config = {k: v for k, v in vars(args).items()
                   if k not in ("func", "slo") and not k.startswith("engine_")}
+    if parallel_from_args(args).trivial:  # one GPU a replica: the config says what it did
+        for key in PARALLEL_KEYS:
+            run_config.pop(key, None)
     run_config.update({"model": cost_label(cost),
                        "workload": describe_workload(workload_spec(args), plan=plan),
                        "engine": dataclasses.asdict(config)})
