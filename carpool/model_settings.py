@@ -71,6 +71,20 @@ class ModelSettings:
         1, "--tensor-parallel-size", "N",
         "processes one replica's model is sliced over (heads, MLP features, experts' "
         "features, vocabulary); greedy output is the same as one process's", parse=int)
+    # Expert parallelism (carpool/parallel/experts.py): the tensor-parallel
+    # ranks hold whole experts (E / N each) instead of every expert's 1 / N
+    # features; tokens go to their experts' ranks and back by all-to-all.
+    enable_expert_parallel: bool = setting(
+        False, "--enable-expert-parallel", None,
+        "with --tensor-parallel-size N: spread the MoE layers' experts whole over the N "
+        "ranks, each token's picks sent to their experts' ranks and back (all-to-all)",
+        parse=bool)
+    # Rows one rank's experts take per layer, at most ceil(F * picks / N); the
+    # rest are dropped and counted. 0: no bound.
+    expert_capacity_factor: float = setting(
+        0.0, "--expert-capacity-factor", "F",
+        "expert parallel: a rank takes at most ceil(F x picks / ranks) rows a layer, the "
+        "rest dropped and counted (0: no bound, nothing dropped)", parse=float)
     # Two micro-batches per step (carpool/model/decoder.py
     # forward_micro_batches): one's tensor-parallel sums travel while the
     # other computes. auto: under tensor parallelism, for steps of two or
@@ -178,6 +192,9 @@ class ModelSettings:
             raise ValueError(f"row_bucket must be >= 1 (1: exact rows), got {self.row_bucket}")
         if self.micro_batches not in ("auto", "on", "off"):
             raise ValueError(f"micro_batches must be auto|on|off, got {self.micro_batches!r}")
+        if self.expert_capacity_factor < 0:
+            raise ValueError(f"expert_capacity_factor must be >= 0 (0: no bound), got "
+                             f"{self.expert_capacity_factor}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got "
                              f"{self.tensor_parallel_size}")

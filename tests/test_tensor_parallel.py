@@ -40,14 +40,16 @@ def _free_port() -> int:
 
 
 def run_ranks(model_dir: Path, size: int, steps: int = 5, dtype: str = "float32",
-              micro_batches: str = "off") -> dict:
+              micro_batches: str = "off", expert_parallel: bool = False,
+              capacity: float = 0.0) -> dict:
     """Every rank of a ``size``-way run as its own process; rank 0's JSON."""
     port = _free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen(
         [sys.executable, "-m", "tests.tp_rank", "--model-dir", str(model_dir), "--rank",
          str(rank), "--size", str(size), "--port", str(port), "--steps", str(steps),
-         "--dtype", dtype, "--micro-batches", micro_batches], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+         "--dtype", dtype, "--micro-batches", micro_batches, "--expert-parallel",
+         str(int(expert_parallel)), "--capacity", str(capacity)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True) for rank in range(size)]
     try:
         outputs = [proc.communicate(timeout=240) for proc in procs]
@@ -142,3 +144,50 @@ def test_carpool_serve_with_two_ranks_answers_as_one_process_and_stops_them(tiny
         assert server.wait(60) == 0, server.text()
     assert not Path(f"/proc/{follower}").exists() or \
         "zombie" in Path(f"/proc/{follower}/status").read_text().lower()
+
+
+@pytest.mark.parametrize("family", ["mixtral", "deepseek-v3"])
+def test_experts_spread_whole_over_two_ranks_say_what_one_process_says(family, family_dirs):
+    """--enable-expert-parallel: each rank 2 of the 4 experts, every pick
+    sent to its expert's rank and back; with micro-batches too."""
+    alone = run_ranks(family_dirs[family], 1)
+    spread = run_ranks(family_dirs[family], 2, expert_parallel=True)
+    _same(spread, alone)
+    assert sum(spread["expert_rows"]) > 0 and sum(spread["dropped"]) == 0
+    _same(run_ranks(family_dirs[family], 2, micro_batches="on", expert_parallel=True), alone)
+
+
+def test_a_capacity_drops_the_rows_past_it_and_counts_them(family_dirs):
+    """The first MoE layer of the first step sees the same picks either way:
+    each is computed or counted as dropped (the layers after see other
+    inputs once rows were dropped)."""
+    bounded = run_ranks(family_dirs["mixtral"], 2, steps=1, expert_parallel=True, capacity=0.25)
+    unbounded = run_ranks(family_dirs["mixtral"], 2, steps=1, expert_parallel=True)
+    assert bounded["dropped"][0] > 0 and unbounded["dropped"] == [0] * len(unbounded["dropped"])
+    assert bounded["expert_rows"][0] + bounded["dropped"][0] == unbounded["expert_rows"][0]
+
+
+def test_each_ranks_expert_load_is_on_metrics(family_dirs):
+    """`carpool serve --tensor-parallel-size 2 --enable-expert-parallel`: the
+    ranks' loads on /metrics add up to the experts' tokens."""
+    import re
+
+    from tests.server_utils import ServerProcess
+
+    model = str(family_dirs["mixtral"])
+    flags = [model, "--tensor-parallel-size", "2", "--enable-expert-parallel", "--dtype",
+             "float32", "--num-blocks", "64"]
+    with ServerProcess(flags) as server, server.client() as http:
+        reply = http.post("/v1/completions", json={"model": model, "prompt": "hello there",
+                                                   "max_tokens": 4, "ignore_eos": True})
+        assert reply.status_code == 200, reply.text
+        text = http.get("/metrics").text
+
+    def counts(name: str, label: str) -> dict[str, float]:
+        pattern = rf'^carpool:{name}_total{{.*{label}="(\d+)".*}} ([0-9.e+]+)$'
+        return {m.group(1): float(m.group(2)) for m in re.finditer(pattern, text, re.M)}
+
+    ranks, experts = counts("moe_rank_tokens", "rank"), counts("moe_expert_tokens", "expert")
+    assert set(ranks) == {"0", "1"} and len(experts) == 4
+    assert sum(ranks.values()) == sum(experts.values()) > 0
+    assert ranks["0"] == experts["0"] + experts["1"]

@@ -26,10 +26,12 @@ BLOCKS_PER_PROMPT = 8
 
 
 def run(model_dir: str, rank: int, size: int, port: int, steps: int, dtype: str,
-        micro_batches: str) -> dict:
+        micro_batches: str, expert_parallel: bool = False, capacity: float = 0.0) -> dict:
     torch.manual_seed(0)
     loaded = load_model_dir(model_dir)
-    settings = ModelSettings(dtype=dtype, device="cpu", threads=1, micro_batches=micro_batches)
+    settings = ModelSettings(dtype=dtype, device="cpu", threads=1, micro_batches=micro_batches,
+                             enable_expert_parallel=expert_parallel,
+                             expert_capacity_factor=capacity)
     cache = CacheConfig(block_size=16, num_blocks=len(PROMPTS) * BLOCKS_PER_PROMPT)
     tp = TensorParallelGroup.join(rank, size, port, torch.device("cpu")) if size > 1 else None
     executor = TorchExecutor(loaded.config, loaded.weights, settings, cache, max_model_len=256,
@@ -53,7 +55,11 @@ def run(model_dir: str, rank: int, size: int, port: int, steps: int, dtype: str,
         tp.close()
     layer = executor.model.layers[-1]
     heads = layer.mla.heads if layer.mla is not None else layer.num_heads
+    dispatches = [layer.moe.dispatch for layer in executor.model.layers
+                  if layer.moe is not None and layer.moe.dispatch is not None]
     return {"tokens": out, "logprobs": logprobs, "heads": heads,
+            "expert_rows": [d.received for d in dispatches],
+            "dropped": [d.dropped for d in dispatches],
             "vocab_rows": executor.model.embed_tokens.num_embeddings,
             "kv_pool_heads": executor.kv_caches[0][1].shape[0]}
 
@@ -61,11 +67,12 @@ def run(model_dir: str, rank: int, size: int, port: int, steps: int, dtype: str,
 def main() -> int:
     parser = argparse.ArgumentParser()
     for flag, kind in (("--model-dir", str), ("--rank", int), ("--size", int), ("--port", int),
-                       ("--steps", int), ("--dtype", str), ("--micro-batches", str)):
+                       ("--steps", int), ("--dtype", str), ("--micro-batches", str),
+                       ("--expert-parallel", int), ("--capacity", float)):
         parser.add_argument(flag, type=kind, required=True)
     args = parser.parse_args()
     result = run(args.model_dir, args.rank, args.size, args.port, args.steps, args.dtype,
-                 args.micro_batches)
+                 args.micro_batches, bool(args.expert_parallel), args.capacity)
     if args.rank == 0:
         json.dump(result, sys.stdout)
     return 0

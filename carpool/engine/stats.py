@@ -119,6 +119,8 @@ class EngineStats:
     # (token, expert) pairs each expert took, over MoE layers and steps,
     # and the busiest expert over the mean per expert (last step; mean).
     expert_tokens: tuple[int, ...] = ()
+    # Expert parallel: the (token, expert) pairs each rank's experts took.
+    expert_rank_tokens: tuple[int, ...] = ()
     expert_imbalance: float = 0.0
     expert_imbalance_mean: float = 0.0
 

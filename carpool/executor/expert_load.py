@@ -26,6 +26,9 @@ class ExpertLoad:
         self.steps = 0
         self.imbalance = 0.0
         self._imbalance_sum = 0.0
+        # Expert parallel (--enable-expert-parallel): the ranks holding the
+        # experts, E / ranks each in order; 1: every expert in one place.
+        self.ranks = 1
 
     def record(self) -> None:
         counts = torch.stack([block.last_expert_counts for block in self.blocks])  # [L, E]
@@ -40,6 +43,9 @@ class ExpertLoad:
 
     def stats_fields(self) -> dict:
         """``EngineStats``' expert fields."""
+        per_rank = (tuple(int(n) for n in self.tokens.view(self.ranks, -1).sum(1).tolist())
+                    if self.ranks > 1 else ())
         return {"expert_tokens": tuple(int(n) for n in self.tokens.tolist()),
+                "expert_rank_tokens": per_rank,
                 "expert_imbalance": self.imbalance,
                 "expert_imbalance_mean": self._imbalance_sum / self.steps if self.steps else 0.0}

@@ -189,6 +189,8 @@ class TorchExecutor(Executor):
             self.sampler.apply_bitmask = self.cpu_ops.apply_token_bitmask
         moe_blocks = [layer.moe for layer in self.model.layers if layer.moe is not None]
         self.expert_load = ExpertLoad(moe_blocks) if moe_blocks else None
+        if self.expert_load is not None and tp is not None and settings.enable_expert_parallel:
+            self.expert_load.ranks = tp.size
         self.graphs = self._capture_graphs(settings, max_model_len, max_num_seqs, graph_type)
 
     def _shard(self, config: ModelConfig, settings: ModelSettings) -> ModelConfig:
@@ -197,8 +199,9 @@ class TorchExecutor(Executor):
 
         if settings.quantization is not None:
             raise ValueError("--quantization does not combine with tensor parallelism yet")
-        shard_model(self.model, self.tp)
-        return local_config(config, self.tp.size)
+        expert_parallel = settings.enable_expert_parallel
+        shard_model(self.model, self.tp, expert_parallel, settings.expert_capacity_factor)
+        return local_config(config, self.tp.size, expert_parallel)
 
     def _kv_caches(self, config: ModelConfig) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (K, V); layouts: see carpool/model/attention.py (K blocks

@@ -69,8 +69,10 @@ class DecoderLayer(nn.Module):
         self.scale = c.scale
         # Tensor parallel (carpool/parallel/shard.py): the group whose ranks
         # hold the rest of this layer; o_proj's and the MLP's outputs are
-        # partial sums over it. None: the whole layer is here.
+        # partial sums over it (the MLP's not when its experts are spread
+        # whole over the ranks: ``mlp_sum`` False). None: the whole layer is here.
         self.tp = None
+        self.mlp_sum = True
 
     def linear_names(self) -> tuple[str, ...]:
         """The dense linear layers decode paths may replace (quantized,
@@ -89,7 +91,7 @@ class DecoderLayer(nn.Module):
         (``DecoderModel.forward_micro_batches`` interleaves two batches' stages)."""
         attn = self._reduced(self.attention_partial(hidden, rope, meta, kv, attention, ops))
         hidden, mlp = self.mlp_partial(hidden, attn, meta.positions.shape[0], ops)
-        return self.finish(hidden, self._reduced(mlp), ops)
+        return self.finish(hidden, self._reduced(mlp) if self.mlp_sum else mlp, ops)
 
     def attention_partial(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                           meta: AttentionMetadata, kv: tuple[torch.Tensor, torch.Tensor],
@@ -258,7 +260,7 @@ class DecoderModel(nn.Module):
             for state in states:
                 state.hidden, mlp = layer.mlp_partial(state.hidden, self._finish(state.pending),
                                                       state.tokens, self.ops)
-                state.pending = self._start(mlp)
+                state.pending = self._start(mlp, layer.mlp_sum)
                 if layer.moe is not None:
                     counts.append(layer.moe.last_expert_counts)
             if counts:
@@ -269,8 +271,10 @@ class DecoderModel(nn.Module):
             state.finish_mlp(layer_before=self.layers[-1])
         return [state.hidden[:state.tokens] for state in states]
 
-    def _start(self, partial: torch.Tensor):  # noqa: ANN202 - a PendingSum or the tensor
-        return partial if self.tp is None else self.tp.start_all_reduce(partial)
+    def _start(self, partial: torch.Tensor, summed: bool = True):  # noqa: ANN202 - a PendingSum or the tensor
+        if self.tp is None:
+            return partial
+        return self.tp.start_all_reduce(partial) if summed else self.tp.ready(partial)
 
     def _finish(self, pending) -> torch.Tensor:  # noqa: ANN001
         return pending if self.tp is None else self.tp.finish(pending)

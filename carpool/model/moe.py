@@ -177,6 +177,10 @@ class MoEBlock(nn.Module):
         # load (carpool/model/moe_cpu.py: ``block_experts`` or ``pack_experts``),
         # the plain stacked ones then dropped; None: plain.
         self.cpu_experts: BlockedExperts | PackedExperts | None = None
+        # Expert parallel (carpool/parallel/experts.py): sends each token's
+        # picks to the ranks holding those experts and combines the answers;
+        # None: every expert is here.
+        self.dispatch = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.impl not in IMPLS:
@@ -188,18 +192,30 @@ class MoEBlock(nn.Module):
             weights = weights.to(x.dtype)
         counts = torch.bincount(ids.flatten(), minlength=self.spec.num_experts)
         self.last_expert_counts = counts.cpu()
+        if self.dispatch is not None:  # expert parallel: the experts are on several ranks
+            return self.dispatch(self, x, weights, ids).view(shape)
+        out = self.routed(x, weights, ids, counts, self.last_expert_counts)
+        return self.with_shared(x, out).view(shape)
+
+    def routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+               counts: torch.Tensor, counts_cpu: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted outputs for ``x``'s rows [T, H]: ``ids``
+        [T, k] index this block's experts, ``counts`` [E] their rows."""
         if isinstance(self.cpu_experts, PackedExperts):
-            out = self.cpu_experts.forward(x, weights, ids, self.last_expert_counts)
-        elif self._uses_triton(x):
-            out = self._triton(x, weights, ids, counts)
-        elif self.impl == "grouped":
-            out = self._grouped(x, weights, ids, counts)
-        else:
-            out = self._loop(x, weights, ids)
-        if self.shared_gate_up is not None:  # after the routed experts, as transformers adds it
-            gate, up = self.shared_gate_up(x).chunk(2, dim=-1)
-            out = out + self.shared_down(F.silu(gate) * up)
-        return out.view(shape)
+            return self.cpu_experts.forward(x, weights, ids, counts_cpu)
+        if self._uses_triton(x):
+            return self._triton(x, weights, ids, counts)
+        if self.impl == "grouped":
+            return self._grouped(x, weights, ids, counts, counts_cpu)
+        return self._loop(x, weights, ids)
+
+    def with_shared(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out`` plus the shared experts' output on ``x`` (after the routed
+        experts, as transformers adds it)."""
+        if self.shared_gate_up is None:
+            return out
+        gate, up = self.shared_gate_up(x).chunk(2, dim=-1)
+        return out + self.shared_down(F.silu(gate) * up)
 
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
         """[T, E] fp32. Mixtral and Qwen3-MoE run the router in the model's
@@ -228,7 +244,7 @@ class MoEBlock(nn.Module):
                              self.triton_blocks)
 
     def _grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                 counts: torch.Tensor) -> torch.Tensor:
+                 counts: torch.Tensor, counts_cpu: torch.Tensor) -> torch.Tensor:
         k, inter = ids.shape[1], self.spec.expert_intermediate_size
         out = torch.zeros_like(x)
         if x.shape[0] == 0:
@@ -237,7 +253,7 @@ class MoEBlock(nn.Module):
         # order the loop path (and transformers) feeds them in.
         order = torch.sort(ids.flatten(), stable=True)[1]
         token_of = order // k
-        matmul = self._expert_matmul(counts)
+        matmul = self._expert_matmul(counts, counts_cpu)
         gate_up = matmul(x.index_select(0, token_of), self.w_gate_up)
         gate, up = gate_up[:, :inter], gate_up[:, inter:]
         row_weights = weights.flatten()[order, None]
@@ -287,12 +303,13 @@ class MoEBlock(nn.Module):
             return {"w_gate_up": self.w_gate_up, "w_down": self.w_down}
         return self.cpu_experts.plain()
 
-    def _expert_matmul(self, counts: torch.Tensor):  # noqa: ANN202
+    def _expert_matmul(self, counts: torch.Tensor, counts_cpu: torch.Tensor):  # noqa: ANN202
         """(rows [N, in] sorted by expert, weight [E, out, in]) -> [N, out]
-        for the expert ``counts`` [E] of this forward, by ``self.gemm``
-        (blocked experts: their own oneDNN products, expert by expert)."""
+        for the expert ``counts`` [E] of this forward (``counts_cpu``: the
+        same on the host), by ``self.gemm`` (blocked experts: their own
+        oneDNN products, expert by expert)."""
         if isinstance(self.cpu_experts, BlockedExperts):
-            segments = segments_of(self.last_expert_counts)
+            segments = segments_of(counts_cpu)
             which = {id(self.w_gate_up): 0, id(self.w_down): 1}
             return lambda rows, w: self.cpu_experts.matmul(rows, which[id(w)], segments)
         if self._pick_gemm(counts.device) == "grouped_mm":
@@ -300,7 +317,7 @@ class MoEBlock(nn.Module):
             # per expert from 8 tokens up (scripts/moe_bench.py), same results.
             offs = counts.cumsum(0).to(torch.int32)
             return lambda rows, w: torch._grouped_mm(rows, w.transpose(-2, -1), offs=offs)
-        segments = segments_of(self.last_expert_counts)
+        segments = segments_of(counts_cpu)
         return lambda rows, w: _segment_mm(rows, w, segments)
 
     def _pick_gemm(self, device: torch.device) -> str:
@@ -317,7 +334,7 @@ class MoEBlock(nn.Module):
     def _loop(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The reference: each expert takes the tokens its boolean mask selects."""
         out = torch.zeros_like(x)
-        for expert in range(self.spec.num_experts):
+        for expert in range(self.w_gate_up.shape[0]):  # this block's experts
             token_idx, slot = torch.nonzero(ids == expert, as_tuple=True)
             if token_idx.numel() == 0:
                 continue

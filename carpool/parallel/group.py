@@ -83,6 +83,10 @@ class TensorParallelGroup:
         handle = dist.all_reduce(work, group=self.group, async_op=True)
         return PendingSum(handle, work, tensor.dtype)
 
+    def ready(self, tensor: torch.Tensor) -> PendingSum:
+        """A sum that needs no communication (``finish`` returns ``tensor``)."""
+        return PendingSum(None, tensor, tensor.dtype)
+
     def finish(self, pending: PendingSum) -> torch.Tensor:
         """The sum ``start_all_reduce`` began (the wait counts as exposed)."""
         if pending.handle is not None:

@@ -29,8 +29,10 @@ from torch import nn
 from carpool.model.config import ModelConfig
 
 
-def tensor_parallel_problem(config: ModelConfig, size: int) -> str | None:
-    """Why ``config`` cannot be split over ``size`` ranks, or None."""
+def tensor_parallel_problem(config: ModelConfig, size: int,
+                            expert_parallel: bool = False) -> str | None:
+    """Why ``config`` cannot be split over ``size`` ranks (its experts whole
+    on each rank with ``expert_parallel``), or None."""
     problems = []
     if config.num_heads % size:
         problems.append(f"{config.num_heads} attention heads")
@@ -40,7 +42,10 @@ def tensor_parallel_problem(config: ModelConfig, size: int) -> str | None:
     dense = any(not config.is_moe_layer(i) for i in range(config.num_layers))
     if dense and config.intermediate_size % size:
         problems.append(f"an MLP of {config.intermediate_size} features")
-    if config.moe is not None:
+    if config.moe is not None and expert_parallel:
+        if config.moe.num_experts % size:
+            problems.append(f"{config.moe.num_experts} experts")
+    elif config.moe is not None:
         for name in ("expert_intermediate_size", "shared_intermediate_size"):
             if getattr(config.moe, name) % size:
                 problems.append(f"{name} {getattr(config.moe, name)}")
@@ -49,13 +54,14 @@ def tensor_parallel_problem(config: ModelConfig, size: int) -> str | None:
     return f"tensor parallel size {size} does not divide: " + ", ".join(problems)
 
 
-def local_config(config: ModelConfig, size: int) -> ModelConfig:
-    """One rank's shapes: its heads, KV heads and intermediate features."""
-    problem = tensor_parallel_problem(config, size)
+def local_config(config: ModelConfig, size: int, expert_parallel: bool = False) -> ModelConfig:
+    """One rank's shapes: its heads, KV heads and intermediate features
+    (the experts' whole with ``expert_parallel``: a rank has fewer of them)."""
+    problem = tensor_parallel_problem(config, size, expert_parallel)
     if problem is not None:
         raise ValueError(problem)
     moe = config.moe
-    if moe is not None:
+    if moe is not None and not expert_parallel:
         moe = dataclasses.replace(
             moe, expert_intermediate_size=moe.expert_intermediate_size // size,
             shared_intermediate_size=moe.shared_intermediate_size // size)
@@ -168,11 +174,16 @@ def _vocab_rows(weight: torch.Tensor, rank: int, size: int) -> tuple[torch.Tenso
     return part, start
 
 
-def shard_model(model, tp) -> None:  # noqa: ANN001 - a DecoderModel and its group
+def shard_model(model, tp, expert_parallel: bool = False,  # noqa: ANN001 - a DecoderModel, its group
+                capacity_factor: float = 0.0) -> None:
     """Cut ``model`` (loaded, whole) to rank ``tp.rank``'s slice of
-    ``tp.size``, and give its layers the group's collectives."""
+    ``tp.size``, and give its layers the group's collectives; with
+    ``expert_parallel`` its MoE layers keep whole experts
+    (``carpool/parallel/experts.py``)."""
+    from carpool.parallel.experts import shard_experts
+
     config, rank, size = model.config, tp.rank, tp.size
-    problem = tensor_parallel_problem(config, size)
+    problem = tensor_parallel_problem(config, size, expert_parallel)
     if problem is not None:
         raise ValueError(problem)
     with torch.no_grad():
@@ -181,7 +192,10 @@ def shard_model(model, tp) -> None:  # noqa: ANN001 - a DecoderModel and its gro
                 _latent_attention(layer.mla, rank, size)
             else:
                 _attention(layer, config, rank, size)
-            if layer.moe is not None:
+            if layer.moe is not None and expert_parallel:
+                shard_experts(layer.moe, tp, capacity_factor)
+                layer.mlp_sum = False  # each token's output comes back whole
+            elif layer.moe is not None:
                 _experts(layer.moe, rank, size)
             else:
                 _mlp(layer, config, rank, size)

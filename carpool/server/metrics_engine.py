@@ -119,6 +119,13 @@ def _expert_families(stats: EngineStats, model: list[str]):  # noqa: ANN202
     for expert, count in enumerate(stats.expert_tokens):
         tokens.add_metric(model + [str(expert)], count)
     yield tokens
+    if stats.expert_rank_tokens:  # --enable-expert-parallel: each rank's load
+        ranks = CounterMetricFamily(
+            "moe_rank_tokens", "Tokens routed to each expert-parallel rank's experts, summed "
+            "over the MoE layers.", labels=["model_name", "rank"])
+        for rank, count in enumerate(stats.expert_rank_tokens):
+            ranks.add_metric(model + [str(rank)], count)
+        yield ranks
     yield _gauge("moe_expert_imbalance", "The last step's busiest expert over the mean per "
                  "expert (1 = even), averaged over the MoE layers.", model,
                  stats.expert_imbalance)
