@@ -12,7 +12,10 @@ nothing is downloaded: weights are random with the real models' shapes):
    output tokens each, B = 1 / 64 / 256, eager vs CUDA graphs, for a
    SmolLM2-135M-shaped and a Llama-3-8B-shaped model (bf16);
 4. roofline: one decode step of B sequences at a 256-token context, eager
-   vs graphs, against (weight bytes + KV bytes) / 4.8 TB/s.
+   vs graphs, against (weight bytes + KV bytes) / 4.8 TB/s;
+5. parallel: tensor parallel size 2 against 1 on two GPUs (fp32 greedy
+   tokens equal; step and collective times with and without two
+   micro-batches); on one GPU it says it needs two.
 
 ``--dry-run`` runs every section on the CPU with a tiny model, Triton's
 interpreter and eager "graphs" (the tests do this), to prove the script
@@ -357,6 +360,35 @@ def check_throughput(ctx) -> dict:
     return {label: bench_model(ctx, label, shape) for label, shape in models}
 
 
+def check_parallel(ctx) -> dict:
+    """Tensor parallel size 2 against 1 (fp32: the same greedy tokens) and
+    the step time with one batch and with two micro-batches, waiting on
+    collectives included (scripts/tp_step_bench.py). Rank r runs on cuda:r:
+    with one GPU this says so and runs nothing (NCCL takes one rank per GPU)."""
+    import subprocess
+    import tempfile
+
+    import torch
+
+    gpus = torch.cuda.device_count() if ctx.device.type == "cuda" else 0
+    if ctx.device.type == "cuda" and gpus < 2:
+        return {"skipped": f"{gpus} GPU here: tensor parallel size 2 needs two"}
+    layers, steps = (2, 3) if ctx.dry_run else (8, 20)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "tp.json"
+        subprocess.run([sys.executable, str(Path(__file__).with_name("tp_step_bench.py")),
+                        "--device", ctx.device.type, "--dtype", "float32", "--layers",
+                        str(layers), "--steps", str(steps), "--json", str(out)],
+                       check=True, timeout=600)
+        rows = json.loads(out.read_text())
+    alone = rows["TP 1"]
+    same = all(rows[name][kind]["tokens"] == alone[kind]["tokens"]
+               for name in rows for kind in ("decode", "prefill"))
+    timings = {name: {kind: {k: round(v, 2) for k, v in row[kind].items() if k != "tokens"}
+                      for kind in ("decode", "prefill")} for name, row in rows.items()}
+    return {"gpus": gpus, "tokens_equal": same, "timings_ms": timings, "ok": same}
+
+
 def environment(ctx) -> dict:
     import torch
 
@@ -395,8 +427,12 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     ctx = Context(args.dry_run)
     sections = {"environment": environment, "kernels": check_kernels, "greedy": check_greedy,
-                "sampler": check_sampler, "throughput": check_throughput}
-    wanted = [s for s in args.only.split(",") if s] or list(sections)
+                "sampler": check_sampler, "throughput": check_throughput,
+                "parallel": check_parallel}
+    # The dry run proves "parallel" alone (--only parallel): by default it
+    # keeps to one process, as its test expects.
+    wanted = [s for s in args.only.split(",") if s] or [
+        s for s in sections if not (args.dry_run and s == "parallel")]
     results: dict = {}
     for name in wanted:
         start = time.perf_counter()

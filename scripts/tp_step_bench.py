@@ -3,6 +3,7 @@
 
     python scripts/tp_step_bench.py                 # TP 1 (2 threads) vs TP 2 (2 x 1 thread)
     python scripts/tp_step_bench.py --layers 4 --steps 10
+    python scripts/tp_step_bench.py --device cuda     # two GPUs: rank r on cuda:r
 
 A random-weight Llama-shaped model (hidden 512, 8 heads, 4 KV heads, MLP
 1536, vocab 32768; ``--layers``) in ``--dtype``, through ``TorchExecutor``
@@ -23,6 +24,7 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 HIDDEN, HEADS, KV_HEADS, MLP, VOCAB = 512, 8, 4, 1536, 32768
 
@@ -51,16 +53,19 @@ def _weights(layers: int):  # noqa: ANN202
     return config, weights
 
 
-def _time_steps(executor, tp, items_of, steps: int) -> dict:  # noqa: ANN001
-    times, comm = [], []
+def _time_steps(executor, tp, items_of, steps: int, sync) -> dict:  # noqa: ANN001
+    times, comm, tokens = [], [], []
     for step in range(steps + 2):  # two warm-up steps
         before = tp.comm_seconds if tp else 0.0
         start = time.perf_counter()
-        executor.execute(items_of(step))
+        results = executor.execute(items_of(step))
+        sync()
         if step >= 2:
             times.append(time.perf_counter() - start)
             comm.append((tp.comm_seconds if tp else 0.0) - before)
-    return {"step_ms": 1e3 * statistics.median(times), "comm_ms": 1e3 * statistics.median(comm)}
+        tokens.append([r.token_id for r in results])
+    return {"step_ms": 1e3 * statistics.median(times), "comm_ms": 1e3 * statistics.median(comm),
+            "tokens": tokens}
 
 
 def run_rank(args: argparse.Namespace) -> dict:
@@ -75,11 +80,15 @@ def run_rank(args: argparse.Namespace) -> dict:
     from carpool.sampling_params import SamplingParams
 
     torch.set_num_threads(args.threads)
-    tp = (TensorParallelGroup.join(args.rank, args.size, args.port, torch.device("cpu"))
+    device = torch.device("cuda", args.rank) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    tp = (TensorParallelGroup.join(args.rank, args.size, args.port, device)
           if args.size > 1 else None)
     config, weights = _weights(args.layers)
     blocks = 16 * (args.batch + 1) * 2
-    settings = ModelSettings(dtype=args.dtype, device="cpu", micro_batches=args.micro_batches)
+    settings = ModelSettings(dtype=args.dtype, device=args.device, enforce_eager=True,
+                             micro_batches=args.micro_batches)
     executor = TorchExecutor(config, weights, settings,
                              CacheConfig(block_size=16, num_blocks=blocks), 2048, tp=tp)
     row = SamplingRow(SamplingParams(temperature=0.0), 0, 0)
@@ -94,8 +103,9 @@ def run_rank(args: argparse.Namespace) -> dict:
         return [BatchItem(f"p{i}", list(range(3, 259)), 0, 256,
                           list(range(first + 16 * i, first + 16 * i + 16)), row) for i in (0, 1)]
 
-    result = {"decode": _time_steps(executor, tp, decodes, args.steps),
-              "prefill": _time_steps(executor, tp, prefill, max(3, args.steps // 3))}
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    result = {"decode": _time_steps(executor, tp, decodes, args.steps, sync),
+              "prefill": _time_steps(executor, tp, prefill, max(3, args.steps // 3), sync)}
     if tp is not None:
         tp.close()
     return result
@@ -110,7 +120,8 @@ def _free_port() -> int:
 def launch(size: int, threads: int, micro_batches: str, args: argparse.Namespace) -> dict:
     port = _free_port()
     common = ["--layers", str(args.layers), "--steps", str(args.steps), "--batch",
-              str(args.batch), "--dtype", args.dtype, "--micro-batches", micro_batches]
+              str(args.batch), "--dtype", args.dtype, "--micro-batches", micro_batches,
+              "--device", args.device]
     procs = [subprocess.Popen([sys.executable, __file__, "--rank", str(rank), "--size", str(size),
                                "--port", str(port), "--threads", str(threads), *common],
                               stdout=subprocess.PIPE, text=True,
@@ -126,6 +137,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--batch", type=int, default=16, help="decode sequences per step")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="cuda: rank r on cuda:r (NCCL), so TP 2 needs two GPUs")
+    parser.add_argument("--json", default=None, help="write the rows here too")
     parser.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--size", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
@@ -142,6 +156,8 @@ def main() -> int:
     rows = [("TP 1", launch(1, cores, "off", args)),
             ("TP 2, one batch", launch(2, half, "off", args)),
             ("TP 2, two micro-batches", launch(2, half, "on", args))]
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(rows), indent=1))
     print(f"{args.layers} layers, {args.dtype}, {cores} cores, decode batch {args.batch}, "
           f"prefill 2 x 256 | step median ms (of which waiting on collectives)")
     for name, result in rows:
