@@ -16,8 +16,8 @@ on the analytic cost model of a replica sliced over GPUs
 
 Per row: the peak arrival rate the replica serves with ``--attainment`` of
 its requests within the SLO (the trace's arrivals rescaled in time: from a
-capacity probe, doubled while the SLO holds, then bisected), and at that
-rate: output tok/s per GPU,
+capacity probe, doubled while the SLO holds, then bisected, not below an
+eighth of the capacity), and at that rate: output tok/s per GPU,
 device utilisation (``StepMeter``: the seconds the GPUs computed real
 tokens, padding, per-step overhead, exposed communication and idle time
 excluded, over the run), mean TTFT / TPOT / end-to-end latency and the
@@ -57,6 +57,7 @@ DESIGN_NAMES = {"static": "static batching", "dynamic": "request-level dynamic (
 # inference overview): "the leasing cost of one H800 GPU is $2 per hour".
 GPU_HOUR_PRICE = 2.0
 EXPANSIONS = 4  # doublings of the probed capacity while it stays within the SLO
+FLOOR = 1 / 8  # rates below this share of the capacity are not searched
 
 
 def _regimes(text: str) -> tuple[str, ...]:
@@ -166,7 +167,7 @@ def regime_setup(name: str, config: EngineConfig, cost, args) -> tuple[EngineCon
         scheduler = dataclasses.replace(
             scheduler, batching=name, preferred_batch_size=size,
             max_batch_size=max(size, scheduler.max_batch_size) if name == "dynamic" else size,
-            max_wait=args.static_max_wait)
+            max_wait=args.static_max_wait, long_batch_size=None)  # one queue: whole batches
     else:
         scheduler = dataclasses.replace(scheduler, batching="continuous")
     split = "auto" if name == "overlap" else "off"
@@ -233,6 +234,8 @@ def peak_rate_row(name: str, base, config, cost, num_blocks: int, block_tokens: 
         low, best, high = high, point, 2 * high
     for _ in range(args.search_steps):
         rate = (low + high) / 2
+        if rate < capacity * FLOOR:  # a regime that keeps the SLO only this idle has none
+            break
         point = _probe(name, base, rate, config, cost, num_blocks, block_tokens, args)
         if point["slo_attainment"] >= args.attainment:
             low, best = rate, point
