@@ -140,6 +140,7 @@ def test_carpool_serve_with_two_ranks_answers_as_one_process_and_stops_them(tiny
                                       temperature=0.0, extra_body={"ignore_eos": True}
                                       ).choices[0].text for prompt in prompts]
         assert got == expected
+        assert "1 engine replica serves" in server.text()  # the serving line's neighbour
         server.signal()
         assert server.wait(60) == 0, server.text()
     assert not Path(f"/proc/{follower}").exists() or \

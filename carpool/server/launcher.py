@@ -143,6 +143,8 @@ class _Runner:
         log.info("serving %r on http://%s:%s (%scontext %d tokens, KV cache %d blocks, %s bytes "
                  "per token)", ctx.model_name, host, port, f"{replicas}, " if replicas else "",
                  ctx.max_model_len, stats.kv_num_blocks, per_token)
+        if not replicas:  # one engine: its serving line keeps the form scripts match
+            log.info("1 engine replica serves (--replicas N for more)")
         slo_text = ctx.engine.info.slo_text
         if slo_text is not None:
             log.info("%s (--adaptive false for plain batching)", slo_text)
