@@ -111,7 +111,7 @@ class LLMEngine:
 
     @classmethod
     def from_config(cls, config: EngineConfig, kernels_in_background: bool = False,
-                    kv_store=None) -> "LLMEngine":
+                    kv_store=None, start_followers=None) -> "LLMEngine":
         """Load the model named in ``config`` (the default model if none).
 
         A GGUF file is converted to the dtype the model will run in; the
@@ -123,6 +123,10 @@ class LLMEngine:
         the first step). ``kv_store``: a ``KVStore`` object for the KV
         connector instead of the one ``config.cache.kv_store`` names (a
         backend the engine layer cannot import, e.g. Ray's object store).
+        ``start_followers``: how a sliced replica's other ranks start
+        (``carpool.executor.tensor_parallel.FollowerStarter``; None: as
+        processes of this machine; Ray Serve: actors of the replica's
+        placement group).
         """
         from carpool.executor.loading import build_executor, load_served_model
 
@@ -130,8 +134,7 @@ class LLMEngine:
         settings = config.model
         loaded, max_len = load_served_model(settings)
         executor = build_executor(config, loaded, max_len, kernels_in_background,
-                                   external_kv=config.cache.kv_store is not None
-                                   or kv_store is not None)
+                                  start_followers)
         loaded.weights.clear()
         connector = None
         if config.cache.kv_store is not None or kv_store is not None:

@@ -61,15 +61,16 @@ FAULT_ENV = "CARPOOL_FAULT_AT_STEP"
 
 
 def build_serving_engine(config, slo_sources: dict[str, str] | None = None, schedule=None,
-                         log_line=None, kv_store=None) -> LLMEngine:
+                         log_line=None, kv_store=None, start_followers=None) -> LLMEngine:
     """The engine ``carpool serve`` runs: loaded (serving while the CPU
     kernels compile on a first start), its latency targets resolved
     (``prepare_serving``), following ``schedule`` (a ``ProfileSchedule``);
-    ``kv_store``: as ``LLMEngine.from_config``'s."""
+    ``kv_store``, ``start_followers``: as ``LLMEngine.from_config``'s."""
     from carpool.engine.calibrate import prepare_serving
 
     engine = prepare_serving(LLMEngine.from_config(config, kernels_in_background=True,
-                                                   kv_store=kv_store),
+                                                   kv_store=kv_store,
+                                                   start_followers=start_followers),
                              slo_sources, log_line)
     engine.grammars().prepare()  # not on a first constrained request's step
     if os.environ.get(FAULT_ENV):

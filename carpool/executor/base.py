@@ -82,6 +82,9 @@ class Executor(ABC):
     #: KVConnectorWorker``: block I/O, fetches, the layer hook), set by the
     #: engine that has one; it moves the bytes of the orders each step hands it.
     kv_worker: Any = None
+    #: A sliced replica's ``payload.model_fingerprint`` of the whole model
+    #: (its own weights are one rank's); None: the connector takes the model's.
+    unsharded_fingerprint: bytes | None = None
 
     @abstractmethod
     def execute(self, items: Sequence[BatchItem], padding: Padding | None = None) -> list[Any]:
@@ -100,6 +103,12 @@ class Executor(ABC):
         results = self.execute(items, padding)
         return lambda: results
 
+
+    def block_io(self) -> Any:
+        """The ``KVBlockIO`` (``carpool.kv_transfer.blocks``) a KV connector
+        moves this replica's blocks through: whole blocks, in the layout of
+        the unsliced model."""
+        raise NotImplementedError(f"{type(self).__name__} holds no KV tensors to move")
 
     def close(self) -> None:
         """Release what runs beside the model (a tensor-parallel replica's

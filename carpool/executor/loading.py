@@ -28,17 +28,16 @@ def load_served_model(settings: ModelSettings) -> tuple[LoadedModel, int]:
 
 
 def build_executor(config: EngineConfig, loaded: LoadedModel, max_len: int,
-                   kernels_in_background: bool, external_kv: bool) -> Executor:
+                   kernels_in_background: bool, start_followers=None) -> Executor:  # noqa: ANN001
     """The replica's executor: the model here, or (``--tensor-parallel-size``
-    N > 1) rank 0's slice with the other ranks in follower processes."""
+    N > 1) rank 0's slice with the other ranks started by
+    ``start_followers`` (a ``tensor_parallel.FollowerStarter``; None:
+    processes of this machine)."""
     settings, tp, followers = config.model, None, []
     if settings.tensor_parallel_size > 1:
-        from carpool.executor.tensor_parallel import start_followers
+        from carpool.executor import tensor_parallel
 
-        if external_kv:
-            raise ValueError("tensor parallelism does not combine with a KV store or P/D "
-                             "serving yet (each rank's slice of the blocks would move)")
-        tp, followers = start_followers(config)
+        tp, followers = tensor_parallel.start_followers(config, start_followers)
     try:
         executor = TorchExecutor(loaded.config, loaded.weights, settings, config.cache, max_len,
                                  max_num_seqs=config.scheduler.max_num_seqs,
@@ -51,4 +50,4 @@ def build_executor(config: EngineConfig, loaded: LoadedModel, max_len: int,
         return executor
     from carpool.executor.tensor_parallel import TensorParallelExecutor
 
-    return TensorParallelExecutor(executor, tp, followers)
+    return TensorParallelExecutor(executor, tp, followers, loaded.config)

@@ -19,13 +19,17 @@ import socket
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import msgspec
 import torch
 
 from carpool.config import EngineConfig
 from carpool.executor.base import BatchItem, Executor, Padding
+from carpool.model.config import ModelConfig
 from carpool.parallel.group import TensorParallelGroup
+from carpool.parallel.kv_slices import ShardedBlockIO, answer, stream_layer
+from carpool.parallel.shard import kv_head_span
 
 
 class StepItem(msgspec.Struct, array_like=True):
@@ -39,12 +43,18 @@ class StepItem(msgspec.Struct, array_like=True):
 
 
 class StepMessage(msgspec.Struct, array_like=True):
-    """A step for the followers, or ``stop``."""
+    """A step for the followers, a KV order (``kv_op``: ``read`` or
+    ``write`` of ``kv_blocks``, ``carpool.parallel.kv_slices``), or ``stop``.
+    ``streamed``: blocks whose layers the step's forward sends out as each
+    is written (a P/D prefill's), which each rank's layer hook gathers."""
 
     items: list[StepItem] = []
     pad_rows: int = 0
     pad_align: str = "right"
     stop: bool = False
+    kv_op: str = ""
+    kv_blocks: list[int] = []
+    streamed: list[int] = []
 
 
 class FollowerLaunch(msgspec.Struct, array_like=True):
@@ -73,11 +83,13 @@ class _SpanTokens:
 _SAMPLED = object()  # a follower's sampling row: the logits are made, never sampled
 
 
-def step_message(items: Sequence[BatchItem], padding: Padding | None) -> StepMessage:
+def step_message(items: Sequence[BatchItem], padding: Padding | None,
+                 streamed: list[int]) -> StepMessage:
     return StepMessage(
         [StepItem(list(item.token_ids[item.start:item.start + item.num_tokens]), item.start,
                   list(item.block_table), item.sampling is not None) for item in items],
-        padding.rows if padding else 0, padding.align if padding else "right")
+        padding.rows if padding else 0, padding.align if padding else "right",
+        streamed=streamed)
 
 
 def follower_items(message: StepMessage) -> tuple[list[BatchItem], Padding | None]:
@@ -91,8 +103,11 @@ class TensorParallelExecutor(Executor):
     """Rank 0's executor: each step goes to the followers, then runs here."""
 
     def __init__(self, local: Executor, tp: TensorParallelGroup,
-                 followers: list[subprocess.Popen]) -> None:
+                 followers: list[Follower], model_config: ModelConfig) -> None:
+        """``model_config``: the whole (unsliced) model's."""
         self.local, self.tp, self.followers = local, tp, followers
+        self.model_config = model_config
+        self.unsharded_fingerprint = local.unsharded_fingerprint
         self.num_blocks, self.block_size = local.num_blocks, local.block_size
         self.overlaps_host = local.overlaps_host
         self._closed = False
@@ -105,8 +120,19 @@ class TensorParallelExecutor(Executor):
 
     def launch(self, items: Sequence[BatchItem], padding: Padding | None = None,
                ) -> Callable[[], list]:
-        self.tp.broadcast_bytes(_step_encoder.encode(step_message(items, padding)))
+        streamed = self.kv_worker.streaming_block_ids() if self.kv_worker is not None else []
+        self.tp.broadcast_bytes(_step_encoder.encode(step_message(items, padding, streamed)))
         return self.local.launch(items, padding)
+
+    def block_io(self) -> ShardedBlockIO:
+        """The whole replica's blocks, as one process's (``kv_slices``)."""
+        size, config = self.tp.size, self.model_config
+        return ShardedBlockIO(self.local.block_io(), self.tp,
+                              [kv_head_span(config, rank, size) for rank in range(size)],
+                              config.cache_heads, self._kv_order)
+
+    def _kv_order(self, op: str, block_ids: list[int]) -> None:
+        self.tp.broadcast_bytes(_step_encoder.encode(StepMessage(kv_op=op, kv_blocks=block_ids)))
 
     def close(self, timeout: float = 30.0) -> None:
         """Stop the followers (each leaves its loop) and wait for them."""
@@ -117,19 +143,30 @@ class TensorParallelExecutor(Executor):
         for follower in self.followers:
             try:
                 follower.wait(timeout)
-            except subprocess.TimeoutExpired:
+            except Exception:  # noqa: BLE001 - not done in time (or gone): make sure
                 follower.kill()
         self.tp.close()
 
 
 def follow(executor: Executor, tp: TensorParallelGroup) -> None:
-    """A follower's loop: run every step rank 0 sends, until it says stop."""
+    """A follower's loop: run every step rank 0 sends and answer its KV
+    orders, until it says stop."""
+    io = executor.block_io()
+    model = executor.model
     while True:
         message = _step_decoder.decode(tp.broadcast_bytes(None))
         if message.stop:
             return
+        if message.kv_op:
+            answer(io, tp, message.kv_op, message.kv_blocks)
+            continue
         items, padding = follower_items(message)
-        executor.launch(items, padding)  # the forward and the gathered logits; no sampling
+        if message.streamed:
+            model.after_layer = stream_layer(io, tp, message.streamed)
+        try:  # the forward and the gathered logits; no sampling
+            executor.launch(items, padding)
+        finally:
+            model.after_layer = None
 
 
 def _free_port() -> int:
@@ -138,10 +175,24 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def start_followers(config: EngineConfig) -> tuple[TensorParallelGroup, list[subprocess.Popen]]:
-    """Start ranks 1..N-1 of ``config``'s replica and join the group as rank 0."""
+class Follower(Protocol):
+    """A running follower, as rank 0 ends it: a process, or a Ray actor's
+    run (``carpool.ray_serve.tp_followers``)."""
+
+    def wait(self, timeout: float) -> object:
+        """Until it ended; raises if not within ``timeout`` seconds."""
+
+    def kill(self) -> None: ...
+
+
+#: Starts ranks 1..N-1 of a replica (its engine config, rank 0's port on
+#: 127.0.0.1); the default runs each as a process (``start_processes``).
+FollowerStarter = Callable[[EngineConfig, int], list[Follower]]
+
+
+def start_processes(config: EngineConfig, port: int) -> list[Follower]:
+    """Ranks 1..N-1 as ``python -m carpool.executor.tp_follower`` processes."""
     size = config.model.tensor_parallel_size
-    port = _free_port()
     launch = msgspec.msgpack.encode(FollowerLaunch(config))
     followers = []
     for rank in range(1, size):
@@ -152,6 +203,16 @@ def start_followers(config: EngineConfig) -> tuple[TensorParallelGroup, list[sub
         proc.stdin.write(launch)
         proc.stdin.close()
         followers.append(proc)
+    return followers
+
+
+def start_followers(config: EngineConfig, starter: FollowerStarter | None = None,
+                    ) -> tuple[TensorParallelGroup, list[Follower]]:
+    """Start ranks 1..N-1 of ``config``'s replica (by ``starter``; None:
+    processes) and join the group as rank 0."""
+    size = config.model.tensor_parallel_size
+    port = _free_port()
+    followers = (starter or start_processes)(config, port)
     try:
         tp = TensorParallelGroup.join(0, size, port, device_of(config, 0))
     except Exception:
@@ -165,7 +226,8 @@ def device_of(config: EngineConfig, rank: int) -> torch.device:
     from carpool.executor.torch_executor import resolve_device
 
     device = resolve_device(config.model.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(rank)
-        return torch.device("cuda", rank)
+    if device.type == "cuda":  # a Ray actor sees only its own GPU: its cuda:0
+        index = rank if torch.cuda.device_count() > rank else 0
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
     return device

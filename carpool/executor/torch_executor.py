@@ -11,6 +11,7 @@ real tokens never see them and results equal the ragged path's.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -141,8 +142,11 @@ class TorchExecutor(Executor):
         kernels' first build (``load_cpu_ops``). ``tp``: this process's
         tensor-parallel group (``carpool.parallel.group``): the model is cut
         to its rank's slice and the KV pool holds that slice's heads."""
-        if settings.threads:
-            torch.set_num_threads(settings.threads)
+        threads = settings.threads
+        if not threads and tp is not None:  # the ranks share the host's cores
+            threads = max(1, (os.cpu_count() or 1) // tp.size)
+        if threads:
+            torch.set_num_threads(threads)
         self.device = resolve_device(settings.device)
         self.dtype = resolve_dtype(settings.dtype, self.device)
         # A GPU's step is mostly waiting on the device (the engine's overlap, auto).
@@ -155,7 +159,11 @@ class TorchExecutor(Executor):
         self.model.load_hf_weights(weights)
         self.tp = tp
         self.micro_batches = settings.micro_batches
-        if tp is not None:
+        if tp is not None:  # the whole model's print, before the cut (see Executor)
+            from carpool.kv_transfer.blocks import weights_fingerprint
+
+            self.unsharded_fingerprint = weights_fingerprint(
+                self.model, f"{model_config!r} {self.dtype}", self.dtype)
             model_config = self._shard(model_config, settings)
         self.model.to(device=self.device, dtype=self.dtype).eval()
         # Rotary tables stay fp32 whatever the weights' dtype.
@@ -192,6 +200,11 @@ class TorchExecutor(Executor):
         if self.expert_load is not None and tp is not None and settings.enable_expert_parallel:
             self.expert_load.ranks = tp.size
         self.graphs = self._capture_graphs(settings, max_model_len, max_num_seqs, graph_type)
+
+    def block_io(self):  # noqa: ANN201 - a KVBlockIO
+        from carpool.kv_transfer.blocks import KVBlockIO
+
+        return KVBlockIO(self.kv_caches)
 
     def _shard(self, config: ModelConfig, settings: ModelSettings) -> ModelConfig:
         """Cut the loaded model to this rank's slice; the slice's config."""

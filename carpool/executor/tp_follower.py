@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import msgspec
 
 from carpool.child_process import die_with_parent
+from carpool.config import EngineConfig
 from carpool.executor.loading import load_served_model
 from carpool.executor.tensor_parallel import FollowerLaunch, device_of, follow
 from carpool.executor.torch_executor import TorchExecutor
@@ -40,14 +41,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.parent_pid is not None and os.getppid() != args.parent_pid:
         return 1
     config = msgspec.msgpack.decode(sys.stdin.buffer.read(), type=FollowerLaunch).config
-    tp = TensorParallelGroup.join(args.rank, args.size, args.port, device_of(config, args.rank))
+    serve_rank(config, args.rank, args.size, args.port)
+    return 0
+
+
+def serve_rank(config: EngineConfig, rank: int, size: int, port: int) -> None:
+    """Rank ``rank`` of ``config``'s replica: join the group at rank 0's
+    ``port``, load and cut the model, run rank 0's steps until it stops."""
+    tp = TensorParallelGroup.join(rank, size, port, device_of(config, rank))
     loaded, max_len = load_served_model(config.model)
     executor = TorchExecutor(loaded.config, loaded.weights, config.model, config.cache, max_len,
                              max_num_seqs=config.scheduler.max_num_seqs, tp=tp)
     loaded.weights.clear()
     follow(executor, tp)
     tp.close()
-    return 0
 
 
 if __name__ == "__main__":

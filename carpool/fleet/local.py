@@ -132,8 +132,10 @@ class FleetEngine(PinFront, RequestIntake):
             # The machine's cores split between the replicas (as many as the
             # autoscaler may start): more torch threads than cores make every
             # OpenMP region wait (see async_engine).
+            # A sliced replica is one process per rank.
             most = autoscale.max_replicas if autoscale is not None else replicas
-            config.model.threads = max(1, (os.cpu_count() or 1) // most)
+            processes = most * config.model.tensor_parallel_size
+            config.model.threads = max(1, (os.cpu_count() or 1) // processes)
         router = router if router is not None else Router(routing)
         launch = {**launch, "kv_events": True, "step_log": launch.get("step_log") or StepLog()}
         started = await asyncio.gather(*(EngineClient.start(config, **launch)

@@ -128,7 +128,8 @@ class PDFleet(RequestIntake):
             raise ValueError("P/D serving moves KV by block keys: it needs prefix caching")
         store_server = local_kv_store(config)
         if config.model.threads is None:  # the cores split between every replica
-            config.model.threads = max(1, (os.cpu_count() or 1) // (prefill + decode))
+            processes = (prefill + decode) * config.model.tensor_parallel_size  # one per rank
+            config.model.threads = max(1, (os.cpu_count() or 1) // processes)
         launch["step_log"] = StepLog()
         router = Router(routing)
         pools = await asyncio.gather(

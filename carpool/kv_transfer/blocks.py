@@ -46,48 +46,32 @@ class KVBlockIO:
         k, v = self.kv_caches[layer]
         return (v,) if self.latent else (k, v)
 
-    def read(self, block_ids: Sequence[int]) -> list[bytes]:
-        """Each block's data, in order (a copy: the blocks may change after)."""
-        if not block_ids:
-            return []
-        count, layout = len(block_ids), self.layout
-        per_tensor = layout.layer_bytes // layout.element_bytes
+    def gather(self, block_ids: Sequence[int], layers: Sequence[int] | None = None,
+               ) -> torch.Tensor:
+        """The blocks' data as bytes on the host, shaped [blocks, layers,
+        tensors, heads, one head's bytes] (``layers``: these, in order; None:
+        every one): a head's slice of a tensor's block is contiguous, so a
+        tensor-parallel rank's heads are one slice of this
+        (``carpool.parallel.kv_slices``)."""
+        layers = range(self.layout.num_layers) if layers is None else layers
+        count, heads = len(block_ids), self.layout.num_kv_heads
         ids = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
-        out = torch.empty((count, layout.num_layers, layout.tensors, per_tensor),
-                          dtype=self.dtype, device=self.device)
-        for layer in range(layout.num_layers):
-            for index, cache in enumerate(self._tensors(layer)):
-                out[:, layer, index] = cache.index_select(1, ids).transpose(0, 1).reshape(count,
-                                                                                          -1)
-        raw = out.view(count, -1).view(torch.uint8).cpu().numpy()
-        return [raw[i].tobytes() for i in range(count)]
+        parts = [cache.index_select(1, ids).transpose(0, 1).reshape(count, heads, -1)
+                 for layer in layers for cache in self._tensors(layer)]
+        out = torch.stack(parts, dim=1).cpu()
+        return out.view(torch.uint8).view(count, len(layers), self.layout.tensors, heads, -1)
 
-    def read_layer(self, block_ids: Sequence[int], layer: int) -> list[bytes]:
-        """Each block's data of one layer (its K block then its V block, or
-        its latent block): the part of ``read``'s data for that layer, so the
-        parts of every layer joined in order are the block's data."""
-        if not block_ids:
-            return []
-        count = len(block_ids)
-        ids = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
-        out = torch.cat([cache.index_select(1, ids).transpose(0, 1).reshape(count, -1)
-                         for cache in self._tensors(layer)], dim=1)
-        raw = out.view(torch.uint8).cpu().numpy()
-        return [raw[i].tobytes() for i in range(count)]
+    def empty(self, count: int) -> torch.Tensor:
+        """An uninitialised host tensor of ``gather``'s shape for ``count`` whole blocks."""
+        layout = self.layout
+        return torch.empty((count, layout.num_layers, layout.tensors, layout.num_kv_heads,
+                            layout.layer_bytes // layout.num_kv_heads), dtype=torch.uint8)
 
-    def write(self, block_ids: Sequence[int], datas: Sequence[bytes | memoryview]) -> None:
-        """Put each data into its block (``len(datas) == len(block_ids)``)."""
-        if len(datas) != len(block_ids):
-            raise ValueError("one data per block")
-        if not block_ids:
-            return
+    def scatter(self, block_ids: Sequence[int], data: torch.Tensor) -> None:
+        """Put ``data`` (``gather``'s shape and bytes, every layer) into the blocks."""
         count, layout = len(block_ids), self.layout
-        joined = bytearray().join(datas)
-        if len(joined) != count * layout.data_bytes:
-            raise ValueError(f"{count} blocks of this layout are {count * layout.data_bytes} "
-                             f"bytes, got {len(joined)}")
-        src = torch.frombuffer(joined, dtype=torch.uint8).view(self.dtype)
-        src = src.view(count, layout.num_layers, layout.tensors, -1).to(self.device)
+        src = data.contiguous().view(self.dtype).to(self.device)
+        src = src.view(count, layout.num_layers, layout.tensors, -1)
         ids = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
         for layer in range(layout.num_layers):
             for index, cache in enumerate(self._tensors(layer)):
@@ -95,17 +79,55 @@ class KVBlockIO:
                 cache.index_copy_(1, ids, src[:, layer, index].reshape(block_shape)
                                   .transpose(0, 1))
 
+    def read(self, block_ids: Sequence[int]) -> list[bytes]:
+        """Each block's data, in order (a copy: the blocks may change after)."""
+        return block_bytes(self.gather(block_ids)) if block_ids else []
 
-def weights_fingerprint(model: torch.nn.Module, description: str) -> bytes:
+    def read_layer(self, block_ids: Sequence[int], layer: int) -> list[bytes]:
+        """Each block's data of one layer (its K block then its V block, or
+        its latent block): the part of ``read``'s data for that layer, so the
+        parts of every layer joined in order are the block's data."""
+        return block_bytes(self.gather(block_ids, [layer])) if block_ids else []
+
+    def write(self, block_ids: Sequence[int], datas: Sequence[bytes | memoryview]) -> None:
+        """Put each data into its block (``len(datas) == len(block_ids)``)."""
+        if not block_ids:
+            if datas:
+                raise ValueError("one data per block")
+            return
+        self.scatter(block_ids, joined_blocks(datas, len(block_ids), self.layout))
+
+
+def joined_blocks(datas: Sequence[bytes | memoryview], count: int,
+                  layout: BlockLayout) -> torch.Tensor:
+    """``count`` blocks' datas of ``layout`` as one byte tensor, checked."""
+    if len(datas) != count:
+        raise ValueError("one data per block")
+    joined = bytearray().join(datas)
+    if len(joined) != count * layout.data_bytes:
+        raise ValueError(f"{count} blocks of this layout are {count * layout.data_bytes} "
+                         f"bytes, got {len(joined)}")
+    return torch.frombuffer(joined, dtype=torch.uint8).view(
+        count, layout.num_layers, layout.tensors, layout.num_kv_heads, -1)
+
+
+def block_bytes(data: torch.Tensor) -> list[bytes]:
+    raw = data.reshape(data.shape[0], -1).numpy()
+    return [raw[i].tobytes() for i in range(raw.shape[0])]
+
+
+def weights_fingerprint(model: torch.nn.Module, description: str,
+                        dtype: torch.dtype | None = None) -> bytes:
     """``payload.model_fingerprint`` of a loaded model: its description
     and, per weight (by its name in the plain model), its shape and first 64
-    values' bytes. Layout-only changes (packed, blocked or quantized decode
-    copies) keep the fingerprint: they compute the same KV."""
+    values' bytes (as ``dtype``, where given: the model is not yet in the
+    dtype it runs in). Layout-only changes (packed, blocked or quantized
+    decode copies) keep the fingerprint: they compute the same KV."""
     from carpool.kv_transfer.payload import model_fingerprint
 
     samples = bytearray()
     for name, tensor in sorted(_plain_weights(model).items()):
-        head = tensor.detach().flatten()[:64].cpu().contiguous()
+        head = tensor.detach().flatten()[:64].cpu().to(dtype or tensor.dtype).contiguous()
         samples += f"{name}{tuple(tensor.shape)}{head.dtype}".encode()
         samples += head.view(torch.uint8).numpy().tobytes() if head.numel() else b""
     return model_fingerprint(description, bytes(samples))

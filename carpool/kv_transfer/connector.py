@@ -68,7 +68,9 @@ def store_connector(cache, executor, model_config, store: KVStore | None = None,
 
     if store is None:
         store = open_store(cache.kv_store, cache.kv_store_ttl, parse_size(cache.kv_store_capacity))
-    io = KVBlockIO(executor.kv_caches)
-    fingerprint = weights_fingerprint(executor.model, f"{model_config!r} {executor.dtype}")
+    io = executor.block_io()
+    # A sliced replica's weights are its rank's: its fingerprint is the whole model's.
+    fingerprint = (executor.unsharded_fingerprint
+                   or weights_fingerprint(executor.model, f"{model_config!r} {executor.dtype}"))
     return StoreConnector(store, io, fingerprint, parse_size(cache.kv_store_max_inflight),
                           model=getattr(executor, "model", None))

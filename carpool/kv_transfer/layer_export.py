@@ -73,6 +73,10 @@ class LayerExporter:
         self._blocks = list(blocks)
         self._step = _StepExport() if blocks else None
 
+    def block_ids(self) -> list[int]:
+        """The blocks the running step streams (``begin``'s)."""
+        return [block_id for block_id, _ in self._blocks] if self._step is not None else []
+
     def layer_done(self, layer: int) -> None:
         """Layer ``layer``'s KV of the step is written: send it."""
         step = self._step
@@ -97,8 +101,9 @@ class LayerExporter:
         if not block_ids:
             return
         layers = range(self.num_layers)
-        io = self.connector.io
-        datas = [data for layer in layers for data in io.read_layer(block_ids, layer)]
+        wholes = self.connector.io.read(block_ids)  # one read: each block's layers in order
+        size = self.layer_layout.data_bytes
+        datas = [whole[layer * size:(layer + 1) * size] for layer in layers for whole in wholes]
         self.connector.submit(self._put, None, list(layers), list(hashes), datas)
 
     # -- prefill side: the I/O thread ------------------------------------------------------

@@ -87,6 +87,11 @@ class StoreWorker:
         self.model.after_layer = self.exporter.layer_done
         return True
 
+    def streaming_block_ids(self) -> list[int]:
+        """The blocks the forward ``begin_forward`` hooked sends out layer by
+        layer (a tensor-parallel replica's followers gather theirs too)."""
+        return self.exporter.block_ids()
+
     def end_forward(self) -> None:
         """After a forward ``begin_forward`` hooked."""
         self.model.after_layer = None

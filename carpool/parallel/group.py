@@ -32,13 +32,17 @@ class PendingSum:
 
 @dataclass
 class TensorParallelGroup:
-    """Rank ``rank`` of ``size``; ``group`` carries the model's tensors and
-    ``control`` (gloo) the step descriptions rank 0 sends its followers."""
+    """Rank ``rank`` of ``size``; ``group`` carries the model's tensors,
+    ``control`` (gloo) the step descriptions rank 0 sends its followers and
+    ``kv`` (gloo) the KV blocks that leave or enter the replica
+    (``carpool.parallel.kv_slices``: their own channel, so a gather inside
+    a forward never queues behind the model's sums in flight)."""
 
     rank: int
     size: int
     group: object = None
     control: object = None
+    kv: object = None
     backend: str = "gloo"
     # Seconds the forward waited on the model's collectives so far: the
     # communication left exposed (all of it, where nothing overlaps it).
@@ -55,7 +59,8 @@ class TensorParallelGroup:
             dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                     world_size=size, timeout=timedelta(seconds=timeout_s))
         control = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
-        return cls(rank, size, dist.group.WORLD, control, backend)
+        kv = dist.new_group(backend="gloo")
+        return cls(rank, size, dist.group.WORLD, control, kv, backend)
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """The sum over the ranks of each one's ``tensor``, in place where it

@@ -100,13 +100,21 @@ def row_parallel(linear: nn.Linear, start: int, width: int, rank: int) -> nn.Lin
     return _linear(linear.weight.data.narrow(1, start, width), bias)
 
 
+def kv_head_span(config: ModelConfig, rank: int, size: int) -> tuple[int, int]:
+    """(first, count) of the model's KV heads rank ``rank`` of ``size`` holds
+    in its cache: its own share, or (fewer KV heads than ranks) the one its
+    group of ranks shares. MLA's latent is one head every rank holds whole."""
+    if config.mla is not None:
+        return 0, 1
+    kv = config.num_kv_heads
+    local = max(1, kv // size)
+    return (rank * local if kv >= size else rank // (size // kv)), local
+
+
 def _attention(layer, config: ModelConfig, rank: int, size: int) -> None:  # noqa: ANN001
     heads, kv, dim = config.num_heads, config.num_kv_heads, config.head_dim
     local_heads = heads // size
-    local_kv = max(1, kv // size)
-    # The KV heads this rank's query heads read: its own share, or (fewer KV
-    # heads than ranks) the one its group of ranks shares.
-    first_kv = rank * local_kv if kv >= size else rank // (size // kv)
+    first_kv, local_kv = kv_head_span(config, rank, size)
     q_size, kv_size = heads * dim, kv * dim
     layer.qkv_proj = column_parallel(layer.qkv_proj, [
         (rank * local_heads * dim, local_heads * dim),

@@ -46,6 +46,7 @@ from carpool.ray_serve.engine import RayEngine
 from carpool.ray_serve.kv_store import store_for, uses_ray_store
 from carpool.ray_serve.replica import EngineReplica, app_name
 from carpool.ray_serve.router import CarpoolRequestRouter
+from carpool.ray_serve.tp_followers import rank_bundles
 from carpool.ray_serve.wire import AppSettings
 from carpool.server.app import build_app as build_fastapi_app
 from carpool.server.config import ServerConfig
@@ -201,9 +202,14 @@ def _autoscaling_config(server: ServerConfig) -> AutoscalingConfig:
 def _engine_options(settings: AppSettings, name: str) -> dict[str, Any]:
     """An engine deployment's options, carpool's router routing it."""
     server, scheduler = settings.server, settings.engine.scheduler
+    ranks = settings.engine.model.tensor_parallel_size
+    # A sliced replica: one actor per rank, in one placement group on one node.
+    sliced = {"placement_group_bundles": rank_bundles(ranks, settings.replica_cpus),
+              "placement_group_strategy": "STRICT_PACK"} if ranks > 1 else {}
     return {
         "name": name,
-        "ray_actor_options": {"num_cpus": settings.replica_cpus},
+        "ray_actor_options": {"num_cpus": settings.replica_cpus / ranks},
+        **sliced,
         # carpool's admission bounds the queue; Ray's cap only guards against a runaway
         "max_ongoing_requests": scheduler.max_num_seqs + scheduler.max_queue_requests,
         "graceful_shutdown_timeout_s": server.shutdown_timeout,

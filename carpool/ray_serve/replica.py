@@ -35,6 +35,7 @@ from carpool.engine.streams import EngineDeadError, RequestStream
 from carpool.engine.wire import Add, Delta
 from carpool.engine.worker import build_serving_engine, delta_of, refusal_of
 from carpool.ray_serve.kv_store import store_for, uses_ray_store
+from carpool.ray_serve.tp_followers import start_rank_actors
 from carpool.ray_serve.wire import (
     REPORT_KEY,
     Accepted,
@@ -133,11 +134,14 @@ class EngineReplica:
         if self.config.model.threads is None:
             # Ray's CPUs for this replica (at least one thread): more torch
             # threads than cores make every OpenMP region wait (async_engine).
-            self.config.model.threads = max(1, int(app.replica_cpus))
+            ranks = self.config.model.tensor_parallel_size  # each rank its share
+            self.config.model.threads = max(1, int(app.replica_cpus / ranks))
+        sliced = self.config.model.tensor_parallel_size > 1
 
         def build():
             engine = build_serving_engine(self.config, app.slo_sources, None, log.info,
-                                          kv_store=kv_store)
+                                          kv_store=kv_store,
+                                          start_followers=start_rank_actors if sliced else None)
             engine.scheduler.kv.report_blocks_to(self.held)  # before the first request
             return engine
 
