@@ -88,12 +88,14 @@ class ModelSettings:
     # Two micro-batches per step (carpool/model/decoder.py
     # forward_micro_batches): one's tensor-parallel sums travel while the
     # other computes. auto: under tensor parallelism, for steps of two or
-    # more sequences; on: always then (one process too: the same outputs);
-    # off: one batch.
+    # more sequences, each step shape the way its measured step times favour
+    # (carpool/executor/micro_batch_choice.py); on: always then (one
+    # process too: the same outputs); off: one batch.
     micro_batches: str = setting(
         "auto", "--micro-batches", "MODE",
         "split a step into two micro-batches whose tensor-parallel communication overlaps "
-        "the other's compute: auto (with --tensor-parallel-size > 1) | on | off")
+        "the other's compute: auto (with --tensor-parallel-size > 1, per step shape, by "
+        "measured step times) | on | off")
     # defaults to the model's context length
     max_model_len: int | None = setting(
         None, "--max-model-len", "N",

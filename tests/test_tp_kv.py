@@ -116,3 +116,24 @@ def test_a_load_that_found_nothing_orders_no_rank():
     assert io.layout.num_kv_heads == 2 and io.layout.data_bytes == 2 * 2 * 8 * 16 * 4
     with pytest.raises(ValueError, match="one data per block"):
         io.write([], [b"x"])
+
+
+def test_auto_micro_batches_try_both_ways_and_every_rank_follows_rank_0(pair):
+    """``--micro-batches auto`` under TP: rank 0 times each step shape both
+    ways and sends its choice with the step; a follower that split
+    differently would wait forever or answer wrong. Four sequences at once,
+    the whole model's answers."""
+    (one, two), _ = pair
+    prompts = [_prompt(53 + k, 20 + 5 * k) for k in range(4)]
+
+    def together(engine: LLMEngine) -> list[list[int]]:
+        for k, prompt in enumerate(prompts):
+            engine.add_request(prompt, GREEDY, request_id=f"m{k}")
+        final = {}
+        while engine.has_unfinished:
+            final.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+        return [final[f"m{k}"] for k in range(4)]
+
+    assert together(two) == together(one)
+    decode = two.executor.choice.shapes[(True, 4)]  # four decodes a step
+    assert len(decode.whole) >= 1 and len(decode.split) >= 1

@@ -14,10 +14,12 @@ stop message ``close`` sends.
 """
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -26,6 +28,7 @@ import torch
 
 from carpool.config import EngineConfig
 from carpool.executor.base import BatchItem, Executor, Padding
+from carpool.executor.micro_batch_choice import MicroBatchChoice, StepShape, step_shape
 from carpool.model.config import ModelConfig
 from carpool.parallel.group import TensorParallelGroup
 from carpool.parallel.kv_slices import ShardedBlockIO, answer, stream_layer
@@ -55,6 +58,7 @@ class StepMessage(msgspec.Struct, array_like=True):
     kv_op: str = ""
     kv_blocks: list[int] = []
     streamed: list[int] = []
+    split: bool = False
 
 
 class FollowerLaunch(msgspec.Struct, array_like=True):
@@ -62,6 +66,8 @@ class FollowerLaunch(msgspec.Struct, array_like=True):
 
     config: EngineConfig
 
+
+logger = logging.getLogger(__name__)
 
 _step_encoder = msgspec.msgpack.Encoder()
 _step_decoder = msgspec.msgpack.Decoder(StepMessage)
@@ -84,12 +90,12 @@ _SAMPLED = object()  # a follower's sampling row: the logits are made, never sam
 
 
 def step_message(items: Sequence[BatchItem], padding: Padding | None,
-                 streamed: list[int]) -> StepMessage:
+                 streamed: list[int], split: bool) -> StepMessage:
     return StepMessage(
         [StepItem(list(item.token_ids[item.start:item.start + item.num_tokens]), item.start,
                   list(item.block_table), item.sampling is not None) for item in items],
         padding.rows if padding else 0, padding.align if padding else "right",
-        streamed=streamed)
+        streamed=streamed, split=split)
 
 
 def follower_items(message: StepMessage) -> tuple[list[BatchItem], Padding | None]:
@@ -108,6 +114,7 @@ class TensorParallelExecutor(Executor):
         self.local, self.tp, self.followers = local, tp, followers
         self.model_config = model_config
         self.unsharded_fingerprint = local.unsharded_fingerprint
+        self.choice = MicroBatchChoice()  # auto: one batch or two, by measured step times
         self.num_blocks, self.block_size = local.num_blocks, local.block_size
         self.overlaps_host = local.overlaps_host
         self._closed = False
@@ -120,9 +127,36 @@ class TensorParallelExecutor(Executor):
 
     def launch(self, items: Sequence[BatchItem], padding: Padding | None = None,
                ) -> Callable[[], list]:
+        started = time.perf_counter()
         streamed = self.kv_worker.streaming_block_ids() if self.kv_worker is not None else []
-        self.tp.broadcast_bytes(_step_encoder.encode(step_message(items, padding, streamed)))
-        return self.local.launch(items, padding)
+        split, shape = self._split(items, padding)
+        self.tp.broadcast_bytes(_step_encoder.encode(
+            step_message(items, padding, streamed, split)))
+        self.local.split_next = split
+        wait = self.local.launch(items, padding)
+        if shape is None:
+            return wait
+
+        def timed() -> list:  # the step's time, launch to results, for the choice
+            results = wait()
+            chosen = self.choice.record(shape, split, time.perf_counter() - started)
+            if chosen is not None:
+                logger.info("micro-batches: %s steps of up to %d tokens now run %s",
+                            "decode" if shape[0] else "prefill or mixed", shape[1],
+                            "split in two" if chosen else "as one batch")
+            return results
+        return timed
+
+    def _split(self, items: Sequence[BatchItem], padding: Padding | None,
+               ) -> tuple[bool, StepShape | None]:
+        """Whether this step runs as two micro-batches and, where that was
+        the live choice's (``auto``), the shape it is timed under."""
+        mode = self.local.micro_batches
+        if mode != "auto" or padding is not None or len(items) < 2:
+            return mode == "on", None
+        shape = step_shape(all(item.num_tokens == 1 for item in items),
+                           sum(item.num_tokens for item in items))
+        return self.choice.choose(shape), shape
 
     def block_io(self) -> ShardedBlockIO:
         """The whole replica's blocks, as one process's (``kv_slices``)."""
@@ -161,6 +195,7 @@ def follow(executor: Executor, tp: TensorParallelGroup) -> None:
             answer(io, tp, message.kv_op, message.kv_blocks)
             continue
         items, padding = follower_items(message)
+        executor.split_next = message.split  # rank 0's choice: the same collectives
         if message.streamed:
             model.after_layer = stream_layer(io, tp, message.streamed)
         try:  # the forward and the gathered logits; no sampling

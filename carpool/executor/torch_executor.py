@@ -159,6 +159,7 @@ class TorchExecutor(Executor):
         self.model.load_hf_weights(weights)
         self.tp = tp
         self.micro_batches = settings.micro_batches
+        self.split_next: bool | None = None
         if tp is not None:  # the whole model's print, before the cut (see Executor)
             from carpool.kv_transfer.blocks import weights_fingerprint
 
@@ -411,9 +412,13 @@ class TorchExecutor(Executor):
                        bucket: int | None) -> list[list[_Run]]:
         """The step as two micro-batches (every other run: each keeps decodes
         first) where ``micro_batches`` asks for them and both get work, else
-        as one. auto: under tensor parallelism, whose sums the split hides."""
+        as one. auto: under tensor parallelism, whose sums the split hides;
+        there rank 0 chooses each step's way (``split_next``: set for the
+        next step only; ``micro_batch_choice``) and every rank follows."""
         mode = self.micro_batches
-        wanted = mode == "on" or (mode == "auto" and self.tp is not None)
+        wanted, self.split_next = self.split_next, None  # a sliced replica's rank 0 chose
+        if wanted is None:
+            wanted = mode == "on" or (mode == "auto" and self.tp is not None)
         if not wanted or padding is not None or bucket is not None or len(runs) < 2:
             return [runs]
         return [runs[0::2], runs[1::2]]
