@@ -58,7 +58,8 @@ def run_ranks(model_dir: Path, size: int, steps: int = 5, dtype: str = "float32"
             proc.kill()
     for proc, (_, err) in zip(procs, outputs):
         assert proc.returncode == 0, err[-3000:]
-    return json.loads(outputs[0][0])
+    results = [json.loads(out) for out, _ in outputs]
+    return {**results[0], "ranks": results}
 
 
 @pytest.fixture(scope="module")
@@ -166,6 +167,10 @@ def test_a_capacity_drops_the_rows_past_it_and_counts_them(family_dirs):
     unbounded = run_ranks(family_dirs["mixtral"], 2, steps=1, expert_parallel=True)
     assert bounded["dropped"][0] > 0 and unbounded["dropped"] == [0] * len(unbounded["dropped"])
     assert bounded["expert_rows"][0] + bounded["dropped"][0] == unbounded["expert_rows"][0]
+    # Rank 0 knows every rank's drops (what /metrics shows): each rank's own count.
+    for layer, seen_by_first in enumerate(bounded["rank_dropped"]):
+        assert seen_by_first == [rank["dropped"][layer] for rank in bounded["ranks"]]
+    assert unbounded["rank_dropped"] == [[0, 0]] * len(unbounded["rank_dropped"])
 
 
 def test_each_ranks_expert_load_is_on_metrics(family_dirs):
@@ -177,7 +182,7 @@ def test_each_ranks_expert_load_is_on_metrics(family_dirs):
 
     model = str(family_dirs["mixtral"])
     flags = [model, "--tensor-parallel-size", "2", "--enable-expert-parallel", "--dtype",
-             "float32", "--num-blocks", "64"]
+             "float32", "--num-blocks", "64", "--expert-capacity-factor", "0.5"]
     with ServerProcess(flags) as server, server.client() as http:
         reply = http.post("/v1/completions", json={"model": model, "prompt": "hello there",
                                                    "max_tokens": 4, "ignore_eos": True})
@@ -192,3 +197,5 @@ def test_each_ranks_expert_load_is_on_metrics(family_dirs):
     assert set(ranks) == {"0", "1"} and len(experts) == 4
     assert sum(ranks.values()) == sum(experts.values()) > 0
     assert ranks["0"] == experts["0"] + experts["1"]
+    dropped = counts("moe_rank_dropped", "rank")  # a capacity of half the fair share
+    assert set(dropped) == {"0", "1"} and sum(dropped.values()) > 0

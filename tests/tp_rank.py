@@ -2,8 +2,8 @@
 model of ``--model-dir`` cut over ``--size`` processes (``--micro-batches``
 auto | on | off: two micro-batches per step or one), the same greedy
 steps on every rank (ragged prefills of three prompts, then decodes, through
-``TorchExecutor`` and its paged KV pool); rank 0 prints each prompt's tokens
-and log-probabilities as JSON. ``--size 1`` is the whole model alone."""
+``TorchExecutor`` and its paged KV pool); each rank prints each prompt's tokens
+and log-probabilities (and what it holds and counted) as JSON. ``--size 1`` is the whole model alone."""
 from __future__ import annotations
 
 import argparse
@@ -60,6 +60,7 @@ def run(model_dir: str, rank: int, size: int, port: int, steps: int, dtype: str,
     return {"tokens": out, "logprobs": logprobs, "heads": heads,
             "expert_rows": [d.received for d in dispatches],
             "dropped": [d.dropped for d in dispatches],
+            "rank_dropped": [d.rank_dropped for d in dispatches],
             "vocab_rows": executor.model.embed_tokens.num_embeddings,
             "kv_pool_heads": executor.kv_caches[0][1].shape[0]}
 
@@ -73,8 +74,7 @@ def main() -> int:
     args = parser.parse_args()
     result = run(args.model_dir, args.rank, args.size, args.port, args.steps, args.dtype,
                  args.micro_batches, bool(args.expert_parallel), args.capacity)
-    if args.rank == 0:
-        json.dump(result, sys.stdout)
+    json.dump(result, sys.stdout)
     return 0
 
 

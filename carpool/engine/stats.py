@@ -121,6 +121,9 @@ class EngineStats:
     expert_tokens: tuple[int, ...] = ()
     # Expert parallel: the (token, expert) pairs each rank's experts took.
     expert_rank_tokens: tuple[int, ...] = ()
+    # Expert parallel with a capacity: the rows past it, by the rank that
+    # dropped them (computed by nobody: they add nothing to their tokens).
+    expert_rank_dropped: tuple[int, ...] = ()
     expert_imbalance: float = 0.0
     expert_imbalance_mean: float = 0.0
 
@@ -249,6 +252,8 @@ def merge_stats(snapshots: list[EngineStats]) -> EngineStats:
         degrade_stage=max(s.degrade_stage for s in snapshots),
         pinned=merge_pin_stats(s.pinned for s in snapshots),
         expert_tokens=_summed_experts(s.expert_tokens for s in snapshots),
+        expert_rank_tokens=_summed_experts(s.expert_rank_tokens for s in snapshots),
+        expert_rank_dropped=_summed_experts(s.expert_rank_dropped for s in snapshots),
         expert_imbalance=max(s.expert_imbalance for s in snapshots),
         expert_imbalance_mean=max(s.expert_imbalance_mean for s in snapshots), **summed)
 

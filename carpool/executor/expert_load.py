@@ -45,7 +45,11 @@ class ExpertLoad:
         """``EngineStats``' expert fields."""
         per_rank = (tuple(int(n) for n in self.tokens.view(self.ranks, -1).sum(1).tolist())
                     if self.ranks > 1 else ())
+        dispatches = [block.dispatch for block in self.blocks
+                      if block.dispatch is not None and block.dispatch.capacity_factor > 0]
+        dropped = (tuple(sum(column) for column in zip(*(d.rank_dropped for d in dispatches)))
+                   if dispatches else ())
         return {"expert_tokens": tuple(int(n) for n in self.tokens.tolist()),
-                "expert_rank_tokens": per_rank,
+                "expert_rank_tokens": per_rank, "expert_rank_dropped": dropped,
                 "expert_imbalance": self.imbalance,
                 "expert_imbalance_mean": self._imbalance_sum / self.steps if self.steps else 0.0}

@@ -15,7 +15,8 @@ whole: nothing is all-reduced after it.
 
 A capacity (``--expert-capacity-factor`` F > 0) bounds the rows one rank
 takes in one layer to ``ceil(F * picks / N)``; rows past it are dropped (they
-add nothing) and counted in ``dropped``. 0: no bound, nothing dropped.
+add nothing) and counted in ``dropped``, and every rank's in ``rank_dropped``
+(``/metrics``: ``carpool:moe_rank_dropped_total``). 0: no bound, nothing dropped.
 """
 from __future__ import annotations
 
@@ -50,10 +51,15 @@ class ExpertDispatch:
         self.capacity_factor = capacity_factor
         self.received = 0  # (token, expert) rows this rank's experts computed
         self.dropped = 0  # rows past the capacity, computed by nobody
+        # Every rank's drops, seen from here: each rank routes every token
+        # (the router is whole), so each knows what every rank receives.
+        self.rank_dropped = [0] * tp.size
 
     def __call__(self, block, x: torch.Tensor, weights: torch.Tensor,  # noqa: ANN001
                  ids: torch.Tensor) -> torch.Tensor:
         tp = self.tp
+        if self.capacity_factor > 0:
+            self._count_drops(ids)
         start, stop = _token_slice(x.shape[0], tp.rank, tp.size)
         own = x[start:stop]
         k = ids.shape[1]
@@ -70,6 +76,13 @@ class ExpertDispatch:
         back = self._exchange(answers, recv_counts, send_counts)
         mine = torch.zeros_like(own).index_add_(0, token_of, back.to(own.dtype))
         return self._gather(block.with_shared(own, mine), x.shape[0])
+
+    def _count_drops(self, ids: torch.Tensor) -> None:
+        """Each rank's rows past the capacity this layer (``_compute``'s rule)."""
+        size = self.tp.size
+        capacity = math.ceil(self.capacity_factor * ids.numel() / size)
+        rows = torch.bincount(ids.flatten() // self.num_local, minlength=size).tolist()
+        self.rank_dropped = [d + max(0, r - capacity) for d, r in zip(self.rank_dropped, rows)]
 
     def _compute(self, block, rows: torch.Tensor, local: torch.Tensor,  # noqa: ANN001
                  row_weights: torch.Tensor, picks: int) -> torch.Tensor:

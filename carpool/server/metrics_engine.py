@@ -126,6 +126,14 @@ def _expert_families(stats: EngineStats, model: list[str]):  # noqa: ANN202
         for rank, count in enumerate(stats.expert_rank_tokens):
             ranks.add_metric(model + [str(rank)], count)
         yield ranks
+    if stats.expert_rank_dropped:  # --expert-capacity-factor: the rows past it
+        dropped = CounterMetricFamily(
+            "moe_rank_dropped", "(token, expert) rows past an expert-parallel rank's capacity "
+            "(--expert-capacity-factor), by rank: dropped, they add nothing.",
+            labels=["model_name", "rank"])
+        for rank, count in enumerate(stats.expert_rank_dropped):
+            dropped.add_metric(model + [str(rank)], count)
+        yield dropped
     yield _gauge("moe_expert_imbalance", "The last step's busiest expert over the mean per "
                  "expert (1 = even), averaged over the MoE layers.", model,
                  stats.expert_imbalance)
