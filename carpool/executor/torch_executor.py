@@ -153,8 +153,10 @@ class TorchExecutor(Executor):
         self.overlaps_host = self.device.type == "cuda"
         self.block_size = cache.block_size
         self.row_bucket = settings.row_bucket
-        # Built on the device: an 8B model's init never runs on the host.
-        with torch.device(self.device):
+        # Built on the device: an 8B model's init never runs on the host. A
+        # sliced replica's is built and cut on the host, so a device holds
+        # only its rank's slice (the model may not fit one device whole).
+        with torch.device(self.device if tp is None else "cpu"):
             self.model = DecoderModel(model_config, max_model_len)
         self.model.load_hf_weights(weights)
         self.tp = tp
