@@ -311,7 +311,7 @@ def test_carpool_serve_in_one_process_loads_the_model_on_the_engine_thread(monke
 
     where: list[str] = []
 
-    def from_config(config, kernels_in_background=False, kv_store=None):
+    def from_config(config, kernels_in_background=False, kv_store=None, start_followers=None):
         where.append(threading.current_thread().name)
         raise RuntimeError("stop here")
 
