@@ -69,6 +69,9 @@ log = logging.getLogger("carpool.server")
 
 # The front tells the worker its first-token delivery lag when it moved this much.
 LAG_UPDATE_S = 0.002
+# Workers one request may be sent to: a fleet re-routes or resumes a request
+# whose worker died, and after this many the request fails (EngineDeadError).
+MAX_ATTEMPTS = 3
 
 
 class EngineLaunchError(RuntimeError):
@@ -81,7 +84,7 @@ class EngineLaunchError(RuntimeError):
 
 
 @dataclass
-class _Live:
+class LiveRequest:
     """A request between its add and its final output."""
 
     queue: asyncio.Queue
@@ -94,6 +97,21 @@ class _Live:
     # Adopted from a dead worker after its caller saw it accepted: this
     # worker's acceptance is not passed on again.
     swallow_accept: bool = False
+    attempts: int = 1  # workers it was sent to (MAX_ATTEMPTS at most)
+
+    @property
+    def started(self) -> bool:
+        """Some output token reached the caller (or came with a P/D handoff)."""
+        return len(self.ids) > len(self.prompt)
+
+    def resumed_add(self) -> Add:
+        """The ``Add`` that goes on where the caller is: as sent, while
+        nothing reached it; else a ``resume`` after the tokens it got."""
+        if not self.started:
+            return self.add
+        logprobs = list(self.logprobs) if self.logprobs is not None else None
+        return msgspec.structs.replace(self.add, handoff=Handoff(
+            "resume", self.ids[len(self.prompt):], logprobs))
 
 
 class EngineClient(PinFront, RequestIntake):
@@ -134,14 +152,14 @@ class EngineClient(PinFront, RequestIntake):
         # A fleet's name for this replica: tags the steps mirrored into a
         # step log the fleet's replicas share (idle gaps are per replica).
         self.replica_id: str | None = None
-        # Offered, when this worker dies, each request it had not started
-        # (no output yet): (request id, its Add, its queue, accepted) -> True
-        # when taken elsewhere (a fleet re-routes it), else it fails here.
-        self.on_orphan: Callable[[str, Add, asyncio.Queue, bool], bool] | None = None
+        # Offered, when this worker dies, each request it held that has
+        # attempts left (started or not: ``LiveRequest.resumed_add``): True when
+        # taken elsewhere (a fleet re-routes or resumes it), else it fails here.
+        self.on_orphan: Callable[[LiveRequest], bool] | None = None
         self.stream_owner = self  # what its RequestStreams abort through (a fleet: itself)
         self.error: BaseException | None = None
         self.last_progress = time.monotonic()
-        self._live: dict[str, _Live] = {}
+        self._live: dict[str, LiveRequest] = {}
         self._encoder = msgspec.msgpack.Encoder()
         self._loop = asyncio.get_running_loop()
         self._aborts: deque[str] = deque()  # from any thread (RequestStream.__del__)
@@ -227,7 +245,7 @@ class EngineClient(PinFront, RequestIntake):
         arrival = min(now, received_at) if received_at is not None else now
         add = Add(request_id, ids, params, priority, session_id, deadline, max_wait,
                   cache_salt, arrival, handoff)
-        live = _Live(asyncio.Queue(), ids, list(ids), add,
+        live = LiveRequest(asyncio.Queue(), ids, list(ids), add,
                      logprobs=[] if params.logprobs is not None else None)
         if handoff is not None and handoff.output_token_ids:
             live.ids += handoff.output_token_ids
@@ -244,12 +262,12 @@ class EngineClient(PinFront, RequestIntake):
         ids = list(spec.token_ids)
         add = Add(pin_request_id(spec, self._pin_runs), ids, PIN_PARAMS, PIN_PRIORITY,
                   cache_salt=spec.cache_salt, arrival_time=time.monotonic(), pin=spec)
-        await finish_pin(await self._submit(add, _Live(asyncio.Queue(), ids, list(ids), add)))
+        await finish_pin(await self._submit(add, LiveRequest(asyncio.Queue(), ids, list(ids), add)))
 
     def drop_pin(self, pin_id: str) -> None:
         self._send_now(Unpin([pin_id]))
 
-    async def _submit(self, add: Add, live: _Live) -> RequestStream:
+    async def _submit(self, add: Add, live: LiveRequest) -> RequestStream:
         """Send ``add``; its stream once the worker accepted it."""
         request_id = add.request_id
         self._live[request_id] = live
@@ -263,15 +281,15 @@ class EngineClient(PinFront, RequestIntake):
             raise accepted
         return RequestStream(self.stream_owner, request_id, live.queue)
 
-    def adopt(self, add: Add, queue: asyncio.Queue, accepted: bool) -> None:
-        """Take over a request another worker held but never started (it
-        died first): the same ``queue`` goes on receiving its outputs;
-        ``accepted``: its caller already saw it accepted."""
-        live = _Live(queue, add.prompt_token_ids, list(add.prompt_token_ids), add,
-                     logprobs=[] if add.params.logprobs is not None else None,
-                     swallow_accept=accepted)
-        self._live[add.request_id] = live
-        self._send_now(add)
+    def adopt(self, live: LiveRequest) -> None:
+        """Take over a request whose worker died: the same queue goes on
+        receiving its outputs, after those its caller got (``LiveRequest.
+        resumed_add``); an acceptance it already saw is not passed on again."""
+        live.add = live.resumed_add()
+        live.attempts += 1
+        live.swallow_accept = live.accepted
+        self._live[live.add.request_id] = live
+        self._send_now(live.add)
 
     def abort(self, request_id: str) -> None:
         self.abort_without_lock(request_id)
@@ -397,10 +415,12 @@ class EngineClient(PinFront, RequestIntake):
         go to ``on_orphan`` first (the worker died)."""
         live, self._live = self._live, {}
         for request_id, request in live.items():
-            if (offer and self.on_orphan is not None and len(request.ids) == len(request.prompt)
-                    and self.on_orphan(request_id, request.add, request.queue,
-                                       request.accepted)):
+            if (offer and self.on_orphan is not None and request.add.pin is None
+                    and request.attempts < MAX_ATTEMPTS and self.on_orphan(request)):
                 continue
+            if offer and request.attempts >= MAX_ATTEMPTS:
+                exc = EngineDeadError(f"{exc} (tried on {MAX_ATTEMPTS} workers: no more "
+                                      "attempts)")
             request.queue.put_nowait(exc)
             if self.on_request is not None:
                 self.on_request(request_id, False, True)

@@ -217,8 +217,10 @@ class LLMEngine:
         """Set up a P/D part: a prefill's prompt blocks are exported; a
         decode part starts after the prefill's output tokens, as a request
         preempted there would (nothing computed yet, its prompt blocks to
-        load), with their text and logprobs already delivered."""
-        if self.kv_connector is None:
+        load), with their text and logprobs already delivered. A resumed
+        request (its replica died mid-stream) is a decode part whose prompt
+        and delivered tokens are computed here, as a preempted one's are."""
+        if self.kv_connector is None and handoff.role != "resume":
             raise ValueError("a P/D handoff needs a KV store (--kv-store)")
         state: RequestState = request.payload
         state.handoff = handoff.role
@@ -227,9 +229,9 @@ class LLMEngine:
             return
         outputs = list(handoff.output_token_ids)
         if len(outputs) >= request.max_tokens:
-            raise ValueError("a decode handoff must have tokens left to generate")
+            raise ValueError(f"a {handoff.role} handoff must have tokens left to generate")
         request.token_ids.extend(outputs)
-        request.kv_handoff = True
+        request.kv_handoff = handoff.role == "decode"  # its blocks come from the prefill part
         state.sent_tokens = state.num_detokenized = len(outputs)
         for token_id in outputs:  # the prefill replica delivered this text
             state.text_parts.append(state.detokenizer.add_token(token_id)[0])

@@ -126,6 +126,10 @@ class EngineStats:
     expert_rank_dropped: tuple[int, ...] = ()
     expert_imbalance: float = 0.0
     expert_imbalance_mean: float = 0.0
+    # A fleet's requests whose worker died: sent again to another before any
+    # output reached the caller, or resumed there after the tokens that did.
+    requests_rerouted: int = 0
+    requests_resumed: int = 0
 
     @property
     def kv_usage(self) -> float:
@@ -242,7 +246,8 @@ def merge_stats(snapshots: list[EngineStats]) -> EngineStats:
     summed = {name: sum(getattr(s, name) for s in snapshots) for name in (
         "num_running", "num_waiting", "waiting_tokens", "kv_num_blocks", "kv_used_blocks",
         "prefix_queries", "prefix_hits", "num_preemptions", "num_priority_preemptions",
-        "batches", "arrivals", "deferred_arrivals", "pinned_lookups")}
+        "batches", "arrivals", "deferred_arrivals", "pinned_lookups", "requests_rerouted",
+        "requests_resumed")}
     return dataclasses.replace(
         first, time=max(s.time for s in snapshots), counters=counters,
         rejections=_summed(s.rejections for s in snapshots),

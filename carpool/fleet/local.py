@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import logging
 import os
 import secrets
@@ -31,13 +32,13 @@ from carpool.cluster.autoscaler import AutoscaleConfig, PoolScaler, PoolSignals,
 from carpool.cluster.router import Router
 from carpool.cluster.view import Health, ReplicaView, Role, RouteRequest, RoutingError
 from carpool.config import EngineConfig
-from carpool.engine.client import EngineClient
+from carpool.engine.client import EngineClient, LiveRequest
 from carpool.engine.front import RequestIntake
 from carpool.engine.pins import PinFront, PinRegistry, repin, run_pin_everywhere
 from carpool.engine.stats import EngineStats, merge_stats
 from carpool.engine.step_log import StepLog
 from carpool.engine.streams import EngineDeadError, RequestStream
-from carpool.engine.wire import Add, Handoff
+from carpool.engine.wire import Handoff
 from carpool.fleet.store_host import local_kv_store
 from carpool.sampling_params import SamplingParams
 from carpool.scheduler import RejectedError
@@ -52,7 +53,7 @@ VIEW_INTERVAL_S = 0.25  # how often replicas' polled stats refresh the router's 
 
 def routing_report(router: Router, views: Sequence[ReplicaView],
                    pid_of: Callable[[str], int | None], scaler: PoolScaler | None,
-                   restarts: int, rerouted: int) -> dict:
+                   restarts: int, rerouted: int, resumed: int = 0) -> dict:
     """A fleet's routing for ``/carpool/policy``: its replicas as the router
     sees them, decision counts by cause and the latest decisions (each with
     its cause), and the autoscaler's latest events."""
@@ -66,6 +67,7 @@ def routing_report(router: Router, views: Sequence[ReplicaView],
             for e in scaler.events[-20:]]}}
     return {**scaling, "routing": {"policy": router.policy.name, "replicas": replicas,
                                    "restarts": restarts, "rerouted": rerouted,
+                                   "resumed": resumed,
                                    "causes": dict(router.causes),
                                    "decisions": list(router.decisions)[-20:]}}
 
@@ -88,6 +90,7 @@ class FleetEngine(PinFront, RequestIntake):
         self.clients: dict[str, EngineClient] = {}
         self.restarts = 0
         self.rerouted = 0  # requests a dead replica held unstarted, sent to another
+        self.resumed = 0  # requests a dead replica had streamed from, resumed on another
         self._chain = BlockKeyChain(config.cache.block_size,
                                     bytes.fromhex(config.cache.block_hash_key))
         self._stopping = False
@@ -171,7 +174,7 @@ class FleetEngine(PinFront, RequestIntake):
         client.on_request = lambda request_id, first, ended: self._progress(request_id, first,
                                                                            ended)
         client.on_failure = lambda exc, rid=replica_id: self._replica_died(rid, exc)
-        client.on_orphan = lambda *orphan, rid=replica_id: self._reroute(rid, *orphan)
+        client.on_orphan = lambda live, rid=replica_id: self._reroute(rid, live)
         client.stream_owner = self  # aborts follow a request to whichever replica has it
         if self.pins.specs:  # a replica joining a running fleet holds its pins too
             self._spawn(repin(client, list(self.pins.specs.values()), replica_id))
@@ -217,25 +220,30 @@ class FleetEngine(PinFront, RequestIntake):
         full_blocks = len(ids) // self.config.cache.block_size
         return self._chain.keys(self._chain.root(cache_salt), ids, 0, full_blocks)[1]
 
-    def _reroute(self, dead_id: str, request_id: str, add: Add, queue: asyncio.Queue,
-                 accepted: bool) -> bool:
-        """A request the dead replica held but had not started goes to
-        another one, its caller none the wiser; False: it fails instead."""
+    def _reroute(self, dead_id: str, live: LiveRequest) -> bool:
+        """A request the dead replica held goes to another one, its caller
+        none the wiser: sent again if nothing of it reached the caller, else
+        resumed after the tokens that did (``LiveRequest.resumed_add``); False: it
+        fails instead."""
         if self._stopping:
             return False
+        add = live.add
         self.router.set_health(dead_id, Health.DEAD)  # before routing: not back to it
-        self.router.finished(request_id, time.monotonic(), learn=False)
+        self.router.finished(add.request_id, time.monotonic(), learn=False)
         try:
-            replica_id = self._route(request_id, add.prompt_token_ids, add.session_id,
+            replica_id = self._route(add.request_id, add.prompt_token_ids, add.session_id,
                                      add.priority, add.cache_salt)
         except RejectedError:
             return False
         client = self.clients.get(replica_id)
         if client is None or not client.is_alive:
-            self.router.finished(request_id, time.monotonic(), learn=False)
+            self.router.finished(add.request_id, time.monotonic(), learn=False)
             return False
-        client.adopt(add, queue, accepted)
-        self.rerouted += 1
+        if live.started:
+            self.resumed += 1
+        else:
+            self.rerouted += 1
+        client.adopt(live)
         return True
 
     async def _restart(self, replica_id: str, dead: EngineClient) -> None:
@@ -332,7 +340,8 @@ class FleetEngine(PinFront, RequestIntake):
         up (every worker restarting), the last merge."""
         if self.clients:
             self._last_stats = merge_stats([c.stats for c in self.clients.values()])
-        return self._last_stats
+        return dataclasses.replace(self._last_stats, requests_rerouted=self.rerouted,
+                                   requests_resumed=self.resumed)
 
     def replica_stats(self) -> dict[str, EngineStats]:
         """Each live replica's latest snapshot (``/metrics``' ``replica`` label)."""
@@ -352,7 +361,7 @@ class FleetEngine(PinFront, RequestIntake):
 
     def routing(self) -> dict:
         return routing_report(self.router, self.views(), self.replica_pid, self.scaler,
-                              self.restarts, self.rerouted)
+                              self.restarts, self.rerouted, self.resumed)
 
     def replica_pid(self, replica_id: str) -> int | None:
         """The worker process of ``replica_id`` (None: not serving now)."""

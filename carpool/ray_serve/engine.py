@@ -37,6 +37,7 @@ ingress's loop; the replicas' polled stats fill in the views.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -47,7 +48,7 @@ import msgspec
 from carpool.cluster.router import Router
 from carpool.cluster.view import ReplicaView, RouteDecision, RouteRequest
 from carpool.config import EngineConfig
-from carpool.engine.client import output_of, refusal_error
+from carpool.engine.client import MAX_ATTEMPTS, output_of, refusal_error
 from carpool.engine.front import RequestIntake
 from carpool.engine.outputs import TokenLogprob
 from carpool.engine.pins import PinFailed, PinFront, PinRegistry
@@ -78,13 +79,30 @@ PIN_TIMEOUT_S = 120.0  # for every replica to report a new pin held
 
 
 @dataclass
-class _Live:
-    """A request's cumulative fields, as ``EngineClient`` keeps them."""
+class LiveRequest:
+    """A request's cumulative fields, as ``EngineClient`` keeps them, and
+    what resends it: its ``Add``, its routing hint, the replicas tried."""
 
     prompt: list[int]
     ids: list[int]
+    add: Add
+    hint: RouteHint
     text_parts: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
+    attempts: int = 0
+    accepted: bool = False
+
+    @property
+    def started(self) -> bool:
+        return len(self.ids) > len(self.prompt)
+
+    def resumed_add(self) -> Add:
+        """As ``client.LiveRequest.resumed_add``: after the tokens the caller got."""
+        if not self.started:
+            return self.add
+        logprobs = list(self.logprobs) if self.logprobs is not None else None
+        return msgspec.structs.replace(self.add, handoff=Handoff(
+            "resume", self.ids[len(self.prompt):], logprobs))
 
 
 class RayEngine(PinFront, RequestIntake):
@@ -109,7 +127,10 @@ class RayEngine(PinFront, RequestIntake):
         # with Accepted) and the replicas' polled stats.
         self.router = Router(routing)
         self.scaler = None  # the autoscaler runs in Ray's controller
-        self.restarts = self.rerouted = 0  # Ray Serve restarts replicas and retries
+        self.restarts = 0  # Ray Serve restarts replicas
+        # Requests whose replica died, sent again before any output reached
+        # the caller, or resumed after what did (``_pump``).
+        self.rerouted = self.resumed = 0
         self._last_stats = first.stats
         self._record(first)
         self._chain = BlockKeyChain(config.cache.block_size,
@@ -136,7 +157,8 @@ class RayEngine(PinFront, RequestIntake):
         """The replicas' latest snapshots merged (the last merge while none answers)."""
         if self._replicas:
             self._last_stats = merge_stats([s for _, s in self._replicas.values()])
-        return self._last_stats
+        return dataclasses.replace(self._last_stats, requests_rerouted=self.rerouted,
+                                   requests_resumed=self.resumed)
 
     def replica_stats(self) -> dict[str, EngineStats]:
         """Each replica's latest snapshot (``/metrics``' ``replica`` label)."""
@@ -170,17 +192,15 @@ class RayEngine(PinFront, RequestIntake):
         add = Add(request_id, ids, params, priority, session_id, deadline, max_wait, cache_salt,
                   handoff=handoff)
         hint = RouteHint(request_id, len(ids), hashes, session_id, priority, max(0.0, waited))
-        stream = self.handle.generate.options(stream=True).remote(
-            self._encoder.encode(add), self._encoder.encode(hint))
         queue: asyncio.Queue = asyncio.Queue()
-        live = _Live(ids, list(ids), logprobs=[] if params.logprobs is not None else None)
+        live = LiveRequest(ids, list(ids), add, hint,
+                           logprobs=[] if params.logprobs is not None else None)
         if handoff is not None and handoff.output_token_ids:  # a decode part goes on from them
             live.ids += handoff.output_token_ids
             live.text_parts.append(delivered_text)
             if live.logprobs is not None:
                 live.logprobs += handoff.logprobs or ()
-        self._live[request_id] = asyncio.ensure_future(self._pump(request_id, stream, queue,
-                                                                  live))
+        self._live[request_id] = asyncio.ensure_future(self._pump(request_id, queue, live))
         try:
             accepted = await queue.get()  # None, or why it was refused
         except BaseException:
@@ -234,37 +254,71 @@ class RayEngine(PinFront, RequestIntake):
 
     # -- streams and stats ----------------------------------------------------------------
 
-    async def _pump(self, request_id: str, stream, queue: asyncio.Queue, live: _Live) -> None:
+    async def _pump(self, request_id: str, queue: asyncio.Queue, live: LiveRequest) -> None:
         """The replica's events onto ``queue``: None when accepted, then
-        outputs; an exception ends it (refused, or the replica failed)."""
-        finished = False
+        outputs; an exception ends it (refused, or no replica left to try).
+        A replica that dies (or fails) with the request sends it again to
+        another, after what reached the caller (``LiveRequest.resumed_add``),
+        up to ``MAX_ATTEMPTS`` replicas in all."""
+        try:
+            while True:
+                live.attempts += 1
+                if live.attempts > 1:  # after what reached the caller
+                    live.add = live.resumed_add()
+                add = live.add
+                stream = self.handle.generate.options(stream=True).remote(
+                    self._encoder.encode(add), self._encoder.encode(live.hint))
+                try:
+                    lost = await self._relay(request_id, stream, queue, live)
+                except asyncio.CancelledError:
+                    stream.cancel()  # reaches the replica: its generator is cancelled
+                    raise
+                if lost is None:
+                    return
+                stream.cancel()  # a replica that still holds it (not dead) lets it go
+                self.router.finished(request_id, time.monotonic(), learn=False)  # routed anew
+                if self._stopping or live.attempts >= MAX_ATTEMPTS:
+                    more = ("" if self._stopping else
+                            f" (tried on {MAX_ATTEMPTS} replicas: no more attempts)")
+                    queue.put_nowait(EngineDeadError(f"{lost}{more}"))
+                    return
+                log.warning("request %s: %s; sending it to another replica", request_id, lost)
+                if live.started:
+                    self.resumed += 1
+                else:
+                    self.rerouted += 1
+        finally:
+            self._live.pop(request_id, None)
+            self.router.finished(request_id, time.monotonic(), learn=False)
+
+    async def _relay(self, request_id: str, stream, queue: asyncio.Queue,  # noqa: ANN001
+                     live: LiveRequest) -> str | None:
+        """One replica's events onto ``queue``; None when the request ended
+        there (finished or refused), else why that replica lost it."""
         try:
             async for data in stream:
                 event = stream_decoder.decode(data)
                 if isinstance(event, Accepted):
                     self._accepted(request_id, len(live.prompt), event)
-                    queue.put_nowait(None)
+                    if not live.accepted:  # the caller saw one acceptance already
+                        live.accepted = True
+                        queue.put_nowait(None)
                 elif isinstance(event, Refused):
-                    finished = True
                     queue.put_nowait(refusal_error(event.refusal))
-                elif isinstance(event, Failed):
-                    finished = True
-                    queue.put_nowait(EngineDeadError(event.error))
+                    return None
+                elif isinstance(event, Failed):  # its engine loop failed
+                    return f"the engine replica failed: {event.error}"
                 else:
                     for delta in event.deltas:
-                        finished = delta.finished
                         queue.put_nowait(output_of(delta, live))
-            if not finished:
-                queue.put_nowait(EngineDeadError("the engine replica ended the stream early"))
+                        if delta.finished:
+                            return None
+            return "the engine replica ended the stream early"
         except asyncio.CancelledError:
-            stream.cancel()  # reaches the replica: its generator is cancelled, the request aborted
             raise
         except Exception as exc:  # noqa: BLE001 - Ray's errors: the replica died, ...
             log.error("request %s failed on its engine replica: %s", request_id, exc)
-            queue.put_nowait(EngineDeadError(f"the engine replica failed: {type(exc).__name__}"))
-        finally:
-            self._live.pop(request_id, None)
-            self.router.finished(request_id, time.monotonic(), learn=False)
+            return f"the engine replica failed: {type(exc).__name__}"
 
     def _accepted(self, request_id: str, prompt_tokens: int, event: Accepted) -> None:
         """Log where the request went and why (the router's own cause, unless
@@ -286,7 +340,7 @@ class RayEngine(PinFront, RequestIntake):
 
     def routing(self) -> dict:
         return routing_report(self.router, self.views(), self.replica_pid, None, self.restarts,
-                              self.rerouted)
+                              self.rerouted, self.resumed)
 
     def replica_pid(self, name: str) -> int | None:
         """The process of replica ``name`` as its latest stats reply said."""

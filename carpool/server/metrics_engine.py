@@ -84,6 +84,12 @@ def engine_families(stats: EngineStats, rates: dict[str, float], model_name: str
                    c.prompt_tokens)
     yield _counter("generation_tokens", "Generated tokens.", model, c.generation_tokens)
     yield _counter("engine_steps", "Scheduler steps run.", model, c.steps)
+    yield _counter("requests_rerouted", "Requests whose worker died before any output "
+                   "reached the caller, sent again to another replica.", model,
+                   stats.requests_rerouted)
+    yield _counter("requests_resumed", "Streams whose worker died after some output reached "
+                   "the caller, resumed on another replica after it.", model,
+                   stats.requests_resumed)
     yield _counter("engine_busy_seconds", "Seconds the engine spent running steps.", model,
                    c.busy_seconds)
     yield _request_success(stats, model)

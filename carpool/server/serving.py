@@ -323,8 +323,8 @@ def _api_error(exc: BaseException) -> APIError:
     if isinstance(exc, RejectedError):
         retry = max(1, int(exc.retry_after + 0.999))
         return APIError(429, str(exc), code=exc.reason, headers={"Retry-After": str(retry)})
-    if isinstance(exc, EngineDeadError):
-        return APIError(503, str(exc), code="engine_unavailable")
+    if isinstance(exc, EngineDeadError):  # a fleet restarts its dead workers meanwhile
+        return APIError(503, str(exc), code="engine_unavailable", headers={"Retry-After": "5"})
     if isinstance(exc, ContextLengthError):
         return APIError(400, str(exc), code="context_length_exceeded")
     if isinstance(exc, ValueError):

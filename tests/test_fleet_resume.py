@@ -1,0 +1,174 @@
+"""No request lost to a dead worker (issue 47, item 1), live: on
+``carpool serve --replicas N``, a worker SIGKILLed in the middle of its
+requests' outputs costs their callers nothing. A stream that already sent
+tokens goes on from exactly there on another replica (its prompt and those
+tokens recomputed there), one uninterrupted stream whose greedy text is the
+undisturbed run's in fp32 and whose seeded sampling goes on with its own
+random stream; a non-streamed request answers as if nothing happened. A
+request gets at most three workers; past that it ends with a clean error
+event. Resumed and re-sent requests are counted on ``/metrics`` and
+``/carpool/policy``."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+from server_utils import ServerProcess
+
+GREEDY = {"max_tokens": 160, "temperature": 0, "ignore_eos": True}
+SEEDED = {"max_tokens": 160, "temperature": 0.9, "top_p": 0.9, "seed": 7, "ignore_eos": True}
+
+
+def _fleet(model_dir, replicas: int) -> ServerProcess:
+    return ServerProcess([str(model_dir), "--attention-backend", "torch", "--adaptive", "false",
+                          "--replicas", str(replicas), "--routing", "least-outstanding",
+                          "--dtype", "float32", "--served-model-name", "tiny"])
+
+
+def _policy(http) -> dict:
+    return http.get("/carpool/policy").json()["routing"]
+
+
+def _replica_of(http, request_id_prefix: str) -> int:
+    """The worker pid of the replica the router last sent the request to."""
+    routing = _policy(http)
+    replica = [d["replica"] for d in routing["decisions"]
+               if d["request_id"].startswith(request_id_prefix)][-1]
+    return next(v["pid"] for v in routing["replicas"] if v["replica"] == replica)
+
+
+def _stream(http, prompt: str, sampling: dict, tokens_before: int, kill) -> tuple[str, list]:  # noqa: ANN001
+    """The text of a streamed completion whose worker ``kill`` is called on
+    once ``tokens_before`` tokens arrived; and every event."""
+    events, text = [], ""
+    body = {"model": "tiny", "prompt": prompt, "stream": True, "logprobs": 1, **sampling}
+    with http.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        seen = 0
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            events.append(event)
+            assert "error" not in event, event
+            text += event["choices"][0]["text"]
+            seen += len(event["choices"][0]["logprobs"]["tokens"])
+            if kill is not None and seen >= tokens_before:
+                kill(event["id"])
+                kill = None
+    return text, events
+
+
+def _undisturbed(http, prompt: str, sampling: dict) -> str:
+    reply = http.post("/v1/completions", json={"model": "tiny", "prompt": prompt, **sampling})
+    return reply.json()["choices"][0]["text"]
+
+
+def _killer(http, killed: list[int]):  # noqa: ANN202
+    def kill(completion_id: str) -> None:
+        pid = _replica_of(http, completion_id)
+        os.kill(pid, signal.SIGKILL)
+        killed.append(pid)
+    return kill
+
+
+def test_streams_and_answers_survive_their_worker_dying_mid_output(tiny_model_dir):
+    with _fleet(tiny_model_dir, 2) as server, server.client(timeout=300) as http:
+        expected = {name: _undisturbed(http, f"the {name} one", sampling)
+                    for name, sampling in (("greedy", GREEDY), ("seeded", SEEDED))}
+        killed: list[int] = []
+        for name, sampling in (("greedy", GREEDY), ("seeded", SEEDED)):
+            before = len(killed)
+            text, events = _stream(http, f"the {name} one", sampling, 20, _killer(http, killed))
+            assert len(killed) == before + 1  # its worker died 20 tokens in
+            assert text == expected[name]
+            assert events[-1]["choices"][0]["finish_reason"] == "length"
+            assert sum(len(e["choices"][0]["logprobs"]["tokens"]) for e in events) == 160
+            _wait_for_replicas(http, 2)
+        # Not streamed: the answer is the undisturbed one.
+        long = {**GREEDY, "max_tokens": 400}
+        expected["long"] = _undisturbed(http, "the long one", long)
+        routed = len(_policy(http)["decisions"])
+        answer: list[httpx.Response] = []
+        asking = threading.Thread(target=lambda: answer.append(http.post(
+            "/v1/completions", json={"model": "tiny", "prompt": "the long one", **long})))
+        asking.start()
+        _wait_for(lambda: len(_policy(http)["decisions"]) > routed)
+        time.sleep(0.3)  # some tokens in
+        os.kill(_replica_of(http, "cmpl-"), signal.SIGKILL)
+        asking.join(120)
+        assert answer and answer[0].status_code == 200, answer and answer[0].text
+        assert answer[0].json()["choices"][0]["text"] == expected["long"]
+        routing = _policy(http)
+        assert routing["resumed"] == 3 and routing["restarts"] >= 2
+        metrics = http.get("/metrics").text
+        resumed = [line for line in metrics.splitlines()
+                   if line.startswith("carpool:requests_resumed_total{")]
+        assert resumed and float(resumed[0].split()[-1]) == routing["resumed"]
+
+
+def test_a_request_gets_three_workers_then_a_clean_error(tiny_model_dir):
+    with _fleet(tiny_model_dir, 3) as server, server.client(timeout=300) as http:
+        killed: list[int] = []
+        kill = _killer(http, killed)
+        body = {"model": "tiny", "prompt": "again and again", "stream": True, **GREEDY,
+                "max_tokens": 400}
+        events = []
+        with http.stream("POST", "/v1/completions", json=body) as response:
+            seen = 0
+            for line in response.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                event = json.loads(line[6:])
+                events.append(event)
+                if "error" in event:
+                    break
+                seen += 1
+                if seen in (5, 15, 25):  # each time on the replica it moved to
+                    kill(event["id"])
+        assert len(set(killed)) == 3
+        assert events[-1]["error"]["code"] == "engine_unavailable"
+        assert "no more attempts" in events[-1]["error"]["message"]
+        assert _policy(http)["resumed"] == 2
+
+
+def _wait_for(condition, timeout: float = 30.0) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def _wait_for_replicas(http, count: int) -> None:
+    _wait_for(lambda: len(_policy(http)["replicas"]) == count, timeout=120)
+
+
+def test_a_pd_stream_survives_its_decode_worker(tiny_model_dir):
+    """P/D (one prefill, two decode replicas): the decode worker of a
+    handed-off stream is killed 20 tokens in; the other decode replica
+    resumes it (prompt and tokens computed there) and the text is the
+    undisturbed run's."""
+    flags = [str(tiny_model_dir), "--attention-backend", "torch", "--adaptive", "false",
+             "--prefill", "1", "--decode", "2", "--kv-store", "local", "--dtype", "float32",
+             "--served-model-name", "tiny"]
+    with ServerProcess(flags) as server, server.client(timeout=300) as http:
+        expected = _undisturbed(http, "the decode one", GREEDY)
+        killed: list[int] = []
+
+        def kill(completion_id: str) -> None:
+            pd = http.get("/carpool/policy").json()["pd"]
+            pids = {v["replica"]: v["pid"] for v in pd["decode"]["replicas"]}
+            replica = [d["replica"] for d in pd["decode"]["decisions"]
+                       if completion_id in d["request_id"] and d["replica"] in pids][-1]
+            pid = pids[replica]
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+
+        text, events = _stream(http, "the decode one", GREEDY, 20, kill)
+        assert killed and text == expected
+        assert events[-1]["choices"][0]["finish_reason"] == "length"
+        assert http.get("/carpool/policy").json()["pd"]["decode"]["resumed"] == 1
