@@ -121,6 +121,15 @@ class CacheConfig:
     kv_store_max_inflight: str = setting(
         "256MiB", "--kv-store-max-inflight", "SIZE",
         "KV blocks being written to the store at most; more are dropped")
+    # A session's checkpoint: with a KV store, a session request's output
+    # blocks go to the store too (a prompt's always do), at most every N of
+    # its batches as blocks fill and at its end, so its next turn on another
+    # replica (its home one died) loads them; 0: prompts only.
+    kv_session_checkpoint_batches: int = setting(
+        5, "--kv-session-checkpoint-batches", "N",
+        "with --kv-store: save a session's generated KV blocks to the store at most every N of "
+        "its batches and at each turn's end, so its next turn survives its replica "
+        "(0: prompt blocks only)", parse=int)
 
     # Fields never to show (metrics labels, logs, config dumps).
     SECRET_FIELDS: ClassVar[tuple[str, ...]] = ("block_hash_key",)
@@ -168,6 +177,9 @@ class CacheConfig:
         parse_size(self.kv_cache_memory)
         parse_size(self.kv_store_capacity)
         parse_size(self.kv_store_max_inflight)
+        if self.kv_session_checkpoint_batches < 0:
+            raise ValueError(f"kv_session_checkpoint_batches must be >= 0, got "
+                             f"{self.kv_session_checkpoint_batches}")
         if not self.kv_store_ttl > 0:
             raise ValueError(f"kv_store_ttl must be > 0 seconds, got {self.kv_store_ttl}")
         if self.kv_store is not None and not (

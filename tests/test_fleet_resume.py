@@ -172,3 +172,46 @@ def test_a_pd_stream_survives_its_decode_worker(tiny_model_dir):
         assert killed and text == expected
         assert events[-1]["choices"][0]["finish_reason"] == "length"
         assert http.get("/carpool/policy").json()["pd"]["decode"]["resumed"] == 1
+
+
+def _session_after_its_replica_died(model_dir, checkpoint_batches: int) -> dict:
+    """A session's turn 1 on its home replica, which is then SIGKILLed; turn
+    2 (turn 1's prompt and answer as text, and more) on the other replica:
+    turn 1's prompt and answer tokens, the blocks its replica saved, turn
+    2's cached tokens."""
+    flags = [str(model_dir), "--attention-backend", "torch", "--adaptive", "false",
+             "--replicas", "2", "--kv-store", "local", "--dtype", "float32",
+             "--served-model-name", "tiny", "--kv-session-checkpoint-batches",
+             str(checkpoint_batches)]
+    session = {"x-session-id": "chat-1"}
+    with ServerProcess(flags) as server, server.client(timeout=300) as http:
+        first = "the first turn of a long conversation about caches and replicas " * 2
+        reply = http.post("/v1/completions", headers=session, json={
+            "model": "tiny", "prompt": first, "max_tokens": 64, "temperature": 0,
+            "ignore_eos": True}).json()
+        home = _replica_of(http, reply["id"])
+        time.sleep(0.5)  # the last checkpoint's puts reach the store (and the stats poll)
+        saved = sum(float(line.split()[-1]) for line in http.get("/metrics").text.splitlines()
+                    if line.startswith("carpool:kv_store_blocks_saved_total{"))
+        os.kill(home, signal.SIGKILL)
+        second = first + reply["choices"][0]["text"] + " and then?"
+        again = http.post("/v1/completions", headers=session, json={
+            "model": "tiny", "prompt": second, "max_tokens": 2}).json()
+        assert _replica_of(http, again["id"]) != home
+        usage = reply["usage"]
+        return {"prompt": usage["prompt_tokens"], "answer": usage["completion_tokens"],
+                "saved": saved, "cached": again["usage"]["prompt_tokens_details"]["cached_tokens"]}
+
+
+def test_a_session_s_next_turn_loads_its_checkpoint_when_its_replica_died(tiny_model_dir):
+    """Issue 47, item 2: with checkpoints (the default, every 5 batches and
+    at the turn's end) the session's answer blocks are in the store too and
+    its next turn elsewhere loads past its last prompt; without, only the
+    prompt's blocks were saved. (Turn 2's text is turn 1's re-tokenized: the
+    match ends where the tokens of the answer's text differ from those
+    generated, as for any chat client.)"""
+    on = _session_after_its_replica_died(tiny_model_dir, 5)
+    off = _session_after_its_replica_died(tiny_model_dir, 0)
+    assert off["saved"] == off["prompt"] // 16 and off["cached"] == off["prompt"] // 16 * 16
+    assert on["saved"] == (on["prompt"] + on["answer"] - 1) // 16  # every full block computed
+    assert on["cached"] > off["cached"]

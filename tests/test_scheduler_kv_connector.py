@@ -10,12 +10,14 @@ from tests.test_scheduler_properties import BLOCK, FakeClock, run_step
 LOAD_S = 0.025  # 2.5 steps of run_step's 10 ms
 
 
-def make_pair(num_blocks: int = 32) -> tuple[Scheduler, Scheduler, SharedKVTier]:
+def make_pair(num_blocks: int = 32, checkpoint_batches: int = 5,
+              ) -> tuple[Scheduler, Scheduler, SharedKVTier]:
     """Two replicas' schedulers sharing one tier and one clock."""
     clock = FakeClock()
     tier = SharedKVTier(1000, block_bytes=1.0, bandwidth=1e12, latency=LOAD_S)
     config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64)
-    cache = CacheConfig(block_size=BLOCK, enable_prefix_caching=True, watermark=0.0)
+    cache = CacheConfig(block_size=BLOCK, enable_prefix_caching=True, watermark=0.0,
+                        kv_session_checkpoint_batches=checkpoint_batches)
     return tuple(Scheduler(config, cache, num_blocks, clock, external_kv=TierClient(tier, clock))
                  for _ in range(2)) + (tier,)
 
@@ -100,3 +102,25 @@ def test_without_a_store_nothing_loads_and_admission_is_unchanged():
     out = scheduler.schedule()
     assert [(s.start, s.num_tokens) for s in out.spans] == [(0, 21)]
     assert not scheduler.loading and scheduler.kv.stats().external_hits == 0
+
+
+def test_a_sessions_generated_blocks_are_checkpointed_for_its_next_turn_elsewhere():
+    """With checkpoints (every 5 batches, and at the turn's end) a session's
+    next turn on another replica loads its last turn's answer too; without,
+    only its prompt. A request outside a session saves its prompt only."""
+    cached = {}
+    for batches in (5, 0):
+        first, second, tier = make_pair(checkpoint_batches=batches)
+        prompt = list(range(1, 10))  # 9 tokens: 2 full blocks of 4
+        turn1 = Request("t1", prompt, 12, first.clock(), session_id="s")
+        first.add_request(turn1)
+        first.add_request(Request("other", list(range(30, 39)), 12, first.clock()))
+        finish_all(first)
+        # Turn 1 computed 9 + 12 - 1 = 20 tokens: 5 full blocks (other: its 2 prompt blocks).
+        assert tier.num_blocks == (5 if batches else 2) + 2
+        turn2 = list(turn1.token_ids) + [50, 51]  # its answer, then the user's next words
+        second.add_request(Request("t2", turn2, 1, second.clock(), session_id="s"))
+        second.schedule()
+        cached[batches] = second.requests["t2"].num_cached_tokens
+        second.check_invariants()
+    assert cached == {5: 20, 0: 8}

@@ -56,7 +56,8 @@ class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int,
                  enable_prefix_caching: bool = True, watermark: float = 0.01,
                  external: ExternalKV | None = None, *,
-                 block_hash_key: bytes | None = None) -> None:
+                 block_hash_key: bytes | None = None,
+                 session_checkpoint_batches: int = 0) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.key_chain = BlockKeyChain(block_size, block_hash_key)
@@ -75,6 +76,10 @@ class KVCacheManager:
         self.external = external if enable_prefix_caching else None
         self.external_hits = 0
         self._loads: dict[str, tuple[int, float]] = {}  # admitted, load not yet taken
+        # Sessions' checkpoints (``CacheConfig.kv_session_checkpoint_batches``):
+        # request id -> (blocks saved to the store, its output tokens then).
+        self.session_checkpoint_batches = session_checkpoint_batches
+        self._checkpoints: dict[str, tuple[int, int]] = {}
         if self.external is not None:
             self.lazy_keys = False  # the store is told every block's hash
 
@@ -277,9 +282,32 @@ class KVCacheManager:
             if prompt_blocks > start:
                 self.external.save(request, request.block_hashes[start:prompt_blocks], start,
                                    table[start:prompt_blocks])
+            if request.session_id is not None and self.session_checkpoint_batches:
+                self._checkpoint(request, full, ended=False)
+
+    def _checkpoint(self, request: Request, full: int, ended: bool) -> None:
+        """Save a session request's output blocks filled since its last
+        checkpoint, once ``session_checkpoint_batches`` of its batches (one
+        output token each) passed, or at its end (``ended``)."""
+        rid = request.request_id
+        prompt_blocks = request.num_prompt_tokens // self.block_size
+        saved, at = self._checkpoints.get(rid, (prompt_blocks, 0))
+        outputs = request.num_output_tokens
+        if full <= saved or not (ended or outputs - at >= self.session_checkpoint_batches):
+            return
+        self._checkpoints[rid] = (full, outputs)
+        table = self.block_tables[rid]
+        self.external.save(request, request.block_hashes[saved:full], saved, table[saved:full])
 
     def free(self, request: Request) -> None:
-        """Return all of the request's blocks (cached ones stay revivable)."""
+        """Return all of the request's blocks (cached ones stay revivable);
+        a session's last checkpoint is taken first (the save copies the
+        blocks out before any later forward could write them)."""
+        rid = request.request_id
+        if (request.session_id is not None and self.session_checkpoint_batches
+                and self.external is not None and rid in self.block_tables):
+            self._checkpoint(request, self._num_registered.get(rid, 0), ended=True)
+            self._checkpoints.pop(rid, None)
         table = self.block_tables.pop(request.request_id, None)
         self._num_registered.pop(request.request_id, None)
         self._run_of.pop(request.request_id, None)  # its blocks stay cached in the run

@@ -64,7 +64,8 @@ class Scheduler:
         self.config = config
         self.clock = clock
         self.kv = KVCacheManager(num_blocks, cache.block_size, cache.enable_prefix_caching,
-                                 cache.watermark, external_kv, block_hash_key=block_hash_key)
+                                 cache.watermark, external_kv, block_hash_key=block_hash_key,
+                                 session_checkpoint_batches=cache.kv_session_checkpoint_batches)
         # Admitted requests loading KV from ``external_kv`` (kv_connector).
         self.loading = PendingLoads()
         self._by_priority = config.policy == "priority"
