@@ -28,6 +28,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from carpool.cluster.failover import MAX_ATTEMPTS
 from carpool.config import EngineConfig
 from carpool.engine.front import ContextLengthError, RequestIntake
 from carpool.engine.outputs import RequestOutput, TokenLogprob
@@ -69,9 +70,6 @@ log = logging.getLogger("carpool.server")
 
 # The front tells the worker its first-token delivery lag when it moved this much.
 LAG_UPDATE_S = 0.002
-# Workers one request may be sent to: a fleet re-routes or resumes a request
-# whose worker died, and after this many the request fails (EngineDeadError).
-MAX_ATTEMPTS = 3
 
 
 class EngineLaunchError(RuntimeError):

@@ -45,10 +45,11 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from carpool.cluster.failover import MAX_ATTEMPTS
 from carpool.cluster.router import Router
 from carpool.cluster.view import ReplicaView, RouteDecision, RouteRequest
 from carpool.config import EngineConfig
-from carpool.engine.client import MAX_ATTEMPTS, output_of, refusal_error
+from carpool.engine.client import output_of, refusal_error
 from carpool.engine.front import RequestIntake
 from carpool.engine.outputs import TokenLogprob
 from carpool.engine.pins import PinFailed, PinFront, PinRegistry

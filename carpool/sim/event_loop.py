@@ -117,8 +117,10 @@ class FleetLoop:
             heapq.heappush(self.heap, (replica.next_time, self.sequence, position))
 
     def route(self, index: int, request: TraceRequest, record: RequestRecord,
-              now: float) -> None:
-        """Send plan request ``index`` to its replica (or answer 429 for the front)."""
+              now: float, resumed: int = 0) -> None:
+        """Send plan request ``index`` to its replica (or answer 429 for the
+        front); ``resumed``: the output tokens it goes on after (its replica
+        died)."""
         fleet = self.fleet
         if fleet.router is None:
             replica, leg = self.replicas[0], record  # one replica's share of a plan
@@ -132,7 +134,7 @@ class FleetLoop:
                 record.sent = now
                 record.status, record.reason, record.finished = REJECTED, exc.reason, now
                 return
-        if replica.receive(request, leg, now):
+        if replica.receive(request, leg, now, resumed=resumed):
             self.post(replica)
 
     def _fire(self, timer) -> None:
@@ -142,9 +144,9 @@ class FleetLoop:
             self.slot[replica.index] = len(self.replicas)
             self.replicas.append(replica)
             self.posted.append(-1)
-        for request, record in retry:  # the client sent these once, at arrival
+        for request, record, resumed in retry:  # the client sent these once, at arrival
             sent = record.sent
-            self.route(record.index, request, record, self.clock.now)
+            self.route(record.index, request, record, self.clock.now, resumed)
             record.sent = sent
 
     def _wake(self) -> None:

@@ -1,10 +1,14 @@
 """Replica failures in a simulated fleet.
 
-At each of its times a named replica dies. What it held is gone: a request
-that had streamed tokens fails (``replica_failed``: the client saw half an
-answer), one that had not is routed again at once (nothing of it was
-visible, so the front retries it, as Ray Serve's handle retries a request
-whose replica died before answering). The router drops the replica (its
+At each of its times a named replica dies. What it held goes on
+elsewhere, as the live fleet's front sends it (``carpool.fleet.local``): a
+request that had not streamed a token is routed again at once, and one
+that had is resumed on another replica after the tokens its client got
+(its prompt and those tokens computed there, found in a prefix cache or
+the shared KV tier where they are). A request sent to ``MAX_ATTEMPTS``
+replicas that died fails (``replica_failed``), and so does a streamed one
+under P/D (the simulated planner places prompts, not resumed streams).
+The router drops the replica (its
 views, sessions and prefix index entries). Without an autoscaler a fresh
 replica (empty cache) replaces it ``restart_s`` later, as a Kubernetes
 restart would; with one, the autoscaler sees the smaller pool and decides.
@@ -15,8 +19,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from carpool.cluster import Health
+from carpool.cluster.failover import MAX_ATTEMPTS
 from carpool.sim.replica import SimReplica
-from carpool.workload.stats import RequestRecord
+from carpool.workload.stats import FAILED, RequestRecord
 from carpool.workload.traces import TraceRequest
 
 
@@ -61,17 +66,30 @@ class FleetFailures:
         self._due = list(settings.failures)
         self._restarts: list[tuple[float, str]] = []  # (ready at, replica id), ascending
         self.events: list[dict] = []
+        self.attempts: dict[int, int] = {}  # a request (its plan index) -> replicas tried
 
     @property
     def next_time(self) -> float:
         times = [t for t, _ in self._due[:1]] + [t for t, _ in self._restarts[:1]]
         return min(times, default=float("inf"))
 
+    def _goes_on(self, record: RequestRecord, streamed: int, now: float) -> bool:
+        """Whether a request its replica held at its death is sent on (else
+        it fails here): not past ``MAX_ATTEMPTS`` replicas, not a P/D stream."""
+        tried = self.attempts.get(record.index, 1)
+        if tried < MAX_ATTEMPTS and not (streamed and self.fleet.pd is not None):
+            self.attempts[record.index] = tried + 1
+            return True
+        record.status, record.reason, record.finished = FAILED, "replica_failed", now
+        record.error = "the replica failed mid-stream" if streamed else "the replica failed"
+        return False
+
     def fire(self, now: float, replicas: list[SimReplica]
-             ) -> tuple[list[SimReplica], list[tuple[TraceRequest, RequestRecord]]]:
-        """Apply what is due at ``now``: (replicas created, requests to route again)."""
+             ) -> tuple[list[SimReplica], list[tuple[TraceRequest, RequestRecord, int]]]:
+        """Apply what is due at ``now``: (replicas created, requests to send
+        on, each with the output tokens it resumes after)."""
         created: list[SimReplica] = []
-        retry: list[tuple[TraceRequest, RequestRecord]] = []
+        retry: list[tuple[TraceRequest, RequestRecord, int]] = []
         while self._restarts and self._restarts[0][0] <= now:
             _, replica_id = self._restarts.pop(0)
             self.fleet.router.set_health(replica_id, Health.READY)
@@ -83,13 +101,17 @@ class FleetFailures:
             if replica is None:
                 self.events.append({"t": now, "replica": str(index), "event": "not alive"})
                 continue
-            streamed, unstarted = replica.fail(now)
+            held = replica.fail(now)
             self.fleet.router.remove_replica(str(index))
             if self.scaling is not None:
                 self.scaling.replica_failed(str(index), now)
-            retry += unstarted
+            going_on = [(item, record, streamed) for item, record, streamed in held
+                        if self._goes_on(record, streamed, now)]
+            retry += going_on
+            resumed = sum(1 for _, _, streamed in going_on if streamed)
             self.events.append({"t": now, "replica": str(index), "event": "failed",
-                                "failed_requests": len(streamed), "retried": len(unstarted)})
+                                "failed_requests": len(held) - len(going_on),
+                                "retried": len(going_on) - resumed, "resumed": resumed})
             if self.restart_s is not None:
                 fresh = self.make_replica(len(replicas) + len(created))
                 created.append(fresh)

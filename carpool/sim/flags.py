@@ -72,8 +72,9 @@ class FailureFlags:
 
     fail: tuple | None = setting(
         None, "--fail", "SECONDS:REPLICA,...",
-        "kill replica REPLICA (its index) SECONDS into the run; its streaming requests fail, "
-        "the others are routed again", parse=arg_type(parse_failures))
+        "kill replica REPLICA (its index) SECONDS into the run; its streams are resumed on "
+        "another replica, the others routed again (a request's third dead replica fails it)",
+        parse=arg_type(parse_failures))
     failure_restart_s: float = setting(
         60.0, "--failure-restart-s", None,
         "seconds until a fresh replica replaces a failed one (without --autoscale; default 60)",

@@ -118,8 +118,9 @@ class SimReplica:
         # found cached (or loaded) on first admission: a hit rate that counts
         # each prompt once (a preempted request's re-admission hits itself).
         self.prompt_tokens = self.cached_tokens = self.loaded_tokens = 0
-        # (request, its record, whether it is a P/D handoff)
-        self._inbox: list[tuple[TraceRequest, RequestRecord, bool]] = []
+        # (request, its record, whether it is a P/D handoff, output tokens
+        # it resumes after: its replica died after streaming them)
+        self._inbox: list[tuple[TraceRequest, RequestRecord, bool, int]] = []
         # Request id -> (its record, what was routed here) while it is here.
         self._records: dict[str, RequestRecord] = {}
         self._items: dict[str, TraceRequest] = {}
@@ -142,14 +143,16 @@ class SimReplica:
     # -- events ----------------------------------------------------------------
 
     def receive(self, request: TraceRequest, record: RequestRecord, now: float,
-                handoff: bool = False) -> bool:
+                handoff: bool = False, resumed: int = 0) -> bool:
         """A request routed here at ``now`` (``handoff``: the decode leg of a
-        remote prefill, whose KV comes over the connector); it joins at the
-        next step boundary. Returns whether ``next_time`` changed."""
+        remote prefill, whose KV comes over the connector; ``resumed``: the
+        output tokens its client got from a replica that died, which it goes
+        on after, its prompt and those computed here); it joins at the next
+        step boundary. Returns whether ``next_time`` changed."""
         if self.failed_at is not None:
             raise RuntimeError(f"replica {self.index} failed at {self.failed_at}: routed to")
         record.sent = now
-        self._inbox.append((request, record, handoff))
+        self._inbox.append((request, record, handoff, resumed))
         self.outstanding += 1
         if self.state in (State.IDLE, State.POLL):
             # A boundary now, after every arrival of this same instant (the
@@ -173,23 +176,20 @@ class SimReplica:
             self._run_steps = min(_MAX_RUN, 2 * self._run_steps)
         self._boundary(now)
 
-    def fail(self, now: float) -> tuple[list[RequestRecord],
-                                        list[tuple[TraceRequest, RequestRecord]]]:
+    def fail(self, now: float) -> list[tuple[TraceRequest, RequestRecord, int]]:
         """The replica dies at ``now`` with everything it held (the step in
-        flight never ends). Returns (the records of requests that had
-        streamed tokens, failed here; the requests that had not, with their
-        records, for the caller to route again). It never acts again."""
-        streamed: list[RequestRecord] = []
-        unstarted = [(request, record) for request, record, _ in self._inbox]
+        flight never ends). Returns every request it held, with its record
+        and the output tokens its client got (0: none), for the caller to
+        send on (or fail). It never acts again."""
+        held = [(request, record, resumed) for request, record, _, resumed in self._inbox]
         for request_id, record in self._records.items():
             request = self.scheduler.requests.get(request_id)
-            if request is not None and request.first_token_time is not None:
-                record.status, record.reason, record.finished = FAILED, "replica_failed", now
-                record.error = "the replica failed mid-stream"
-                record.output_tokens = request.num_output_tokens
-                streamed.append(record)
-            else:
-                unstarted.append((self._items[request_id], record))
+            streamed = request.num_output_tokens if request is not None else 0
+            if streamed:
+                record.output_tokens = streamed
+                if not record.chunk_times:  # its first token, whatever comes after
+                    record.chunk_times = [request.first_token_time]
+            held.append((self._items[request_id], record, streamed))
         for request_id in list(self.scheduler.requests):
             self.scheduler.abort_request(request_id)
         self.scheduler.pop_rejected()  # expired ones not yet handed out: retried above
@@ -198,15 +198,15 @@ class SimReplica:
         self.outstanding = 0
         self.failed_at = now
         self._set(State.IDLE, None)
-        return streamed, unstarted
+        return held
 
     # -- a step boundary -----------------------------------------------------------
 
     def _boundary(self, now: float) -> None:
         self.clock.set(now)
         inbox, self._inbox = self._inbox, []
-        for request, record, handoff in inbox:
-            self._add(request, record, now, handoff)
+        for request, record, handoff, resumed in inbox:
+            self._add(request, record, now, handoff, resumed)
         if self.fast_forward and self._plan_run(now):
             return
         output, expired = self.core.begin()
@@ -233,7 +233,7 @@ class SimReplica:
         self.state, self.next_time = state, next_time
 
     def _add(self, item: TraceRequest, record: RequestRecord, now: float,
-             handoff: bool = False) -> None:
+             handoff: bool = False, resumed: int = 0) -> None:
         total = item.input_len + item.output_len
         if self.max_model_len is not None and total > self.max_model_len:
             self._fail(record, now, f"the request needs {total} tokens of context, more than "
@@ -243,6 +243,7 @@ class SimReplica:
         request = Request(request_id, prompt_token_ids(record.index, item.input_len,
                                                        item.hash_ids, self.hash_block),
                           item.output_len, arrival_time=record.scheduled, kv_handoff=handoff)
+        request.token_ids.extend([SAMPLED_TOKEN] * resumed)  # as the live engine's resume
         try:
             self.scheduler.add_request(request)
         except RejectedError as exc:
@@ -302,7 +303,7 @@ class SimReplica:
     def _finish(self, request: Request, now: float) -> None:
         record = self._records.pop(request.request_id)
         del self._items[request.request_id]
-        if not self.token_times:
+        if not self.token_times and not record.chunk_times:  # a resumed one's: its first
             record.chunk_times = [request.first_token_time]
         record.output_tokens = request.num_output_tokens
         if not request.kv_handoff:  # a decode leg's "hit" is its transfer: the P/D planner
