@@ -71,6 +71,9 @@ def test_redis_store_puts_gets_counts_and_renews_the_ttl(redis_server):
     store.put_many([(b"a", b"one"), (b"b", b"two")])
     assert store.get_many([b"a", b"x", b"b"]) == [b"one", None, b"two"]
     assert store.count_prefix([b"a", b"b", b"c"]) == 2
+    store.put_many([(b"c", b"three")])
+    store.delete_many([b"c", b"absent"])
+    assert store.get_many([b"c"]) == [None] and store.stats.deleted == 2
     raw = store._client
     raw.pexpire(store.prefix + b"a", 1000)
     store.get_many([b"a"])  # a read renews the full TTL

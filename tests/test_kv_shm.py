@@ -165,6 +165,32 @@ def test_puts_gets_and_leading_counts(server):
     client.close()
 
 
+def test_a_deleted_block_is_gone_at_once_and_its_slot_free_after_its_readers():
+    """``delete_many`` (a taken handoff's parts): the entry goes now; a slot
+    a reader still pins is reused only after its release."""
+    index = SlotIndex(300, ttl_s=60, slot_bytes=100)  # 3 slots
+    writer, reader = Session(), Session()
+    for key in (b"a", b"b", b"c"):
+        index.reserve(writer, [key], [10])
+    index.commit(writer, [b"a", b"b", b"c"])
+    offsets, _ = index.lookup(reader, [b"a"])  # pinned by a reader
+    assert index.delete([b"a", b"b", b"absent"]) == 2
+    assert index.count([b"a"]) == 0 and len(index) == 1
+    # b's slot and (evicting c) c's are handed out; a's is not while pinned.
+    got = index.reserve(writer, [b"d", b"e", b"f"], [10, 10, 10])
+    assert got[2] == -1 and offsets[0] not in got
+    index.release(reader, offsets)
+    assert index.reserve(writer, [b"g"], [10]) == offsets  # freed at its last unpin
+
+
+def test_the_client_deletes_through_the_server(server):
+    client = ShmStore(server.url)
+    client.put_many([(b"k1", b"one"), (b"k2", b"two")])
+    client.delete_many([b"k1"])
+    assert client.get_many([b"k1", b"k2"]) == [None, b"two"] and client.stats.deleted == 1
+    client.close()
+
+
 CHILD = """
 import sys
 from carpool.kv_transfer.shm_store import ShmStore

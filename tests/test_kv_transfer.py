@@ -95,6 +95,10 @@ def test_the_tcp_store_serves_puts_gets_and_counts_and_fails_cleanly():
         client.put_many([(b"k1", b"one"), (b"k2", b"two")])
         assert client.get_many([b"k1", b"nope", b"k2"]) == [b"one", None, b"two"]
         assert client.count_prefix([b"k1", b"k2", b"k3"]) == 2
+        client.delete_many([b"k2", b"absent"])  # a taken handoff part: gone at once
+        assert client.get_many([b"k1", b"k2"]) == [b"one", None]
+        assert len(server.store) == 1 and server.store.bytes_held == 3
+        client.put_many([(b"k2", b"two")])
         # A frame over the limit: the server drops that connection, nothing more.
         with socket.create_connection(server.address) as raw:
             raw.sendall(struct.pack("<I", MAX_FRAME_BYTES + 1))

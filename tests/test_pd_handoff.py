@@ -91,6 +91,9 @@ def test_prefill_then_decode_says_what_one_engine_says(tiny, params, length, lay
     assert decode.kv_connector.stats.blocks_loaded == length // 16
     assert final.num_cached_tokens == length // 16 * 16
     assert decode.scheduler.kv.pool.num_free_blocks == decode.executor.num_blocks
+    decode.kv_connector.flush()
+    assert len(store) == 0  # the parts were taken: deleted at once, not left to the TTL
+    assert decode.kv_connector.stats.layer_parts_dropped == length // 16 * layers
 
 
 def test_a_prefill_that_saves_blocks_it_found_cached_exports_them_too(tiny):
@@ -155,3 +158,33 @@ def test_handoffs_are_checked(tiny):
     with pytest.raises(ValueError, match="tokens left"):
         engine.add_request([5, 6, 7], SamplingParams(max_tokens=1),
                            handoff=Handoff("decode", [9]))
+
+
+def test_an_aborted_prefill_part_drops_what_it_exported(tiny):
+    """A prefill part aborted after its forward streamed its parts (the
+    client left): no decode part will take them, so they leave the store at
+    once; one that ends normally keeps them for its decode part."""
+    import copy
+
+    prompt = [(i * 53) % 380 + 5 for i in range(70)]
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    store = MemoryStore(64 << 20)
+    whole = _replica(tiny, store)
+    config = copy.deepcopy(whole.config)
+    config.scheduler.max_num_batched_tokens = 32  # the prompt in chunks of 2 blocks
+    prefill = LLMEngine(config, whole.tokenizer, whole.model_config, whole.executor,
+                        whole.max_model_len, kv_connector=whole.kv_connector)
+    prefill.add_request(prompt, params, request_id="gone", handoff=Handoff("prefill"))
+    prefill.step()  # the prompt's first chunk: its 2 blocks' parts streamed
+    prefill.kv_connector.flush()
+    layers = prefill.executor.model.config.num_layers
+    assert len(store) == 2 * layers
+    prefill.abort_request("gone")
+    while prefill.has_unfinished:
+        prefill.step()
+    prefill.step()  # the drop goes with the next step's orders
+    prefill.kv_connector.flush()
+    assert len(store) == 0 and prefill.kv_connector.stats.layer_parts_dropped == 4 * layers
+    kept = _run(prefill, prompt, params, Handoff("prefill"))[-1]
+    prefill.kv_connector.flush()
+    assert kept.finish_reason == "length" and len(store) == 4 * layers

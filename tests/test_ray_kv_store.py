@@ -120,6 +120,8 @@ def test_least_recently_used_blocks_are_evicted_and_unused_ones_expire(local_ray
     store.put_many([(b"c", b"z" * 100)])
     assert store.get_many([b"a", b"b", b"c"]) == [b"x" * 100, None, b"z" * 100]
     assert store.stats.evicted == 1 and store.info()["bytes_held"] == 200
+    store.delete_many([b"c", b"absent"])  # a taken handoff's parts: unlisted at once
+    assert store.get_many([b"c"]) == [None] and store.info()["bytes_held"] == 100
     short = _store(ttl_s=0.3)
     short.put_many([(b"a", b"x")])
     time.sleep(0.5)

@@ -39,6 +39,9 @@ class ConnectorStats:
     # P/D prefill side (layer_export): per-layer parts put, and the put time
     # of streamed steps, split into what overlapped the forward and the tail after it.
     layer_parts_sent: int = 0
+    # Parts deleted from the store as soon as no decode part needs them
+    # (taken, or their request ended without one): single use, no TTL wait.
+    layer_parts_dropped: int = 0
     export_steps: int = 0
     export_seconds: float = 0.0
     export_hidden_seconds: float = 0.0

@@ -142,6 +142,19 @@ class LayerExporter:
         stats.export_steps += 1
         step.busy = []
 
+    def drop(self, hashes: Sequence[int]) -> None:
+        """Delete every layer part of ``hashes`` from the store (I/O thread):
+        a handoff's parts once its decode part took them, or an exporting
+        request's that no decode part will take."""
+        if not hashes:
+            return
+        try:
+            self.connector.store.delete_many([self.key(h, layer) for h in hashes
+                                              for layer in range(self.num_layers)])
+            self.connector.stats.layer_parts_dropped += len(hashes) * self.num_layers
+        except Exception as error:  # noqa: BLE001 - the TTL drops them instead
+            self.connector.store_failed(error)
+
     # -- decode side: the I/O thread -------------------------------------------------------
 
     def wait_for(self, hashes: Sequence[int], wait_s: float, poll_s: float) -> None:

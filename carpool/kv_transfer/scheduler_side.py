@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from carpool.kv_transfer.health import ConnectorStats, StoreHealth
 from carpool.kv_transfer.payload import block_key_bytes
 from carpool.kv_transfer.stores import KVStore
-from carpool.scheduler import Request
+from carpool.scheduler import Request, RequestStatus
 from carpool.scheduler.kv_connector import KVConnectorMeta, LoadOrder, SaveOrder
 
 
@@ -103,6 +103,11 @@ class StoreScheduler:
 
     def forget(self, request: Request) -> None:
         self.streamed.pop(request.request_id, None)  # ended (aborted) before its save
+        if request.kv_export and request.status.finished and \
+                request.status is not RequestStatus.FINISHED_LENGTH:
+            # No decode part will take what it exported: drop it now, not at the TTL.
+            prompt_blocks = request.num_prompt_tokens // self.block_size
+            self._meta.drops.append(tuple(request.block_hashes[:prompt_blocks]))
 
     def take_meta(self) -> KVConnectorMeta:
         meta, self._meta = self._meta, KVConnectorMeta()

@@ -132,6 +132,18 @@ class SlotIndex:
                         del session.pinned[slot]
                     self._unpin(slot, 1)
 
+    def delete(self, keys: Sequence[bytes]) -> int:
+        """Drop ``keys``' entries now (a pinned slot is freed at its last
+        unpin); returns how many were held."""
+        with self._lock:
+            dropped = 0
+            for key in keys:
+                entry = self._entries.pop(key, None)
+                if entry is not None:
+                    self._drop_slot(entry.slot)
+                    dropped += 1
+            return dropped
+
     def count(self, keys: Sequence[bytes]) -> int:
         """How many leading ``keys`` are held (no use counted)."""
         with self._lock:

@@ -47,7 +47,7 @@ MAX_FRAME_BYTES = 8 << 20  # control messages only: above any valid call
 
 
 class ShmCall(msgspec.Struct, frozen=True):
-    op: str  # hello | reserve | commit | get | release (one-way) | count
+    op: str  # hello | reserve | commit | get | release (one-way) | count | delete
     keys: list[bytes] = []
     lengths: list[int] = []  # reserve: each payload's length
     offsets: list[int] = []  # release: what a get pinned
@@ -137,6 +137,8 @@ class _Handler(socketserver.BaseRequestHandler):
             return ShmReply(offsets=offsets, lengths=lengths)
         if call.op == "count":
             return ShmReply(count=index.count(call.keys))
+        if call.op == "delete":
+            return ShmReply(count=index.delete(call.keys))
         raise ValueError(f"unknown op {call.op!r}")
 
 
@@ -362,6 +364,14 @@ class ShmStore:
             count = self._call(self._lookup, ShmCall("count", keys)).count
         self.stats.looked_up(len(keys), count)
         return count
+
+    def delete_many(self, keys: Sequence[bytes]) -> None:
+        keys = list(keys)
+        _check_keys(keys)
+        if keys:
+            with self._lookup.lock:
+                self._call(self._lookup, ShmCall("delete", keys))
+            self.stats.deleted += len(keys)
 
     def close(self) -> None:
         for channel in (self._data, self._lookup):

@@ -42,6 +42,7 @@ class StoreStats:
     errors: int = 0  # calls that found the store unavailable
     evicted: int = 0  # blocks dropped for room (stores that manage their capacity)
     expired: int = 0  # blocks dropped past their TTL
+    deleted: int = 0  # blocks dropped on request (delete_many: single-use ones taken)
     extra: dict = field(default_factory=dict)
 
     def got(self, found: Sequence[bytes | None]) -> None:
@@ -79,6 +80,10 @@ class KVStore(Protocol):
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]: ...
 
     def count_prefix(self, keys: Sequence[bytes]) -> int: ...
+
+    def delete_many(self, keys: Sequence[bytes]) -> None:
+        """Drop ``keys`` now (absent ones: nothing): single-use entries,
+        such as a P/D handoff's parts once taken, need no LRU or TTL."""
 
     def close(self) -> None: ...
 
@@ -142,6 +147,14 @@ class MemoryStore:
             count = leading(key in self._blocks for key in keys)
             self.stats.looked_up(len(keys), count)
         return count
+
+    def delete_many(self, keys: Sequence[bytes]) -> None:
+        with self._lock:
+            for key in keys:
+                entry = self._blocks.pop(key, None)
+                if entry is not None:
+                    self.bytes_held -= len(entry[0])
+                    self.stats.deleted += 1
 
     def close(self) -> None:
         with self._lock:
@@ -215,6 +228,11 @@ class RedisStore:
         count = leading(present)
         self.stats.looked_up(len(keys), count)
         return count
+
+    def delete_many(self, keys: Sequence[bytes]) -> None:
+        if keys:
+            self._call(lambda pipe: [pipe.delete(self.prefix + key) for key in keys])
+            self.stats.deleted += len(keys)
 
     def close(self) -> None:
         self._client.close()

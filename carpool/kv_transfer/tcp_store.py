@@ -3,7 +3,7 @@ and the client every replica uses (``KVStore``).
 
 Framing: each message is a 4-byte little-endian length, then a msgpack
 body with an explicit schema (``msgspec`` structs below; no pickle). A
-request is one call (``op``: put | get | count) with its keys and, for a
+request is one call (``op``: put | get | count | delete) with its keys and, for a
 put, payloads; the reply carries the payloads (get) or the count. Frames
 above ``MAX_FRAME_BYTES`` are refused, so a client cannot make the server
 allocate without bound. The client keeps one connection, reconnects on
@@ -27,7 +27,7 @@ _LENGTH = struct.Struct("<I")
 
 
 class StoreCall(msgspec.Struct, frozen=True):
-    op: str  # put | get | count
+    op: str  # put | get | count | delete
     keys: list[bytes]
     payloads: list[bytes] = []
 
@@ -118,6 +118,9 @@ def _serve(store: MemoryStore, call: StoreCall) -> StoreReply:
         return StoreReply(payloads=store.get_many(call.keys))
     if call.op == "count":
         return StoreReply(count=store.count_prefix(call.keys))
+    if call.op == "delete":
+        store.delete_many(call.keys)
+        return StoreReply()
     raise ValueError(f"unknown op {call.op!r}")
 
 
@@ -212,6 +215,11 @@ class TcpStore:
         count = self._call(StoreCall("count", list(keys))).count
         self.stats.looked_up(len(keys), count)
         return count
+
+    def delete_many(self, keys: Sequence[bytes]) -> None:
+        if keys:
+            self._call(StoreCall("delete", list(keys)))
+            self.stats.deleted += len(keys)
 
     def close(self) -> None:
         with self._lock:

@@ -77,6 +77,8 @@ class StoreWorker:
         for order in meta.loads:
             wait_s = self.handoff_wait_s if order.handoff else 0.0
             self._io_thread.submit(self._fetch, order, wait_s)
+        for hashes in meta.drops:  # after the puts queued before (one I/O thread, in order)
+            self._io_thread.submit(self.exporter.drop, list(hashes))
         self._streamed = meta.streamed
 
     def begin_forward(self) -> bool:
@@ -177,6 +179,8 @@ class StoreWorker:
         except Exception:  # noqa: BLE001 - never leave the request waiting
             logger.exception("kv store: a fetch failed; its blocks are computed instead")
         finally:
+            if order.handoff:  # single use: taken (or given up on), the parts go now
+                self.exporter.drop(hashes)
             seconds = time.perf_counter() - started
             self.stats.load_seconds += seconds
             observe(self.stats.load_buckets, seconds)

@@ -296,6 +296,12 @@ class RayObjectStore:
         except RayError:
             pass  # the index is gone too: so are the keys
 
+    def delete_many(self, keys: Sequence[bytes]) -> None:
+        """Unlist ``keys`` now (their objects go with their last reference)."""
+        if keys:
+            self._forget(list(keys))
+            self.stats.deleted += len(keys)
+
     def count_prefix(self, keys: Sequence[bytes]) -> int:
         """How many leading keys the index lists (their objects may still
         turn out lost: ``get_many`` says so)."""

@@ -87,15 +87,19 @@ class SaveOrder:
 @dataclass
 class KVConnectorMeta:
     """What the scheduler side hands the worker side with a step: loads to
-    begin, saves to make, and the (block id, hash) pairs of exporting
-    requests this step's forward fills (streamed per layer)."""
+    begin, saves to make, the (block id, hash) pairs of exporting requests
+    this step's forward fills (streamed per layer), and the prompt block
+    hashes of exporting requests that ended without a decode part to take
+    their blocks (aborted, rejected, stopped at once): their store entries
+    go now."""
 
     loads: list[LoadOrder] = field(default_factory=list)
     saves: list[SaveOrder] = field(default_factory=list)
     streamed: list[tuple[int, int]] = field(default_factory=list)
+    drops: list[tuple[int, ...]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.loads or self.saves or self.streamed)
+        return bool(self.loads or self.saves or self.streamed or self.drops)
 
 
 class KVConnectorScheduler(ExternalKV, Protocol):

@@ -203,8 +203,8 @@ class Scheduler:
         # Protect before releasing, so the blocks go straight to the protected free list.
         self.sessions.finish(request, self.kv.block_tables.get(request.request_id, ()), now)
         self.pins.finished(request, status)  # a pin's prefill holds its blocks first
+        request.status = status  # before the free: the KV connector reads how it ended
         self.kv.free(request)
-        request.status = status
         if self.gate is not None:
             self.gate.member_left(request)
         if self.controller is not None and status in (

@@ -164,6 +164,9 @@ _KV_STORE_COUNTERS = (
     ("kv_store_bytes_written", "bytes_written", "Payload bytes written to the store."),
     ("kv_handoff_layer_parts_sent", "layer_parts_sent", "P/D prefill: per-layer parts of "
                                                         "prompt blocks put for a decode replica."),
+    ("kv_handoff_layer_parts_dropped", "layer_parts_dropped", "P/D: per-layer parts deleted "
+     "from the store once taken by their decode replica, or when their request ended "
+     "without one."),
     ("kv_handoff_export_seconds", "export_seconds", "P/D prefill: put time of the parts "
                                                     "streamed during forwards."),
     ("kv_handoff_export_hidden_seconds", "export_hidden_seconds",
