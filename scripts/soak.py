@@ -346,8 +346,12 @@ def verdict(soak: Soak, orphans: list[int]) -> dict:
             or r.status not in (OK, FAILED, REJECTED)]
     growths = {key: growth(soak.samples, key)
                for key in ("front_rss_mb", "workers_rss_mb", "fds", "threads", "kv_usage")}
+    # Judged: what lives through the run. Killed workers restart from scratch,
+    # so their RSS is a sawtooth whose slope says nothing about a leak.
+    judged = {"front_rss_mb", "fds", "threads"} | (
+        {"workers_rss_mb"} if soak.settings.kill_every <= 0 else set())
     leaks = {key: value for key, value in growths.items()
-             if value is not None and key != "kv_usage" and value > soak.settings.leak_percent}
+             if key in judged and value is not None and value > soak.settings.leak_percent}
     return {"requests": len(records), "ok": sum(r.status == OK for r in records),
             "refused": sum(r.status == REJECTED for r in records), "lost": len(lost),
             "hung": len(hung), "lost_examples": [f"{r.reason}: {r.error[:120]}" for r in lost[:5]],

@@ -169,3 +169,20 @@ def test_a_scheduled_request_never_expires_even_when_preempted():
     scheduled = [r for r in requests if r.first_scheduled_time is not None]
     assert all(r.status == RequestStatus.FINISHED_LENGTH for r in scheduled)
     assert len(scheduled) >= 2
+
+
+def test_a_resumed_request_is_neither_refused_nor_queued_last():
+    """A request going on after its replica died (``Request.resumed``) was
+    admitted once: a full queue takes it anyway, at the front, as a
+    preempted one."""
+    scheduler = busy_scheduler(max_queue_requests=2)
+    for i in range(2):
+        scheduler.add_request(Request(f"w{i}", [5, 6], 4, scheduler.clock()))
+    resumed = Request("moved", [7, 8, 9], 6, 0.0)
+    resumed.token_ids += [4, 4]  # the tokens its client got before its replica died
+    resumed.resumed = True
+    scheduler.add_request(resumed)
+    assert [r.request_id for r in scheduler.waiting] == ["moved", "w0", "w1"]
+    with pytest.raises(RejectedError):
+        scheduler.add_request(Request("late", [5, 6], 4, scheduler.clock()))
+    scheduler.check_invariants()

@@ -416,10 +416,11 @@ class EngineClient(PinFront, RequestIntake):
             if (offer and self.on_orphan is not None and request.add.pin is None
                     and request.attempts < MAX_ATTEMPTS and self.on_orphan(request)):
                 continue
+            error = exc
             if offer and request.attempts >= MAX_ATTEMPTS:
-                exc = EngineDeadError(f"{exc} (tried on {MAX_ATTEMPTS} workers: no more "
-                                      "attempts)")
-            request.queue.put_nowait(exc)
+                error = EngineDeadError(f"{exc} (tried on {MAX_ATTEMPTS} workers: no more "
+                                        "attempts)")
+            request.queue.put_nowait(error)
             if self.on_request is not None:
                 self.on_request(request_id, False, True)
 

@@ -232,6 +232,7 @@ class LLMEngine:
             raise ValueError(f"a {handoff.role} handoff must have tokens left to generate")
         request.token_ids.extend(outputs)
         request.kv_handoff = handoff.role == "decode"  # its blocks come from the prefill part
+        request.resumed = handoff.role == "resume"
         state.sent_tokens = state.num_detokenized = len(outputs)
         for token_id in outputs:  # the prefill replica delivered this text
             state.text_parts.append(state.detokenizer.add_token(token_id)[0])

@@ -51,6 +51,10 @@ class Request:
     # handoffs; see LaneQueue), since it did its queueing in the prefill pool
     # and behind this replica's prefills it would queue twice.
     kv_handoff: bool = False
+    # Going on after output tokens another replica streamed before it died
+    # (a resume): admitted once already, so admission does not turn it away
+    # and it queues first, as a preempted request does.
+    resumed: bool = False
     # The prefill part of such a split: its prompt blocks go to the decode
     # replica through the KV connector, whatever else that connector drops.
     kv_export: bool = False

@@ -154,7 +154,7 @@ class Scheduler:
                              f"the queue admits (max_queue_tokens={limit})")
         now = self.clock()
         self.admission.arrivals += 1
-        if request.session_id is not None:
+        if request.session_id is not None and not request.resumed:
             self.admission.check_session_room(now, self.sessions.num_unfinished(request.session_id))
         if self.controller is not None:
             # Offered load, admitted or not: counting only the admitted ones
@@ -162,12 +162,16 @@ class Scheduler:
             self.controller.observe_arrival(now, request.num_prompt_tokens + request.max_tokens,
                                             request.num_prompt_tokens)
         self.admission.next_step = self.steps_built + 1
-        self.admission.check(request, now, self.waiting, self.running, self._drop_waiting)
+        if not request.resumed:  # admitted once already, on the replica that died
+            self.admission.check(request, now, self.waiting, self.running, self._drop_waiting)
         request.status = RequestStatus.WAITING
         if self.controller is not None:
             request.slot_limit = self.knobs.max_num_seqs
         self.requests[request.request_id] = request
-        self.waiting.add(request)
+        if request.resumed:
+            self.waiting.prepend(request)  # first, as a preempted request
+        else:
+            self.waiting.add(request)
         self.sessions.add(request)
         self.expiries.add(request, self.config.queue_timeout)
         self.expiries.compact(self._is_unscheduled)

@@ -244,6 +244,7 @@ class SimReplica:
                                                        item.hash_ids, self.hash_block),
                           item.output_len, arrival_time=record.scheduled, kv_handoff=handoff)
         request.token_ids.extend([SAMPLED_TOKEN] * resumed)  # as the live engine's resume
+        request.resumed = resumed > 0
         try:
             self.scheduler.add_request(request)
         except RejectedError as exc:
