@@ -188,3 +188,27 @@ def test_an_aborted_prefill_part_drops_what_it_exported(tiny):
     kept = _run(prefill, prompt, params, Handoff("prefill"))[-1]
     prefill.kv_connector.flush()
     assert kept.finish_reason == "length" and len(store) == 4 * layers
+
+
+def test_a_decode_part_drops_the_parts_it_did_not_fetch(tiny):
+    """A decode part whose replica holds the prompt's blocks already fetches
+    none of the handoff's parts; when it ends, it drops them all (not at
+    the TTL), and says what one engine says."""
+    prompt = [(i * 59) % 380 + 5 for i in range(70)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    store = MemoryStore(64 << 20)
+    prefill = _replica(tiny, store)
+    first = _run(prefill, prompt, SamplingParams(max_tokens=1, temperature=0.0),
+                 Handoff("prefill"))[-1]
+    prefill.kv_connector.flush()
+    layers = prefill.executor.model.config.num_layers
+    assert len(store) == 4 * layers  # the prompt's 4 full blocks, one part per layer
+    decode = _replica(tiny, store)
+    colocated = _run(decode, prompt, params)[-1]  # its cache now holds the prompt
+    decode.kv_connector.flush()
+    saved = len(store) - 4 * layers  # the colocated run's whole blocks
+    outputs = _run(decode, prompt, params, Handoff("decode", list(first.token_ids)))
+    decode.kv_connector.flush()
+    assert outputs[-1].token_ids == colocated.token_ids
+    assert decode.kv_connector.stats.blocks_loaded == 0
+    assert len(store) == saved and decode.kv_connector.stats.layer_parts_dropped == 4 * layers

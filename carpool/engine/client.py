@@ -49,6 +49,7 @@ from carpool.engine.wire import (
     Add,
     DeliveryLagUpdate,
     Delta,
+    DropHandoff,
     EngineInfo,
     Failed,
     Handoff,
@@ -265,6 +266,11 @@ class EngineClient(PinFront, RequestIntake):
     def drop_pin(self, pin_id: str) -> None:
         self._send_now(Unpin([pin_id]))
 
+    def drop_handoff(self, block_hashes: list[int], parts_key: int) -> None:
+        """P/D: delete a handoff's layer parts no decode part took."""
+        if self.is_alive:
+            self._send_now(DropHandoff(block_hashes, parts_key))
+
     async def _submit(self, add: Add, live: LiveRequest) -> RequestStream:
         """Send ``add``; its stream once the worker accepted it."""
         request_id = add.request_id
@@ -273,7 +279,8 @@ class EngineClient(PinFront, RequestIntake):
         try:
             accepted = await live.queue.get()  # None, or why it was refused
         except BaseException:
-            self.abort(request_id)
+            # Wherever it is now (its fleet may have moved it off a dead worker).
+            self.stream_owner.abort_without_lock(request_id)
             raise
         if isinstance(accepted, BaseException):
             raise accepted

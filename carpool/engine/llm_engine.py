@@ -224,6 +224,7 @@ class LLMEngine:
             raise ValueError("a P/D handoff needs a KV store (--kv-store)")
         state: RequestState = request.payload
         state.handoff = handoff.role
+        request.handoff_key = handoff.parts_key
         if handoff.role == "prefill":
             request.kv_export = True
             return
@@ -285,6 +286,8 @@ class LLMEngine:
         request = self.scheduler.abort_request(request_id)
         if request is None:
             return None
+        if self.kv_connector is not None:  # its orders (a drop, a checkpoint) go now:
+            self.executor.kv_worker.start(self.kv_connector.scheduler.take_meta())  # idle next
         return self.output_stage.final(request, "abort")
 
     def close(self) -> None:

@@ -38,6 +38,7 @@ from carpool.engine.wire import (
     Add,
     DeliveryLagUpdate,
     Delta,
+    DropHandoff,
     Failed,
     Launch,
     LaunchFailed,
@@ -176,6 +177,10 @@ class WorkerLoop:
             elif isinstance(message, Unpin):
                 for pin_id in message.pin_ids:
                     self.engine.unpin_prefix(pin_id)
+            elif isinstance(message, DropHandoff):
+                if self.engine.kv_connector is not None:
+                    self.engine.kv_connector.worker.drop_parts(message.block_hashes,
+                                                               message.parts_key)
             elif isinstance(message, DeliveryLagUpdate):
                 self.engine.scheduler.admission.delivery_lag = message.seconds
             elif isinstance(message, Shutdown):

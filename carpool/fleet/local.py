@@ -39,6 +39,7 @@ from carpool.engine.stats import EngineStats, merge_stats
 from carpool.engine.step_log import StepLog
 from carpool.engine.streams import EngineDeadError, RequestStream
 from carpool.engine.wire import Handoff
+from carpool.fleet.parked import ParkedRequests
 from carpool.fleet.store_host import local_kv_store
 from carpool.sampling_params import SamplingParams
 from carpool.scheduler import RejectedError
@@ -53,7 +54,7 @@ VIEW_INTERVAL_S = 0.25  # how often replicas' polled stats refresh the router's 
 
 def routing_report(router: Router, views: Sequence[ReplicaView],
                    pid_of: Callable[[str], int | None], scaler: PoolScaler | None,
-                   restarts: int, rerouted: int, resumed: int = 0) -> dict:
+                   restarts: int, rerouted: int, resumed: int = 0, held: int = 0) -> dict:
     """A fleet's routing for ``/carpool/policy``: its replicas as the router
     sees them, decision counts by cause and the latest decisions (each with
     its cause), and the autoscaler's latest events."""
@@ -67,7 +68,7 @@ def routing_report(router: Router, views: Sequence[ReplicaView],
             for e in scaler.events[-20:]]}}
     return {**scaling, "routing": {"policy": router.policy.name, "replicas": replicas,
                                    "restarts": restarts, "rerouted": rerouted,
-                                   "resumed": resumed,
+                                   "resumed": resumed, "held_for_restart": held,
                                    "causes": dict(router.causes),
                                    "decisions": list(router.decisions)[-20:]}}
 
@@ -95,6 +96,8 @@ class FleetEngine(PinFront, RequestIntake):
                                     bytes.fromhex(config.cache.block_hash_key))
         self._stopping = False
         self._restarting: set[asyncio.Task] = set()
+        self.parked = ParkedRequests()  # a dead replica's, while no other is up
+        self._loop = asyncio.get_running_loop()
         self.pool, self.role = pool, role
         self.pins = PinRegistry()  # pinned on every replica, and on each that joins
         for index, client in enumerate(clients):
@@ -178,6 +181,10 @@ class FleetEngine(PinFront, RequestIntake):
         client.stream_owner = self  # aborts follow a request to whichever replica has it
         if self.pins.specs:  # a replica joining a running fleet holds its pins too
             self._spawn(repin(client, list(self.pins.specs.values()), replica_id))
+        for live in self.parked.take_all():  # held for the first replica up
+            if not self._send_on(live):
+                live.queue.put_nowait(EngineDeadError(
+                    f"request {live.add.request_id}: no replica could take it over"))
 
     def _kv_events(self, replica_id: str, batch: KvEventBatch) -> None:
         if batch.reset:
@@ -223,13 +230,24 @@ class FleetEngine(PinFront, RequestIntake):
     def _reroute(self, dead_id: str, live: LiveRequest) -> bool:
         """A request the dead replica held goes to another one, its caller
         none the wiser: sent again if nothing of it reached the caller, else
-        resumed after the tokens that did (``LiveRequest.resumed_add``); False: it
-        fails instead."""
+        resumed after the tokens that did (``LiveRequest.resumed_add``); held
+        for the replica restarting in its place when none other is up
+        (``ParkedRequests``). False: it fails instead."""
         if self._stopping:
             return False
-        add = live.add
         self.router.set_health(dead_id, Health.DEAD)  # before routing: not back to it
-        self.router.finished(add.request_id, time.monotonic(), learn=False)
+        self.router.finished(live.add.request_id, time.monotonic(), learn=False)
+        # A P/D prefill part is not held: its front runs it on a decode
+        # replica at once instead (``PDFleet``'s rescue).
+        if self.role is not Role.PREFILL and not any(v.routable for v in self.views()):
+            self.parked.park(live, time.monotonic())
+            self._loop.call_later(self.parked.wait_s + 0.1, self._expire_parked)
+            return True
+        return self._send_on(live)
+
+    def _send_on(self, live: LiveRequest) -> bool:
+        """Route a dead replica's request anew and hand it to the chosen one."""
+        add = live.add
         try:
             replica_id = self._route(add.request_id, add.prompt_token_ids, add.session_id,
                                      add.priority, add.cache_salt)
@@ -246,7 +264,11 @@ class FleetEngine(PinFront, RequestIntake):
         client.adopt(live)
         return True
 
+    def _expire_parked(self) -> None:
+        self.parked.expire(time.monotonic())
+
     async def _restart(self, replica_id: str, dead: EngineClient) -> None:
+        began = time.monotonic()
         await dead.wait_closed(timeout=5.0)
         while not self._stopping:
             try:
@@ -260,7 +282,8 @@ class FleetEngine(PinFront, RequestIntake):
                 return
             self.restarts += 1
             self._join(replica_id, client)
-            log.info("replica %s is back (worker pid %d)", replica_id, client.pid)
+            log.warning("replica %s is back after %.1f s (worker pid %d)", replica_id,
+                        time.monotonic() - began, client.pid)
             return
 
     # -- autoscaling -----------------------------------------------------------------------
@@ -361,7 +384,7 @@ class FleetEngine(PinFront, RequestIntake):
 
     def routing(self) -> dict:
         return routing_report(self.router, self.views(), self.replica_pid, self.scaler,
-                              self.restarts, self.rerouted, self.resumed)
+                              self.restarts, self.rerouted, self.resumed, self.parked.held)
 
     def replica_pid(self, replica_id: str) -> int | None:
         """The worker process of ``replica_id`` (None: not serving now)."""
@@ -377,7 +400,7 @@ class FleetEngine(PinFront, RequestIntake):
 
     @property
     def num_in_flight(self) -> int:
-        return sum(c.num_in_flight for c in self.clients.values())
+        return sum(c.num_in_flight for c in self.clients.values()) + len(self.parked)
 
     async def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                           request_id: str | None = None, priority: int = 0,
@@ -417,11 +440,35 @@ class FleetEngine(PinFront, RequestIntake):
         self.abort_without_lock(request_id)
 
     def abort_without_lock(self, request_id: str) -> None:
-        """Abort where the request is now (any thread: the client queues it)."""
+        """Abort where the request is now (any thread: on the event loop)."""
+        try:
+            self._loop.call_soon_threadsafe(self._abort_here, request_id)
+        except RuntimeError:  # the loop is closed: nothing runs any more
+            pass
+
+    def _abort_here(self, request_id: str) -> None:
+        """On the event loop, where a request moves (a dead replica's goes
+        to another, or is held): abort it wherever it is now."""
+        if self.parked.abort(request_id):
+            return
         replica_id = self.router.replica_of(request_id)
         client = self.clients.get(replica_id) if replica_id else None
         if client is not None:
             client.abort_without_lock(request_id)
+
+    def drop_handoff(self, ids: Sequence[int], cache_salt: str | None, parts_key: int,
+                     replica_id: str | None = None) -> bool:
+        """P/D: the layer parts of a handoff of prompt ``ids`` that no decode
+        part took, deleted by ``replica_id`` (the one that exported them:
+        after its own writes) or else any replica (they all reach the one
+        store); False: none is up."""
+        client = self.clients.get(replica_id) if replica_id is not None else None
+        if client is None or not client.is_alive:
+            client = next((c for c in self.clients.values() if c.is_alive), None)
+        hashes = self.block_hashes(ids, cache_salt)
+        if client is not None and hashes:
+            client.drop_handoff(hashes, parts_key)
+        return client is not None
 
     def first_token_seen(self, first_token_time: float) -> None:
         """The delivery lag is this process's (its event loop), so every
@@ -431,6 +478,7 @@ class FleetEngine(PinFront, RequestIntake):
 
     def shutdown(self) -> None:
         self._stopping = True
+        self.parked.fail_all(EngineDeadError("the server is shutting down"))
         for client in self.clients.values():
             client.shutdown()
 

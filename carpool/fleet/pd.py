@@ -46,11 +46,16 @@ is not counted again).
 
 Failures: a prefill replica that dies before the first token costs the
 client nothing (the request runs colocated on a decode replica instead);
-after it, a decode replica that dies fails the request with the error (the
-stream ends with an error event). Either way the dead replica's pool
-restarts it, and no blocks stay held: the prefill part's blocks return to
-its pool when it finishes (their bytes were copied out for the store), the
-decode part's when it ends.
+after it, a decode replica that dies has its streams resumed on another
+(``FleetEngine``), or on the one restarting in its place when none other
+is up, and a decode part finding no decode replica up while one restarts
+waits for it (``_decode_leg``). The dead replica's pool restarts it, and no
+blocks stay held: the prefill part's blocks return to its pool when it
+finishes (their bytes were copied out for the store), the decode part's
+when it ends. Nor do the handoff's layer parts stay in the store: the
+decode part deletes them once fetched, or when it ends; a prefill part
+that ends without a decode part, at once; and the front has a replica
+delete them when no decode part took them (``_go_on``).
 """
 from __future__ import annotations
 
@@ -75,12 +80,15 @@ from carpool.engine.step_log import StepLog
 from carpool.engine.streams import EngineDeadError, RequestStream
 from carpool.engine.wire import Handoff
 from carpool.fleet.local import FleetEngine
+from carpool.fleet.parked import RESTART_WAIT_S
 from carpool.fleet.store_host import local_kv_store
 from carpool.sampling_params import SamplingParams
 from carpool.scheduler import RejectedError
 from carpool.scheduler.pinned_prefixes import PinSpec
 
 log = logging.getLogger("carpool.server")
+
+RESTART_POLL_S = 0.2  # a decode leg waiting for a restarting replica asks this often
 
 
 class PDFleet(RequestIntake):
@@ -101,6 +109,7 @@ class PDFleet(RequestIntake):
         self.handoffs = 0  # requests that went from a prefill to a decode replica
         self.colocated = 0  # requests the planner kept on a decode replica
         self.rescued = 0  # requests re-run on a decode replica: their prefill one died
+        self.decode_waited = 0  # decode parts that waited for a decode replica's restart
         self._parts: dict[str, asyncio.Task] = {}  # request id -> what moves it along
         self._seeds = random.Random()
         self._stopping = False
@@ -174,10 +183,11 @@ class PDFleet(RequestIntake):
             return await self.decode.add_request(ids, params, request_id, **times, **home,
                                                  **common)
         worker = {"replica_id": plan.prefill.replica_id} if plan is not None else {}
+        parts = _Parts(self._seeds.getrandbits(64) or 1, worker.get("replica_id"))
         try:
             first = await self.prefill.add_request(
                 ids, dataclasses.replace(params, max_tokens=1), PDPlanner.prefill_leg(request_id),
-                handoff=Handoff("prefill"), **times, **worker, **common)
+                handoff=Handoff("prefill", parts_key=parts.key), **times, **worker, **common)
         except EngineDeadError as exc:  # no prefill replica took it: run it colocated
             self._rescue(request_id, exc)
             return await self.decode.add_request(ids, params, request_id, **times, **home,
@@ -187,7 +197,7 @@ class PDFleet(RequestIntake):
             raise
         queue: asyncio.Queue = asyncio.Queue()
         task = asyncio.ensure_future(self._go_on(request_id, ids, params, first, queue,
-                                                 {**common, **home}))
+                                                 {**common, **home}, parts))
         self._parts[request_id] = task
         task.add_done_callback(lambda _: self._parts.pop(request_id, None))
         return RequestStream(self, request_id, queue)
@@ -210,10 +220,16 @@ class PDFleet(RequestIntake):
             self.planner.router.finished(request_id, time.monotonic(), learn=False)
 
     async def _go_on(self, request_id: str, ids: list[int], params: SamplingParams,
-                     prefill: RequestStream, queue: asyncio.Queue, common: dict) -> None:
+                     prefill: RequestStream, queue: asyncio.Queue, common: dict,
+                     parts: _Parts) -> None:
         """Pass the first token on, then the decode part's outputs (or the
         colocated re-run's, if the prefill replica died)."""
         sent = False  # the decode leg: once sent, its pool uncounts it
+        # Whether a decode part took charge of the handoff's layer parts (it
+        # drops them itself: once fetched, or when it ends). Else the front
+        # has them dropped: the request ended before or between its legs,
+        # its prefill replica died mid-export, its decode part was refused.
+        taken = False
         try:
             try:
                 first = await self._first_output(prefill, request_id)
@@ -227,10 +243,10 @@ class PDFleet(RequestIntake):
             if first.finished:  # a stop, a rejection or an abort: that is all
                 return
             self.handoffs += 1
-            handoff = Handoff("decode", list(first.token_ids), first.logprobs)
+            handoff = Handoff("decode", list(first.token_ids), first.logprobs, parts.key)
             sent = True
-            rest = await self.decode.add_request(ids, params, request_id, handoff=handoff,
-                                                 delivered_text=first.text, **common)
+            rest = await self._decode_leg(ids, params, request_id, handoff, first.text, common)
+            taken = True
             await _forward(rest, queue, first)
         except asyncio.CancelledError:
             raise  # aborted: the stream being read (and so its request) was closed
@@ -239,6 +255,30 @@ class PDFleet(RequestIntake):
         finally:
             if not sent:
                 self._release(request_id)
+            if not taken and not self.prefill.drop_handoff(ids, common["cache_salt"], parts.key,
+                                                           parts.exporter):
+                self.decode.drop_handoff(ids, common["cache_salt"], parts.key)
+
+    async def _decode_leg(self, ids: list[int], params: SamplingParams, request_id: str,
+                          handoff: Handoff, delivered_text: str, common: dict) -> RequestStream:
+        """Send the decode part. Its client has the first token already: while
+        no decode replica is up but one is restarting, it waits for it (at
+        most ``RESTART_WAIT_S``) rather than fail."""
+        deadline = time.monotonic() + RESTART_WAIT_S
+        waited = False
+        while True:
+            try:
+                return await self.decode.add_request(ids, params, request_id, handoff=handoff,
+                                                     delivered_text=delivered_text, **common)
+            except (RejectedError, EngineDeadError) as exc:  # none up, or it died just now
+                if (getattr(exc, "reason", "no_replica") != "no_replica"
+                        or self.decode.degraded is None or time.monotonic() > deadline
+                        or self._stopping):
+                    raise
+            if not waited:
+                waited = True
+                self.decode_waited += 1
+            await asyncio.sleep(RESTART_POLL_S)
 
     def _rescue(self, request_id: str, error: BaseException) -> None:
         log.warning("request %s: its prefill replica died (%s); running it on a decode "
@@ -307,7 +347,7 @@ class PDFleet(RequestIntake):
             "min_remote_tokens": planner.min_remote_tokens,
             "stall_weight": planner.stall_weight}
         return {**placement, "handoffs": self.handoffs, "colocated": self.colocated,
-                "rescued": self.rescued}
+                "rescued": self.rescued, "decode_waited": self.decode_waited}
 
     # -- the engine interface's state ------------------------------------------------------
 
@@ -361,6 +401,15 @@ class PDFleet(RequestIntake):
         if self.kv_store_server is not None:
             self.kv_store_server.stop()
             self.kv_store_server = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Parts:
+    """A request's handoff parts: their key (``Handoff.parts_key``) and the
+    prefill replica exporting them (None: its pool places the part)."""
+
+    key: int
+    exporter: str | None
 
 
 async def _forward(stream: RequestStream, queue: asyncio.Queue,

@@ -40,6 +40,16 @@ def layer_hash(block_hash: int, layer: int) -> int:
     return (block_hash ^ ((layer + 1) * 0x9E3779B97F4A7C15)) & _MASK64
 
 
+def part_hashes(block_hashes: Sequence[int], parts_key: int) -> tuple[int, ...]:
+    """What a handoff's parts of ``block_hashes`` are keyed by: each hash
+    mixed with the handoff's ``parts_key`` (``wire.Handoff``); 0: the
+    hashes themselves."""
+    if not parts_key:
+        return tuple(block_hashes)
+    return tuple(((h ^ parts_key) * 0xFF51AFD7ED558CCD + parts_key) & _MASK64
+                 for h in block_hashes)
+
+
 @dataclass
 class _StepExport:
     """The parts one step streams: when its forward ended, the puts still

@@ -20,6 +20,7 @@ import math
 from collections.abc import Sequence
 
 from carpool.kv_transfer.health import ConnectorStats, StoreHealth
+from carpool.kv_transfer.layer_export import part_hashes
 from carpool.kv_transfer.payload import block_key_bytes
 from carpool.kv_transfer.stores import KVStore
 from carpool.scheduler import Request, RequestStatus
@@ -40,6 +41,9 @@ class StoreScheduler:
         self._next_load = 0
         # Request id -> indices of its blocks streamed this far (their save is done).
         self.streamed: dict[str, set[int]] = {}
+        # A decode part's request id -> the indices of the handoff blocks it
+        # fetched (the fetch drops their parts; ``forget`` drops the others).
+        self.fetched_parts: dict[str, set[int]] = {}
 
     def loadable(self, request: Request, hashes: Sequence[int]) -> int:
         if self.health.down:
@@ -58,6 +62,10 @@ class StoreScheduler:
         """A fetch the worker side begins with this step; done when it says so."""
         self._next_load += 1
         self._loads[self._next_load] = request
+        if request.kv_handoff:  # the prefill part's layer parts, this request's own
+            self.fetched_parts.setdefault(request.request_id, set()).update(
+                range(first, first + len(hashes)))
+            hashes = part_hashes(hashes, request.handoff_key)
         self._meta.loads.append(LoadOrder(self._next_load, tuple(hashes), tuple(block_ids),
                                           request.kv_handoff))
         return math.inf
@@ -90,8 +98,9 @@ class StoreScheduler:
         if not streamed:
             self.streamed.pop(request.request_id, None)
         if rest:
-            self._meta.saves.append(SaveOrder(tuple(h for h, _ in rest),
-                                              tuple(b for _, b in rest), export=True))
+            self._meta.saves.append(SaveOrder(
+                part_hashes([h for h, _ in rest], request.handoff_key),
+                tuple(b for _, b in rest), export=True))
 
     def filling(self, request: Request, first: int, block_ids: Sequence[int],
                 hashes: Sequence[int]) -> None:
@@ -99,15 +108,24 @@ class StoreScheduler:
             return  # they go out whole when saved
         self.streamed.setdefault(request.request_id, set()).update(
             range(first, first + len(block_ids)))
-        self._meta.streamed += zip(block_ids, hashes)
+        self._meta.streamed += zip(block_ids, part_hashes(hashes, request.handoff_key))
 
     def forget(self, request: Request) -> None:
         self.streamed.pop(request.request_id, None)  # ended (aborted) before its save
-        if request.kv_export and request.status.finished and \
-                request.status is not RequestStatus.FINISHED_LENGTH:
+        if not request.status.finished:
+            return  # preempted: it comes back
+        prompt_hashes = request.block_hashes[:request.num_prompt_tokens // self.block_size]
+        if request.kv_export and request.status is not RequestStatus.FINISHED_LENGTH:
             # No decode part will take what it exported: drop it now, not at the TTL.
-            prompt_blocks = request.num_prompt_tokens // self.block_size
-            self._meta.drops.append(tuple(request.block_hashes[:prompt_blocks]))
+            self._meta.drops.append(part_hashes(prompt_hashes, request.handoff_key))
+        elif request.kv_handoff:
+            # A decode part's handoff: the parts it fetched went after the
+            # fetch; those of blocks its own cache held, or of a fetch it
+            # never began, go now (its own: keyed by its handoff).
+            fetched = self.fetched_parts.pop(request.request_id, set())
+            rest = [h for i, h in enumerate(prompt_hashes) if i not in fetched]
+            if rest:
+                self._meta.drops.append(part_hashes(rest, request.handoff_key))
 
     def take_meta(self) -> KVConnectorMeta:
         meta, self._meta = self._meta, KVConnectorMeta()

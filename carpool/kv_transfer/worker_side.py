@@ -26,7 +26,7 @@ from dataclasses import asdict
 
 from carpool.kv_transfer.blocks import KVBlockIO
 from carpool.kv_transfer.health import ConnectorStats, StoreHealth, observe
-from carpool.kv_transfer.layer_export import LayerExporter
+from carpool.kv_transfer.layer_export import LayerExporter, part_hashes
 from carpool.kv_transfer.payload import (
     KVPayloadError,
     block_key_bytes,
@@ -80,6 +80,12 @@ class StoreWorker:
         for hashes in meta.drops:  # after the puts queued before (one I/O thread, in order)
             self._io_thread.submit(self.exporter.drop, list(hashes))
         self._streamed = meta.streamed
+
+    def drop_parts(self, hashes: Sequence[int], parts_key: int) -> None:
+        """Delete the layer parts of ``hashes`` under a handoff's
+        ``parts_key`` (one no decode part took; the front knows): on the I/O
+        thread, after what is queued there."""
+        self._io_thread.submit(self.exporter.drop, part_hashes(hashes, parts_key))
 
     def begin_forward(self) -> bool:
         streamed, self._streamed = self._streamed, []

@@ -240,6 +240,13 @@ class RayEngine(PinFront, RequestIntake):
         except RuntimeError:
             pass  # the loop is closed: the streams are gone with it
 
+    def drop_handoff(self, ids: Sequence[int], cache_salt: str | None, parts_key: int,
+                     replica_id: str | None = None) -> bool:
+        """P/D's front drop of untaken handoff parts: not on Ray Serve (its
+        replicas take no such order), where the decode part's own drops and
+        the store's TTL remove them."""
+        return False
+
     def first_token_seen(self, first_token_time: float) -> None:
         """Each replica measures its own delivery lag (its clock, its loop)."""
 

@@ -58,6 +58,9 @@ class Request:
     # The prefill part of such a split: its prompt blocks go to the decode
     # replica through the KV connector, whatever else that connector drops.
     kv_export: bool = False
+    # Either part's handoff key (``wire.Handoff.parts_key``): its layer
+    # parts' store keys mix it in, so they are this request's alone.
+    handoff_key: int = 0
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prefix-cache hit on first admission, loaded ones included
