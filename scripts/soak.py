@@ -231,8 +231,10 @@ async def every(period: float, soak: Soak, action) -> None:  # noqa: ANN001
 
 
 async def kill_a_worker(soak: Soak, client: httpx.AsyncClient, rng: random.Random) -> None:
-    routing = (await client.get(soak.url + "/carpool/policy")).json().get("routing", {})
-    pids = [r["pid"] for r in routing.get("replicas", []) if r.get("pid")]
+    policy = (await client.get(soak.url + "/carpool/policy")).json()
+    pools = [policy.get("routing", {}), *policy.get("pd", {}).values()]  # P/D: both pools
+    pids = [r["pid"] for pool in pools if isinstance(pool, dict)
+            for r in pool.get("replicas", []) if r.get("pid")]
     if not pids:
         soak.fault("kill", skipped="no worker up")
         return
