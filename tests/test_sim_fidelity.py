@@ -55,10 +55,12 @@ def test_fidelity_on_a_short_window_of_the_azure_trace(real_engine, tmp_path):
     for doc in (result.real, result.simulated):  # compare's legend reads the scales
         assert doc["config"]["workload"]["token_scale"] == 0.03
     # A smoke grid and ten requests on a shared machine: a loose bound that
-    # still fails if the simulator's timing were off by a step or more.
+    # still fails if the simulator's timing were off by a step or more,
+    # widened by how far the two real runs differ from each other (the
+    # simulator cannot be held closer than the real engine repeats itself).
     by_name = {row.name: row for row in result.rows}
     for name in ("TTFT p50", "TPOT p50", "E2E p50"):
-        assert abs(by_name[name].error) < 0.5, (name, by_name[name])
+        assert abs(by_name[name].error) < 0.5 + by_name[name].spread, (name, by_name[name])
     print(format_rows(result.rows, result.busy))
     assert "cost model on the" in result.notes
     # two real runs by default, each on a fresh scheduler: the same work, a spread beside it
