@@ -168,3 +168,38 @@ def test_a_busy_decode_replica_weighs_the_stall_a_colocated_prefill_would_cause(
     assert weighed.disaggregated and weighed.predicted_ttft is not None
     with pytest.raises(ValueError, match="stall_weight"):
         PDPlanner(fleet(), LLAMA_8B, stall_weight=-1)
+
+
+def _burst_of_long_prompts(router: Router, planner: PDPlanner, polled_only: bool) -> list[int]:
+    """32 prompts of 32k tokens with 1-token outputs, all at one instant,
+    no first token or polled stats in between; ``polled_only``: forget
+    what the router counted after each (a router that knows load only from
+    its replicas' stats, which come too late). Prefill legs per replica."""
+    for i in range(32):
+        planner.plan(RouteRequest(f"q{i}", 32_768, tuple(range(i * 10_000, i * 10_000 + 8))),
+                     0.0)
+        if polled_only:
+            for view in router.views.values():
+                view.in_flight = view.prefilling = view.pending_prefill_tokens = 0
+    routed = [router.replica_of(planner.prefill_leg(f"q{i}")) for i in range(32)]
+    return [routed.count(v.replica_id) for v in router.candidates(Role.PREFILL)]
+
+
+def test_a_burst_of_long_prompts_spreads_over_the_prefill_pool_before_any_stats():
+    """The collapse peers' users report: a burst of 32k-token prompts all
+    lands on the first prefill replica, because load is updated after the
+    fact. The router counts each prefill leg where it sends it, so the
+    burst spreads evenly; without that count it collapses."""
+    router = fleet(prefill=4, decode=2)
+    planner = PDPlanner(router, LLAMA_8B, Link(bandwidth=50e9), always=True)
+    assert _burst_of_long_prompts(router, planner, polled_only=False) == [8, 8, 8, 8]
+    blind = fleet(prefill=4, decode=2)
+    legs = _burst_of_long_prompts(blind, PDPlanner(blind, LLAMA_8B, Link(bandwidth=50e9),
+                                                   always=True), polled_only=True)
+    assert legs[0] == 32, legs
+    # The live P/D front routes its prefill pool with its own router: the same count holds.
+    pool = fleet(prefill=4, decode=0)
+    for i in range(32):
+        pool.route(RouteRequest(f"p{i}", 32_768, tuple(range(i * 10_000, i * 10_000 + 8))),
+                   0.0, Role.PREFILL)
+    assert sorted(v.in_flight for v in pool.views.values()) == [8, 8, 8, 8]

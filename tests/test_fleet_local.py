@@ -104,12 +104,26 @@ def test_a_killed_replica_s_stream_goes_on_elsewhere_and_it_is_restarted(tiny_mo
         answers = [http.post("/v1/completions", json={"prompt": "y", "max_tokens": 2})
                    for _ in range(4)]
         assert all(a.status_code == 200 for a in answers)
+        # The fleet's totals keep the dead worker's counts (its replacement
+        # began from zero): they never go backwards, so rates stay positive.
+        fleet, replicas = _steps(http.get("/metrics").text)
+        assert set(replicas) == {"r0", "r1"} and fleet > sum(replicas.values())
         server.signal(signal.SIGTERM)
         assert server.wait(60) == 0
 
 
+def _steps(metrics: str) -> tuple[float, dict[str, float]]:
+    """The fleet's engine_steps_total, and each live replica's."""
+    lines = metrics.splitlines()
+    replicas = {line.split('replica="')[1].split('"')[0]: float(line.split()[-1])
+                for line in lines if line.startswith("carpool:replica_engine_steps_total{")}
+    fleet = next(float(line.split()[-1]) for line in lines
+                 if line.startswith("carpool:engine_steps_total{"))
+    return fleet, replicas
+
+
 def test_fleet_stats_sum_the_replicas_counts_and_keep_one_configuration():
-    from carpool.engine.stats import EngineCounters, EngineStats, merge_stats
+    from carpool.engine.stats import EngineCounters, EngineStats, merge_stats, retired_stats
 
     def snapshot(running: int, steps: int, stop: int, time_: float) -> EngineStats:
         return EngineStats(time=time_, num_running=running, num_waiting=1, waiting_tokens=10,
@@ -125,6 +139,12 @@ def test_fleet_stats_sum_the_replicas_counts_and_keep_one_configuration():
     assert merged.rejections == {"queue_full": 2} and merged.sessions == {"session_requests": 4}
     assert merged.decision_counts == {("a", "b"): 2} and merged.time == 6.0
     assert merged.knobs == {"max_num_seqs": 64.0} and merged.prefix_hit_rate == 0.5
+    # A replica that left adds its counters, not its queues or blocks.
+    left = retired_stats(snapshot(5, 30, 4, 7.0))
+    fleet = merge_stats([snapshot(0, 1, 0, 8.0), left])
+    assert (fleet.num_running, fleet.num_waiting, fleet.kv_num_blocks) == (0, 1, 100)
+    assert fleet.counters.steps == 31 and fleet.counters.finished == {"stop": 4}
+    assert fleet.prefix_queries == 8 and fleet.rejections == {"queue_full": 2}
 
 
 def test_requests_a_killed_replica_had_not_started_go_to_another(tiny_model_dir):

@@ -37,6 +37,8 @@ SERVICE_EWMA = 0.1
 DECISION_LOG = 512  # decisions kept for /carpool/policy and reports
 # Blocks the approximate baseline index keeps per replica.
 APPROX_CAPACITY_BLOCKS = 1 << 16
+# First tokens the TTFT prediction error is measured over (the latest ones).
+TTFT_ERROR_WINDOW = 512
 
 __all__ = ["POLICIES", "Router", "make_policy"]
 
@@ -55,6 +57,11 @@ class _Routed:
     sent_at: float
     pending_tokens: int  # uncached prompt tokens, until the first token
     prefilling: bool = True
+    # What the decision expected: the prompt's leading blocks cached there
+    # (by the fleet index) and the TTFT; checked when the first token comes.
+    block_hashes: tuple[int, ...] = ()
+    cached_blocks: int = 0
+    predicted_ttft: float | None = None
 
 
 class Router:
@@ -86,6 +93,10 @@ class Router:
         self.causes: Counter[str] = Counter()
         self._routed: dict[str, _Routed] = {}
         self._joined = 0
+        # |predicted - observed| / observed of the latest first tokens, and
+        # the index corrections first tokens made (``first_token``).
+        self.ttft_errors: deque[float] = deque(maxlen=TTFT_ERROR_WINDOW)
+        self.index_corrections = 0
 
     # -- membership and stats -------------------------------------------------
 
@@ -126,6 +137,17 @@ class Router:
         view = self.views[replica_id]
         view.waiting, view.running = waiting, running
         view.kv_usage, view.free_blocks, view.stats_time = kv_usage, free_blocks, now
+
+    def block_events(self, replica_id: str, stored: Iterable[int], evicted: Iterable[int],
+                     reset: bool = False) -> None:
+        """A replica's drained cache events (``KvEventBatch``). ``reset``:
+        its pool starts over (an overflow, or its engine restarted with an
+        empty cache): forget every block either index holds for it first."""
+        if reset:
+            self.prefix_index.remove_replica(replica_id)
+            self.approximate_index.remove_replica(replica_id)
+        self.blocks_evicted(replica_id, evicted)
+        self.blocks_stored(replica_id, stored)
 
     def blocks_stored(self, replica_id: str, hashes: Iterable[int]) -> None:
         if replica_id in self.views:
@@ -169,22 +191,56 @@ class Router:
         view = self.views[decision.replica_id]
         pending = (max(1, request.prompt_tokens - decision.cached_tokens)
                    if prefill_tokens is None else prefill_tokens)
-        self._routed[request.request_id] = _Routed(view.replica_id, now, pending)
+        # The index's belief, as the engine counts hits: whole blocks, the
+        # last prompt token always computed.
+        held = (self.prefix_index.matches(request.block_hashes).get(view.replica_id, 0)
+                if request.block_hashes else 0)
+        self._routed[request.request_id] = _Routed(
+            view.replica_id, now, pending, block_hashes=tuple(request.block_hashes),
+            cached_blocks=min(held, (request.prompt_tokens - 1) // view.block_size),
+            predicted_ttft=decision.predicted_ttft)
         view.in_flight += 1
         view.prefilling += 1
         view.pending_prefill_tokens += pending
         self._log(now, request, decision)
 
-    def first_token(self, request_id: str, now: float) -> None:
-        """The request's first token came: its prefill is no longer ahead of others."""
+    def first_token(self, request_id: str, now: float,
+                    cached_tokens: int | None = None) -> None:
+        """The request's first token came: its prefill is no longer ahead of
+        others. ``cached_tokens``: the prompt tokens its replica found cached
+        (the engine's count), which checks the fleet index (``_reconcile``)."""
         routed = self._routed.get(request_id)
         if routed is None or not routed.prefilling:
             return
         routed.prefilling = False
+        if routed.predicted_ttft is not None and now > routed.sent_at:
+            observed = now - routed.sent_at
+            self.ttft_errors.append(abs(routed.predicted_ttft - observed) / observed)
         view = self.views.get(routed.replica_id)
         if view is not None:
             view.prefilling -= 1
             view.pending_prefill_tokens -= routed.pending_tokens
+            if cached_tokens is not None:
+                self._reconcile(routed, view, cached_tokens)
+
+    def _reconcile(self, routed: _Routed, view: ReplicaView, cached_tokens: int) -> None:
+        """The engine found ``cached_tokens`` where the index expected
+        ``routed.cached_blocks`` blocks: an eviction or a store event was
+        lost or is late. Correct the index for this replica's blocks of this
+        prompt now, so no further prompt is routed on the wrong belief."""
+        found = min(cached_tokens // view.block_size, len(routed.block_hashes))
+        expected = routed.cached_blocks
+        if found < expected:  # gone there: an eviction the index missed
+            self.prefix_index.evicted(view.replica_id, routed.block_hashes[found:expected])
+        elif found > expected:  # there all the same: a store the index missed
+            self.prefix_index.stored(view.replica_id, routed.block_hashes[expected:found])
+        self.index_corrections += found != expected
+
+    @property
+    def ttft_error(self) -> float | None:
+        """Mean absolute percentage error of the predicted TTFTs over the
+        latest first tokens (as a fraction; None before any)."""
+        return sum(self.ttft_errors) / len(self.ttft_errors) if self.ttft_errors else None
 
     def finished(self, request_id: str, now: float, *, learn: bool = True,
                  queued_s: float = 0.0) -> None:

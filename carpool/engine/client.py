@@ -144,9 +144,10 @@ class EngineClient(PinFront, RequestIntake):
         self.delivery = DeliveryLag()
         self.on_failure: Callable[[BaseException], None] | None = None
         self.on_kv_events: Callable[[KvEventBatch], None] | None = None
-        # Told (request id, first token now, ended now) as requests progress:
-        # a fleet router's live counts (refused requests end at once).
-        self.on_request: Callable[[str, bool, bool], None] | None = None
+        # Told (request id, first token now, ended now, prompt tokens found
+        # cached with the first token) as requests progress: a fleet
+        # router's live counts and index check (refused requests end at once).
+        self.on_request: Callable[[str, bool, bool, int | None], None] | None = None
         self.on_steps: Callable[[list], None] | None = None  # each round's LoggedSteps
         # A fleet's name for this replica: tags the steps mirrored into a
         # step log the fleet's replicas share (idle gaps are per replica).
@@ -380,7 +381,7 @@ class EngineClient(PinFront, RequestIntake):
             if live is not None:
                 live.queue.put_nowait(refusal_error(refusal))
                 if observe is not None:
-                    observe(refusal.request_id, False, True)
+                    observe(refusal.request_id, False, True, None)
         for delta in progress.outputs:
             live = self._live.get(delta.request_id)
             if live is not None:
@@ -389,7 +390,8 @@ class EngineClient(PinFront, RequestIntake):
                     del self._live[delta.request_id]
                 live.queue.put_nowait(output_of(delta, live))
                 if observe is not None and (first or delta.finished):
-                    observe(delta.request_id, first, delta.finished)
+                    observe(delta.request_id, first, delta.finished,
+                            delta.num_cached_tokens if first else None)
         if progress.stats is not None:
             self.stats = progress.stats
         for step in progress.steps:
@@ -429,7 +431,7 @@ class EngineClient(PinFront, RequestIntake):
                                         "attempts)")
             request.queue.put_nowait(error)
             if self.on_request is not None:
-                self.on_request(request_id, False, True)
+                self.on_request(request_id, False, True, None)
 
 
 def output_of(delta: Delta, live) -> RequestOutput:  # noqa: ANN001

@@ -263,6 +263,19 @@ def merge_stats(snapshots: list[EngineStats]) -> EngineStats:
         expert_imbalance_mean=max(s.expert_imbalance_mean for s in snapshots), **summed)
 
 
+def retired_stats(stats: EngineStats) -> EngineStats:
+    """What an engine that left a fleet (dead, or scaled down) still adds
+    to the fleet's totals: its cumulative counters, its point-in-time values
+    (queues, KV blocks, live sessions, pinned blocks, stage) at zero. A
+    fleet merges these so its summed counters never go backwards when a
+    worker restarts from zero (a rate over them would turn negative)."""
+    return dataclasses.replace(
+        stats, num_running=0, num_waiting=0, waiting_tokens=0, kv_num_blocks=0,
+        kv_used_blocks=0, degrade_stage=0, expert_imbalance=0.0, expert_imbalance_mean=0.0,
+        sessions={**stats.sessions, "active_sessions": 0, "protected_blocks": 0},
+        pinned=tuple(dataclasses.replace(p, blocks=0) for p in stats.pinned))
+
+
 def _summed_experts(groups) -> tuple[int, ...]:  # noqa: ANN001
     """Replicas' expert token counts, expert by expert (replicas of one model)."""
     groups = [g for g in groups if g]

@@ -35,7 +35,7 @@ from carpool.config import EngineConfig
 from carpool.engine.client import EngineClient, LiveRequest
 from carpool.engine.front import RequestIntake
 from carpool.engine.pins import PinFront, PinRegistry, repin, run_pin_everywhere
-from carpool.engine.stats import EngineStats, merge_stats
+from carpool.engine.stats import EngineStats, merge_stats, retired_stats
 from carpool.engine.step_log import StepLog
 from carpool.engine.streams import EngineDeadError, RequestStream
 from carpool.engine.wire import Handoff
@@ -44,7 +44,7 @@ from carpool.fleet.store_host import local_kv_store
 from carpool.sampling_params import SamplingParams
 from carpool.scheduler import RejectedError
 from carpool.scheduler.control.cost_model import StepCostModel
-from carpool.scheduler.kv_events import BlockKeyChain, KvEventBatch
+from carpool.scheduler.kv_events import BlockKeyChain
 from carpool.scheduler.pinned_prefixes import PinSpec
 
 log = logging.getLogger("carpool.server")
@@ -70,6 +70,9 @@ def routing_report(router: Router, views: Sequence[ReplicaView],
                                    "restarts": restarts, "rerouted": rerouted,
                                    "resumed": resumed, "held_for_restart": held,
                                    "causes": dict(router.causes),
+                                   # mean |predicted - observed| / observed of the latest TTFTs
+                                   "ttft_prediction_error": router.ttft_error,
+                                   "index_corrections": router.index_corrections,
                                    "decisions": list(router.decisions)[-20:]}}
 
 
@@ -100,6 +103,9 @@ class FleetEngine(PinFront, RequestIntake):
         self._loop = asyncio.get_running_loop()
         self.pool, self.role = pool, role
         self.pins = PinRegistry()  # pinned on every replica, and on each that joins
+        # The counters of replicas that left (``retired_stats``), kept in the
+        # fleet's totals so they never go backwards when a worker restarts.
+        self._retired: EngineStats | None = None
         for index, client in enumerate(clients):
             self._join(f"{pool}{index}", client)
         self._last_stats = self.stats
@@ -173,9 +179,9 @@ class FleetEngine(PinFront, RequestIntake):
         client.replica_id = replica_id
         client.on_steps = lambda steps: [cost_model.record(s.shape.tokens, s.shape.seqs,
                                                            s.seconds) for s in steps]
-        client.on_kv_events = lambda batch, rid=replica_id: self._kv_events(rid, batch)
-        client.on_request = lambda request_id, first, ended: self._progress(request_id, first,
-                                                                           ended)
+        client.on_kv_events = lambda batch, rid=replica_id: self.router.block_events(
+            rid, batch.stored, batch.evicted, batch.reset)
+        client.on_request = self._progress
         client.on_failure = lambda exc, rid=replica_id: self._replica_died(rid, exc)
         client.on_orphan = lambda live, rid=replica_id: self._reroute(rid, live)
         client.stream_owner = self  # aborts follow a request to whichever replica has it
@@ -186,16 +192,11 @@ class FleetEngine(PinFront, RequestIntake):
                 live.queue.put_nowait(EngineDeadError(
                     f"request {live.add.request_id}: no replica could take it over"))
 
-    def _kv_events(self, replica_id: str, batch: KvEventBatch) -> None:
-        if batch.reset:
-            self.router.prefix_index.remove_replica(replica_id)
-        self.router.blocks_evicted(replica_id, batch.evicted)
-        self.router.blocks_stored(replica_id, batch.stored)
-
-    def _progress(self, request_id: str, first: bool, ended: bool) -> None:
+    def _progress(self, request_id: str, first: bool, ended: bool,
+                  cached_tokens: int | None) -> None:
         now = time.monotonic()
         if first:
-            self.router.first_token(request_id, now)
+            self.router.first_token(request_id, now, cached_tokens)
         if ended:
             self.router.finished(request_id, now)
 
@@ -205,6 +206,7 @@ class FleetEngine(PinFront, RequestIntake):
         self.router.set_health(replica_id, Health.DEAD)
         self.router.remove_replica(replica_id)
         dead = self.clients.pop(replica_id)
+        self._retire(dead)
         log.error("replica %s died (%s); starting a new worker", replica_id, exc)
         if not self._stopping:
             task = asyncio.ensure_future(self._restart(replica_id, dead))
@@ -342,6 +344,7 @@ class FleetEngine(PinFront, RequestIntake):
         if self.clients.pop(replica_id, None) is not None:
             client.on_failure = None  # stopping on purpose: no restart
             await client.wait_closed()
+            self._retire(client)
             log.info("autoscaler: replica %s left (%d ready)", replica_id, len(self.clients))
 
     async def _refresh_views(self) -> None:
@@ -359,12 +362,18 @@ class FleetEngine(PinFront, RequestIntake):
 
     @property
     def stats(self) -> EngineStats:
-        """The replicas' snapshots merged (``merge_stats``); while none is
-        up (every worker restarting), the last merge."""
-        if self.clients:
-            self._last_stats = merge_stats([c.stats for c in self.clients.values()])
+        """The replicas' snapshots merged (``merge_stats``) with the counters
+        of those that left; the last merge while there are neither."""
+        snapshots = [c.stats for c in self.clients.values()]
+        snapshots += [self._retired] if self._retired is not None else []
+        if snapshots:
+            self._last_stats = merge_stats(snapshots)
         return dataclasses.replace(self._last_stats, requests_rerouted=self.rerouted,
                                    requests_resumed=self.resumed)
+
+    def _retire(self, client: EngineClient) -> None:
+        left = retired_stats(client.stats)
+        self._retired = left if self._retired is None else merge_stats([self._retired, left])
 
     def replica_stats(self) -> dict[str, EngineStats]:
         """Each live replica's latest snapshot (``/metrics``' ``replica`` label)."""

@@ -119,9 +119,11 @@ class KvEventBatch:
 
     The two lists are disjoint and net: a block stored and evicted again
     between two drains is in neither, so a listener applies both in any
-    order. ``reset``: the buffer overflowed and dropped what it held; the
-    listener must *replace* everything it holds for this pool with
-    ``stored`` (then the pool's every reported block; ``evicted`` is empty).
+    order. ``reset``: the buffer dropped what it held (it overflowed, or
+    its engine just started, whose cache is empty whatever the listener
+    kept from an earlier life); the listener must *replace* everything it
+    holds for this pool with ``stored`` (then the pool's every reported
+    block; ``evicted`` is empty).
     """
 
     stored: list[int] = field(default_factory=list)
@@ -157,12 +159,19 @@ class KvEventBuffer:
         self.limit = limit
         self._snapshot = snapshot
         self._net: dict[int, bool] = {}  # hash -> True: stored, False: evicted
-        self.overflowed = False
+        self.reset_due = False  # the next drain is a reset; events ignored until then
 
     @property
     def pending(self) -> int:
         """Hashes waiting for the next drain (0 after an overflow)."""
         return len(self._net)
+
+    def resync(self) -> None:
+        """Make the next drain a reset: the listener drops what it knew of
+        this pool and takes its snapshot (``KVCacheManager.event_buffer``
+        starts every buffer so)."""
+        self._net = {}
+        self.reset_due = True
 
     def stored(self, hashes: Iterable[int]) -> None:
         self._record(hashes, True)
@@ -171,7 +180,7 @@ class KvEventBuffer:
         self._record(hashes, False)
 
     def _record(self, hashes: Iterable[int], stored: bool) -> None:
-        if self.overflowed:
+        if self.reset_due:
             return
         net = self._net
         for block_hash in hashes:
@@ -180,13 +189,12 @@ class KvEventBuffer:
             else:
                 net[block_hash] = stored
         if len(net) > self.limit:
-            self._net = {}
-            self.overflowed = True
+            self.resync()
 
     def drain(self) -> KvEventBatch:
         """The net events since the previous drain (or a reset, see the class)."""
-        if self.overflowed:
-            self.overflowed = False
+        if self.reset_due:
+            self.reset_due = False
             return KvEventBatch(list(self._snapshot()) if self._snapshot is not None else [],
                                 [], reset=True)
         net, self._net = self._net, {}

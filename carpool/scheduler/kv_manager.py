@@ -93,8 +93,13 @@ class KVCacheManager:
     def event_buffer(self, limit: int = 65536) -> KvEventBuffer:
         """A new ``KvEventBuffer`` this manager reports to (``report_blocks_to``;
         before the first request), resyncing from the pool on overflow.
-        Drain it once per engine step for the fleet router."""
+        Drain it once per engine step for the fleet router. Its first drain
+        is a reset with the pool's snapshot, as a subscription starts from
+        the state: a restarted engine's listener drops the blocks it still
+        held for it (an "all blocks cleared" event), whether or not it saw
+        the old engine die."""
         buffer = KvEventBuffer(limit, snapshot=self.pool.reported_hashes)
+        buffer.resync()
         self.report_blocks_to(buffer)
         return buffer
 
