@@ -215,3 +215,25 @@ def test_prefill_and_decode_flags_are_checked():
                 {"prefill": 1, "decode": 1, "engine_process": False}):
         with pytest.raises(ValueError, match="prefill"):
             ServerConfig(**bad).validate()
+
+
+def test_the_autoscaler_s_sizing_flags_reach_its_config():
+    from carpool.cli import server_config_from_args
+    from carpool.server.config import ServerConfig
+
+    args = build_parser().parse_args([
+        "serve", "--autoscale", "predictive", "--min-replicas", "0", "--max-replicas", "3",
+        "--scale-target-utilization", "0.85", "--replica-concurrency", "24",
+        "--forecast-horizon", "600", "--startup-s", "120", "--replica-start-delay", "5"])
+    server = server_config_from_args(args).validate()
+    scaling = server.autoscale_config()
+    assert (scaling.min_replicas, scaling.max_replicas) == (0, 3)
+    assert (scaling.target_utilization, scaling.replica_concurrency) == (0.85, 24)
+    assert (scaling.forecast_horizon_s, scaling.startup_s) == (600, 120)
+    assert server.replica_start_delay == 5
+    for bad, words in (({"scale_target_utilization": 1.5}, "target_utilization"),
+                       ({"replica_concurrency": 0}, "replica_concurrency"),
+                       ({"replica_start_delay": -1}, "replica_start_delay"),
+                       ({"min_replicas": 0, "backend": "ray"}, "scale to zero")):
+        with pytest.raises(ValueError, match=words):
+            ServerConfig(autoscale="reactive", **bad).validate()

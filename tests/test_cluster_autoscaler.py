@@ -145,3 +145,35 @@ def test_an_ordinary_wait_on_a_big_fleet_does_not_scale_it_out(policy):
     assert run(190.0, 1.0) == 200
     assert run(10.0, 1.0) > 200
     assert run(190.0, 0.0) > 200  # the seeds' rule: any 100 waiting
+
+
+@pytest.mark.parametrize("policy", ["reactive", "predictive"])
+def test_a_pool_whose_traffic_stops_scales_to_zero_and_wakes_for_the_next_request(policy):
+    config = AutoscaleConfig(min_replicas=0, max_replicas=4, tick_s=10)
+    scaler = make_scaler(policy, config, replicas=1)
+
+    def tick(now: float, arrivals: int, in_flight: int) -> int:
+        ready = scaler.replicas
+        utilization = min(1.0, in_flight / (ready * config.replica_concurrency)) if ready else 0.0
+        return scaler.tick(PoolSignals(now, ready, ready, 0, in_flight, arrivals, utilization,
+                                       SERVICE))
+
+    now = 0.0
+    while now < 600:  # a trickle: a request every 200 s never lets it reach zero
+        now += 10
+        assert tick(now, int(now % 200 == 0), int(now % 200 == 0)) == 1
+    stopped = now
+    while now < 2000:  # then nothing
+        now += 10
+        tick(now, 0, 0)
+    to_zero = next(e for e in scaler.events if e.replicas_to == 0)
+    assert to_zero.time >= stopped - 200 + config.scale_in_window_s
+    assert scaler.replicas == 0
+    # A request at zero: one replica at once (the front holds it meanwhile).
+    assert scaler.wake(now) and scaler.replicas == 1 and not scaler.wake(now)
+    assert tick(now + 10, 0, 1) == 1  # and not straight back to zero
+    # A tick that sees arrivals at zero does the same, without a cooldown.
+    scaler.replicas = 0
+    assert tick(now + 20, 3, 0) == 1 and scaler.events[-1].cause == "requests at zero replicas"
+    with pytest.raises(ValueError, match="max_replicas >= 1"):
+        AutoscaleConfig(min_replicas=0, max_replicas=0).validate()

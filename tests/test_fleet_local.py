@@ -231,6 +231,36 @@ def test_the_autoscaler_adds_a_replica_under_backlog_and_drains_it_when_idle(tin
         assert "backlog" in events[0]["cause"] and "utilization" in events[1]["cause"]
 
 
+def test_an_idle_fleet_scales_to_zero_and_the_next_request_waits_for_a_replica(tiny_model_dir):
+    """--min-replicas 0: once no request came for a whole scale-in window
+    the last replica drains and the server stays healthy with no worker; the
+    next request starts one and is answered, not refused."""
+    flags = [str(tiny_model_dir), "--attention-backend", "torch", "--adaptive", "false",
+             "--autoscale", "reactive", "--min-replicas", "0", "--max-replicas", "1",
+             "--scale-tick", "0.3", "--scale-in-utilization", "0.5", "--scale-in-after", "1",
+             "--scale-in-window", "2"]
+    with ServerProcess(flags) as server, server.client() as http:
+        assert len(server.engine_workers()) == 1
+        first = http.post("/v1/completions", json={"prompt": "a", "max_tokens": 4})
+        assert first.status_code == 200, first.text
+        deadline = time.monotonic() + 60
+        while server.engine_workers() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert server.engine_workers() == []
+        assert http.get("/health").json() == {"status": "ok"}  # idle by design
+        assert "carpool:engine_steps_total" in http.get("/metrics").text
+        began = time.monotonic()
+        woken = http.post("/v1/completions", json={"prompt": "b", "max_tokens": 4}, timeout=120)
+        assert woken.status_code == 200, woken.text
+        assert woken.json()["usage"]["completion_tokens"] == 4
+        assert len(server.engine_workers()) == 1 and time.monotonic() - began < 60
+        events = http.get("/carpool/policy").json()["scaling"]["events"]
+        assert [(e["from"], e["to"]) for e in events][-2:] == [(1, 0), (0, 1)], events
+        assert events[-1]["cause"] == "a request at zero replicas"
+        server.signal(signal.SIGTERM)
+        assert server.wait(60) == 0
+
+
 def test_a_client_that_leaves_frees_its_replicas_kv(tiny_model_dir):
     """Disconnects reach the worker holding the request (the fleet owns the
     streams): its KV is freed and the router's counts return to zero."""

@@ -9,6 +9,11 @@ cooldown) and only when the *highest* want of the last
 Kubernetes' autoscaler: a dip in a noisy load cannot start a scale-in,
 so a flat load never oscillates), and logs every change with its cause.
 
+With ``min_replicas`` 0 a pool whose traffic stopped scales to zero, but
+only after a whole ``scale_in_window`` without a request; any request at
+zero wants one replica at once (``PoolScaler.wake``: the live front holds
+the request until it is up, rather than turning it away).
+
 Pure Python: the simulator and a live fleet tick it with their own clock.
 """
 from __future__ import annotations
@@ -66,9 +71,9 @@ class AutoscaleConfig:
     forecast_bucket_s: float = 60.0
 
     def validate(self) -> AutoscaleConfig:
-        if not 1 <= self.min_replicas <= self.max_replicas:
-            raise ValueError(f"need 1 <= min_replicas <= max_replicas, got "
-                             f"{self.min_replicas} and {self.max_replicas}")
+        if not (0 <= self.min_replicas <= self.max_replicas and self.max_replicas >= 1):
+            raise ValueError(f"need 0 <= min_replicas <= max_replicas and max_replicas >= 1, "
+                             f"got {self.min_replicas} and {self.max_replicas}")
         if not 0 < self.target_utilization <= 1:
             raise ValueError(f"target_utilization must be in (0, 1], got "
                              f"{self.target_utilization}")
@@ -226,8 +231,10 @@ class PredictivePolicy:
                 self._level = value
                 continue
             previous = self._level
-            self._level = self.alpha * value + (1 - self.alpha) * (
-                self._level + self.phi * self._trend)
+            # A rate is never negative: unclamped, a falling trend carries the
+            # level below zero and back (a pool at zero would flap).
+            self._level = max(0.0, self.alpha * value + (1 - self.alpha) * (
+                self._level + self.phi * self._trend))
             self._trend = self.beta * (self._level - previous) + (1 - self.beta) * (
                 self.phi * self._trend)
         self._seen = len(buckets)
@@ -249,10 +256,11 @@ class PredictivePolicy:
             return floor
         current = rates.rate(signals.now, self.config.forecast_bucket_s)
         needed = demand(max(peak, current), _service(signals), self.config)
-        if floor.replicas > math.ceil(needed) or floor.urgent:
+        replicas = math.ceil(needed - 1e-9)  # as replicas_for: no replica for float dust
+        if floor.replicas > replicas or floor.urgent:
             return floor
         ahead = (self.config.startup_s + self.config.forecast_horizon_s) / 60
-        return Want(math.ceil(needed), f"forecast peak {peak:.1f} req/s within {ahead:.0f} min "
+        return Want(replicas, f"forecast peak {peak:.1f} req/s within {ahead:.0f} min "
                                        f"(now {current:.1f} req/s)", demand=needed)
 
 
@@ -321,6 +329,17 @@ class PoolScaler:
         self.rates = RateHistory(self.config)
         self._wants: deque[tuple[float, int]] = deque()  # (time, want) in the window
         self._last_out = -math.inf
+        self._last_busy: float | None = None  # the latest tick with work (or a wake)
+
+    def wake(self, now: float) -> bool:
+        """A request came while the pool is at zero: one replica, now (no
+        cooldown). False: the pool is not at zero."""
+        self._last_busy = now
+        if self.replicas:
+            return False
+        self._change(now, 1, "a request at zero replicas")
+        self._last_out = now
+        return True
 
     def tick(self, signals: PoolSignals) -> int:
         self.rates.add(signals.now, signals.arrivals)
@@ -332,7 +351,9 @@ class PoolScaler:
                 wanted = self.replicas
             elif wanted < self.replicas:
                 wanted = max(wanted, math.ceil(want.demand / (1 - config.tolerance) - 1e-9))
-        wanted = min(config.max_replicas, max(config.min_replicas, wanted))
+        wanted = min(config.max_replicas, max(config.min_replicas, wanted, self._floor(signals)))
+        if self.replicas == 0 and (signals.arrivals or signals.in_flight or signals.backlog):
+            want = Want(wanted, "requests at zero replicas", urgent=True)  # as ``wake``
         self._wants.append((signals.now, wanted))
         while self._wants and self._wants[0][0] < signals.now - config.scale_in_window_s:
             self._wants.popleft()
@@ -346,6 +367,15 @@ class PoolScaler:
                 self._change(signals.now, ceiling, f"{want.cause}; highest want of the last "
                                                    f"{config.scale_in_window_s:.0f} s")
         return self.replicas
+
+    def _floor(self, signals: PoolSignals) -> int:
+        """1 while the pool had work within the last ``scale_in_window_s``
+        (the only way to zero is a whole window idle), else 0."""
+        if signals.arrivals or signals.in_flight or signals.backlog:
+            self._last_busy = signals.now
+        if self._last_busy is None:  # the first tick: a window from now
+            self._last_busy = signals.now
+        return int(signals.now - self._last_busy < self.config.scale_in_window_s)
 
     def _change(self, now: float, replicas: int, cause: str) -> None:
         self.events.append(ScaleEvent(now, self.replicas, replicas, cause))

@@ -79,7 +79,8 @@ class FleetConfig:
         "`carpool simulate` also takes schedule and oracle)", choices=AUTOSCALE_POLICIES)
     min_replicas: int = setting(
         1, "--min-replicas", "N",
-        "--autoscale: fewest replicas", parse=int)
+        "--autoscale: fewest replicas; 0 lets an idle fleet scale to zero (the next request "
+        "waits for a cold start instead of being refused)", parse=int)
     max_replicas: int | None = setting(
         None, "--max-replicas", "N",
         "--autoscale: most replicas (default: --replicas; one machine: its cores bound it)",
@@ -111,6 +112,29 @@ class FleetConfig:
     scale_in_window: float = setting(
         300.0, "--scale-in-window", "SECONDS",
         "--autoscale: scale in only to the highest want of this window", parse=float)
+    # What a replica holds and where the scaler keeps it: demand is sized as
+    # rate x service time / (concurrency x target utilisation).
+    scale_target_utilization: float = setting(
+        0.8, "--scale-target-utilization", "FRACTION",
+        "--autoscale: the share of each replica's slots the scaler sizes the pool to fill "
+        "(the design's 80-90%)", parse=float)
+    replica_concurrency: int | None = setting(
+        None, "--replica-concurrency", "N",
+        "--autoscale: requests one replica serves within the SLO (default: its live "
+        "max_num_seqs)", parse=int)
+    forecast_horizon: float = setting(
+        900.0, "--forecast-horizon", "SECONDS",
+        "--autoscale predictive: how far past a replica's start-up the forecast looks",
+        parse=float)
+    # A replica's start-up as the scaler plans for it, and an extra wait
+    # before a started replica takes requests (a GPU's cold model load, here).
+    startup_s: float = setting(
+        60.0, "--startup-s", "SECONDS",
+        "--autoscale: a replica's start-up time the scaler plans ahead for", parse=float)
+    replica_start_delay: float = setting(
+        0.0, "--replica-start-delay", "SECONDS",
+        "--autoscale: hold each replica it starts this long before it takes requests "
+        "(models a cold model load on a GPU; 0: none)", parse=float)
 
     def validate_pd(self) -> None:
         """The P/D planner's settings (``ServerConfig.validate`` checks the pools)."""
@@ -136,9 +160,16 @@ class FleetConfig:
         """The ``AutoscaleConfig`` these settings describe (``--autoscale``)."""
         from carpool.cluster.autoscaler import AutoscaleConfig
 
+        if self.replica_start_delay < 0:
+            raise ValueError(f"replica_start_delay must be >= 0, got {self.replica_start_delay}")
         return AutoscaleConfig(
             min_replicas=self.min_replicas, max_replicas=self.max_replicas or self.replicas,
             tick_s=self.scale_tick, scale_out_backlog=self.scale_out_backlog,
             scale_out_wait_s=self.scale_out_wait, scale_out_cooldown_s=self.scale_out_cooldown,
             scale_in_utilization=self.scale_in_utilization, scale_in_after_s=self.scale_in_after,
-            scale_in_window_s=self.scale_in_window).validate()
+            scale_in_window_s=self.scale_in_window,
+            target_utilization=self.scale_target_utilization,
+            replica_concurrency=(32.0 if self.replica_concurrency is None
+                                 else self.replica_concurrency),
+            forecast_horizon_s=self.forecast_horizon, startup_s=self.startup_s
+        ).validate()

@@ -28,7 +28,7 @@ import secrets
 import time
 from collections.abc import Callable, Sequence
 
-from carpool.cluster.autoscaler import AutoscaleConfig, PoolScaler, PoolSignals, make_scaler
+from carpool.cluster.autoscaler import AutoscaleConfig, PoolScaler, make_scaler
 from carpool.cluster.router import Router
 from carpool.cluster.view import Health, ReplicaView, Role, RouteRequest, RoutingError
 from carpool.config import EngineConfig
@@ -39,6 +39,7 @@ from carpool.engine.stats import EngineStats, merge_stats, retired_stats
 from carpool.engine.step_log import StepLog
 from carpool.engine.streams import EngineDeadError, RequestStream
 from carpool.engine.wire import Handoff
+from carpool.fleet.autoscaled import AutoscaledPool
 from carpool.fleet.parked import ParkedRequests
 from carpool.fleet.store_host import local_kv_store
 from carpool.sampling_params import SamplingParams
@@ -76,7 +77,7 @@ def routing_report(router: Router, views: Sequence[ReplicaView],
                                    "decisions": list(router.decisions)[-20:]}}
 
 
-class FleetEngine(PinFront, RequestIntake):
+class FleetEngine(AutoscaledPool, PinFront, RequestIntake):
     """Several engine workers with one engine's interface (module docstring)."""
 
     def __init__(self, launch: dict, config: EngineConfig, router: Router,
@@ -106,30 +107,25 @@ class FleetEngine(PinFront, RequestIntake):
         # The counters of replicas that left (``retired_stats``), kept in the
         # fleet's totals so they never go backwards when a worker restarts.
         self._retired: EngineStats | None = None
+        self._init_scaling(scaler, len(clients))  # --autoscale (``AutoscaledPool``)
         for index, client in enumerate(clients):
             self._join(f"{pool}{index}", client)
         self._last_stats = self.stats
         self._views = asyncio.ensure_future(self._refresh_views())
-        # Live replica counts (--autoscale): the autoscaler's ticks, arrivals
-        # since the last one, replicas being started or drained for it.
-        self.scaler = scaler
-        self._joined = len(clients)
-        self._arrivals = 0
-        self._scaling: set[asyncio.Task] = set()
-        self._starting = 0
-        self._ticks = asyncio.ensure_future(self._autoscale()) if scaler is not None else None
         self.kv_store_server = None  # the shared KV store this front hosts (kv_store: local)
 
     @classmethod
     async def start(cls, config: EngineConfig, replicas: int, routing: str = "predicted-ttft",
                     autoscale: AutoscaleConfig | None = None, autoscale_policy: str = "reactive",
                     pool: str = "r", router: Router | None = None, role: Role = Role.MIXED,
+                    start_delay_s: float = 0.0, concurrency_from_replicas: bool = False,
                     **launch) -> "FleetEngine":
         """Start ``replicas`` workers (concurrently) on one block-hash secret;
         ``autoscale``: then move the count within its bounds by the
         ``autoscale_policy``'s wants (``carpool.cluster.autoscaler``);
         ``router``: one shared with other pools (its policy then is
-        ``routing``'s already), where this pool's replicas take ``role``."""
+        ``routing``'s already), where this pool's replicas take ``role``;
+        ``start_delay_s``, ``concurrency_from_replicas``: see ``AutoscaledPool``."""
         scaler = None
         if autoscale is not None:
             scaler = make_scaler(autoscale_policy, autoscale, replicas)
@@ -161,6 +157,8 @@ class FleetEngine(PinFront, RequestIntake):
             raise failure
         fleet = cls(launch, config, router, started, scaler, pool, role)
         fleet.kv_store_server = store_server
+        fleet.start_delay_s, fleet.concurrency_from_replicas = (start_delay_s,
+                                                                concurrency_from_replicas)
         return fleet
 
     # -- membership ----------------------------------------------------------------------
@@ -191,6 +189,7 @@ class FleetEngine(PinFront, RequestIntake):
             if not self._send_on(live):
                 live.queue.put_nowait(EngineDeadError(
                     f"request {live.add.request_id}: no replica could take it over"))
+        self._joined_now()  # requests waiting at zero replicas go on
 
     def _progress(self, request_id: str, first: bool, ended: bool,
                   cached_tokens: int | None) -> None:
@@ -288,65 +287,6 @@ class FleetEngine(PinFront, RequestIntake):
                         time.monotonic() - began, client.pid)
             return
 
-    # -- autoscaling -----------------------------------------------------------------------
-
-    async def _autoscale(self) -> None:
-        assert self.scaler is not None
-        while True:
-            await asyncio.sleep(self.scaler.config.tick_s)
-            views = [v for v in self.views() if v.routable]
-            slots = sum(v.max_num_seqs for v in views)
-            times = [v.service_time for v in views if v.service_time is not None]
-            signals = PoolSignals(
-                now=time.monotonic(), replicas=len(views) + self._starting, ready=len(views),
-                backlog=sum(v.waiting for v in views),
-                in_flight=sum(v.in_flight for v in views), arrivals=self._arrivals,
-                utilization=sum(v.running for v in views) / slots if slots else 0.0,
-                service_time=sum(times) / len(times) if times else None)
-            self._arrivals = 0
-            target = self.scaler.tick(signals)
-            have = len(views) + self._starting
-            for _ in range(target - have):
-                self._spawn(self._add_replica())
-            surplus = max(0, have - target)
-            for view in sorted(views, key=lambda v: (v.in_flight, -v.order))[:surplus]:
-                self._spawn(self._drain_replica(view.replica_id))
-
-    def _spawn(self, work) -> None:
-        task = asyncio.ensure_future(work)
-        self._scaling.add(task)
-        task.add_done_callback(self._scaling.discard)
-
-    async def _add_replica(self) -> None:
-        self._starting += 1
-        try:
-            client = await EngineClient.start(self.config, **self._launch)
-        except Exception as exc:  # noqa: BLE001 - the next tick asks again
-            log.error("autoscaler: starting a replica failed (%s)", exc)
-            return
-        finally:
-            self._starting -= 1
-        if self._stopping:
-            await client.wait_closed()
-            return
-        replica_id = f"{self.pool}{self._joined}"
-        self._joined += 1
-        self._join(replica_id, client)
-        log.info("autoscaler: replica %s joined (%d ready)", replica_id, len(self.clients))
-
-    async def _drain_replica(self, replica_id: str) -> None:
-        """Take no new requests there, let its own finish, then stop it."""
-        self.router.set_health(replica_id, Health.DRAINING)
-        client = self.clients.get(replica_id)
-        while client is not None and client.num_in_flight and not self._stopping:
-            await asyncio.sleep(0.1)
-        self.router.remove_replica(replica_id)
-        if self.clients.pop(replica_id, None) is not None:
-            client.on_failure = None  # stopping on purpose: no restart
-            await client.wait_closed()
-            self._retire(client)
-            log.info("autoscaler: replica %s left (%d ready)", replica_id, len(self.clients))
-
     async def _refresh_views(self) -> None:
         while True:
             now = time.monotonic()
@@ -381,8 +321,10 @@ class FleetEngine(PinFront, RequestIntake):
 
     @property
     def is_alive(self) -> bool:
-        """Serving: some replica is up (``degraded`` says whether all are)."""
-        return not self._stopping and any(c.is_alive for c in self.clients.values())
+        """Serving: some replica is up (``degraded`` says whether all are), or
+        none by the autoscaler's choice (the next request starts one)."""
+        return not self._stopping and (any(c.is_alive for c in self.clients.values())
+                                       or self.scaled_to_zero)
 
     @property
     def degraded(self) -> str | None:
@@ -405,6 +347,8 @@ class FleetEngine(PinFront, RequestIntake):
 
     @property
     def last_progress(self) -> float:
+        if self.scaled_to_zero:  # idle by design: nothing is stalled
+            return time.monotonic()
         return max((c.last_progress for c in self.clients.values()), default=0.0)
 
     @property
@@ -424,6 +368,9 @@ class FleetEngine(PinFront, RequestIntake):
         # Duplicate ids: the replica's client refuses them (it holds the live ones).
         request_id, ids, params = self._intake(prompt, params, request_id, ())
         self._arrivals += 1
+        if (self.scaler is not None and not self._restarting
+                and not self.router.candidates(self.role)):
+            await self.wait_for_a_replica()  # scaled to zero (or its last one draining)
         if replica_id is None or self.router.replica_of(request_id) != replica_id:
             replica_id = self._route(request_id, ids, session_id, priority, cache_salt)
         client = self.clients.get(replica_id)

@@ -289,6 +289,9 @@ class ServerConfig(FleetConfig):
                              "--no-engine-process)")
         if self.autoscale is not None:
             self.autoscale_config()  # raises on bad bounds or thresholds
+            if self.min_replicas == 0 and self.backend == "ray":
+                raise ValueError("--min-replicas 0 (scale to zero) runs on the local fleet; "
+                                 "with --backend ray the fewest replicas is 1")
             if self.autoscale not in ("reactive", "predictive"):
                 raise ValueError(f"autoscale must be reactive or predictive, got "
                                  f"{self.autoscale!r}")

@@ -262,9 +262,11 @@ async def _serve_with_worker(engine_config: EngineConfig, server_config: ServerC
                                          server_config.pd_stall_weight, **launch)
         elif server_config.replicas > 1 or server_config.autoscale:
             autoscale = server_config.autoscale_config() if server_config.autoscale else None
-            client = await FleetEngine.start(engine_config, server_config.replicas,
-                                             server_config.routing, autoscale,
-                                             server_config.autoscale or "reactive", **launch)
+            client = await FleetEngine.start(
+                engine_config, server_config.replicas, server_config.routing, autoscale,
+                server_config.autoscale or "reactive",
+                start_delay_s=server_config.replica_start_delay,
+                concurrency_from_replicas=server_config.replica_concurrency is None, **launch)
         else:
             client = await EngineClient.start(engine_config, **launch)
     except EngineLaunchError as exc:
