@@ -51,7 +51,7 @@ def test_every_policy_is_deterministic_and_counts_what_it_routes():
             for i in range(40):
                 router.finished(f"q{i}", 40.0 + i)
             assert all(v.in_flight == 0 and v.prefilling == 0 and v.pending_prefill_tokens == 0
-                       for v in router.views.values()), name
+                       and v.active_blocks == 0 for v in router.views.values()), name
         assert picks[0] == picks[1], name
 
 
@@ -267,6 +267,22 @@ def test_the_router_reports_its_ttft_prediction_error():
     router.route(request(1, 256), 0.0)
     router.first_token("q1", 0.0)  # no time passed: nothing to divide by, not counted
     assert len(router.ttft_errors) == 1
+
+
+def test_kv_cost_weighs_the_blocks_to_prefill_against_the_blocks_active():
+    """Dynamo-style: r0 caches 8 of a 10-block prompt; it wins while its
+    active blocks stay under the 8 blocks of prefill it saves, then r1 does."""
+    router = fleet("kv-cost", replicas=2)
+    shared = list(range(70, 80))
+    router.blocks_stored("r0", shared[:8])
+    first = router.route(request(0, 160, shared), 0.0)
+    assert first.replica_id == "r0" and first.cached_tokens == 128
+    assert router.views["r0"].active_blocks == 10
+    # r0: 2 to prefill + 10 active + 10 = 22; r1: 10 + 0 + 10 = 20
+    assert router.route(request(1, 160, shared), 0.0).replica_id == "r1"
+    router.finished("q0", 1.0)
+    router.finished("q1", 1.0)
+    assert router.views["r0"].active_blocks == router.views["r1"].active_blocks == 0
 
 
 def test_fleet_prefix_index_matches_leading_blocks_only():

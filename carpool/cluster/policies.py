@@ -153,6 +153,32 @@ class ApproximateCacheAwarePolicy:
         return RouteDecision(view.replica_id, cause)
 
 
+class KVCostPolicy:
+    """The baseline in the style of Dynamo's KV router: each replica's cost
+    is ``overlap_weight`` x the prompt blocks it would prefill (those its
+    cache lacks, by the precise fleet index) plus the KV blocks active
+    there once this request joins (the router's own count of the prompts in
+    flight); the lowest wins, ties to the fewest in flight. No load bound:
+    the active blocks are its balance."""
+
+    name = "kv-cost"
+
+    def __init__(self, overlap_weight: float = 1.0) -> None:
+        self.overlap_weight = overlap_weight
+
+    def choose(self, request, candidates, router, now) -> RouteDecision:
+        depth = router.prefix_index.matches(request.block_hashes)
+
+        def cost(view: ReplicaView) -> float:
+            blocks = -(-request.prompt_tokens // view.block_size)
+            prefill = max(0, blocks - depth.get(view.replica_id, 0))
+            return self.overlap_weight * prefill + view.active_blocks + blocks
+
+        view = min(candidates, key=lambda v: (cost(v), v.in_flight, v.order))
+        cached = router.cached_tokens(view, depth.get(view.replica_id, 0), request)
+        return RouteDecision(view.replica_id, f"lowest KV cost {cost(view):.0f} blocks", cached)
+
+
 class PredictedTTFTPolicy:
     """carpool's default: the lowest predicted TTFT (``Router.predict_ttft``:
     queue wait plus the prefill of the prompt's uncached part, priced by the
@@ -250,7 +276,8 @@ def predict_ttft_on(view: ReplicaView, uncached_tokens: int,
 
 POLICIES = {policy.name: policy for policy in (
     RandomPolicy, RoundRobinPolicy, LeastOutstandingPolicy, ResponseTimePolicy,
-    SessionAffinityPolicy, CacheAwarePolicy, ApproximateCacheAwarePolicy, PredictedTTFTPolicy)}
+    SessionAffinityPolicy, CacheAwarePolicy, ApproximateCacheAwarePolicy, KVCostPolicy,
+    PredictedTTFTPolicy)}
 
 
 def make_policy(name: str, seed: int = 0) -> Policy:

@@ -62,6 +62,7 @@ class _Routed:
     block_hashes: tuple[int, ...] = ()
     cached_blocks: int = 0
     predicted_ttft: float | None = None
+    blocks: int = 0  # the prompt's KV blocks, active there until it finishes
 
 
 class Router:
@@ -198,8 +199,10 @@ class Router:
         self._routed[request.request_id] = _Routed(
             view.replica_id, now, pending, block_hashes=tuple(request.block_hashes),
             cached_blocks=min(held, (request.prompt_tokens - 1) // view.block_size),
-            predicted_ttft=decision.predicted_ttft)
+            predicted_ttft=decision.predicted_ttft,
+            blocks=-(-request.prompt_tokens // view.block_size))
         view.in_flight += 1
+        view.active_blocks += self._routed[request.request_id].blocks
         view.prefilling += 1
         view.pending_prefill_tokens += pending
         self._log(now, request, decision)
@@ -258,6 +261,7 @@ class Router:
         if view is None:
             return
         view.in_flight -= 1
+        view.active_blocks -= routed.blocks
         if learn:
             seconds = max(0.0, now - routed.sent_at - queued_s)
             view.service_time = (seconds if view.service_time is None else

@@ -65,6 +65,7 @@ class ReplicaView:
     in_flight: int = 0
     prefilling: int = 0  # of in_flight: first token not seen yet
     pending_prefill_tokens: int = 0  # their uncached prompt tokens
+    active_blocks: int = 0  # KV blocks of in_flight's prompts (the router's count)
     # Polled from the replica (stale by up to a poll interval).
     waiting: int = 0
     running: int = 0

@@ -43,7 +43,7 @@ PROBE_SQUEEZE = 0.1  # the capacity probe's arrivals come 10x as fast as the tra
 PROBE_ROUNDS = 4  # then 4x faster each round, while the fleet keeps up
 SATURATED = 0.9  # completing under this share of the offered rate: behind
 DEFAULT_POLICIES = ("random", "round-robin", "least-outstanding", "approx-cache-aware",
-                    "predicted-ttft")
+                    "kv-cost", "predicted-ttft")
 
 
 def _names(text: str) -> tuple[str, ...]:
