@@ -18,6 +18,7 @@ from carpool.settings_fields import setting
 from carpool.workload.arrivals import Ramp, Surge, arrival_offsets, describe_process
 from carpool.workload.flag_types import arg_type
 from carpool.workload.prompts import PromptFactory, TokenizerLike
+from carpool.workload.shapes import SHAPES
 from carpool.workload.traces import (
     MOONCAKE_BLOCK_TOKENS,
     TRACE_FILES,
@@ -48,7 +49,8 @@ class WorkloadSpec:
     workload: str = setting(
         SYNTHETIC, "--workload", None,
         f"'{SYNTHETIC}' (fixed lengths), a trace by name ({', '.join(TRACE_FILES)}: "
-        f"`carpool traces list` shows the file each reads) or the path of such a file")
+        f"`carpool traces list` shows the file each reads), the path of such a file, or a "
+        f"generated shape ({', '.join(SHAPES)}: carpool.workload.shapes)")
     num_requests: int = setting(100, "--num-requests", None, "requests to replay", parse=int)
     input_len: int = setting(128, "--input-len", None, "synthetic prompt tokens", parse=int)
     output_len: int = setting(128, "--output-len", None, "synthetic output tokens", parse=int)
@@ -164,12 +166,13 @@ def describe_workload(spec: WorkloadSpec, items: Sequence[BenchItem] | None = No
         offsets = [item.offset for item in items]
         lengths = [(item.input_tokens, item.output_tokens) for item in items]
     synthetic = spec.workload == SYNTHETIC
-    path = None if synthetic else resolve_trace(spec.workload)
+    path = None if synthetic or spec.workload in SHAPES else resolve_trace(spec.workload)
     span = max(offsets, default=0.0) - min(offsets, default=0.0)
     generated = spec.arrival != "trace"
     return {
         "name": spec.workload, "path": str(path) if path else None,
-        "format": trace_format(path) if path else SYNTHETIC,
+        "format": trace_format(path) if path else (
+            "shape" if spec.workload in SHAPES else SYNTHETIC),
         "attribution": trace_attribution(path) if path else None,
         "num_requests": len(offsets),
         "input_len": spec.input_len if synthetic else None,
@@ -205,6 +208,9 @@ def _source_requests(spec: WorkloadSpec) -> list[TraceRequest]:
     count = spec.num_requests
     if spec.workload == SYNTHETIC:
         return [TraceRequest(None, spec.input_len, spec.output_len)] * count
+    if spec.workload in SHAPES:
+        shaped = SHAPES[spec.workload](count, random.Random(f"{spec.workload_seed}/shape"))
+        return scale_tokens(shaped, spec.token_scale, spec.max_input_len, spec.max_output_len)
     trace = load_trace(spec.workload)
     if not has_arrivals(trace):
         rng = random.Random(f"{spec.workload_seed}/lengths")
@@ -250,6 +256,8 @@ def _validate(spec: WorkloadSpec) -> None:
 
 
 def _timed(workload: str) -> bool:
+    if workload in SHAPES:
+        return False
     return trace_format(resolve_trace(workload)) in ("azure", "mooncake")
 
 
