@@ -8,7 +8,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from carpool.cluster.autoscaler import AutoscaleConfig, PoolSignals, make_scaler, replicas_for
+from carpool.cluster.autoscaler import (
+    AutoscaleConfig,
+    PoolSignals,
+    demand,
+    make_scaler,
+    replicas_for,
+)
 
 SERVICE = 4.0  # seconds a request stays
 
@@ -177,3 +183,48 @@ def test_a_pool_whose_traffic_stops_scales_to_zero_and_wakes_for_the_next_reques
     assert tick(now + 20, 3, 0) == 1 and scaler.events[-1].cause == "requests at zero replicas"
     with pytest.raises(ValueError, match="max_replicas >= 1"):
         AutoscaleConfig(min_replicas=0, max_replicas=0).validate()
+
+
+def test_forecasters_follow_a_trend_a_daily_shape_and_an_arima_fit():
+    from carpool.cluster.forecast import make_forecaster
+
+    ramp = [float(i) for i in range(30)]  # +1 req/s per bucket
+    holt = make_forecaster("holt", 60.0)
+    assert holt.forecast(ramp[:2], 5) is None  # too little history
+    ahead = holt.forecast(ramp, 5)
+    assert len(ahead) == 6 and ahead[0] == pytest.approx(29, abs=1.5) and ahead[-1] > ahead[0]
+    # A daily shape (buckets of an hour): yesterday's curve, at today's level.
+    day = [10 + 10 * math.sin(2 * math.pi * h / 24) for h in range(24)]
+    history = day + [2 * v for v in day[:12]]  # today runs at twice yesterday
+    seasonal = make_forecaster("seasonal", 3600.0)
+    assert seasonal.forecast(day[:20], 3) == holt_like(day[:20], 3)  # Holt before a day
+    coming = seasonal.forecast(history, 4)
+    assert coming == pytest.approx([2 * v for v in day[12:17]], rel=1e-9)
+    # ARIMA on a noisy ramp: it follows the trend upward.
+    rng = random.Random(0)
+    noisy = [5 + 0.5 * i + rng.gauss(0, 0.3) for i in range(90)]
+    arima = make_forecaster("arima", 60.0)
+    assert arima.forecast(noisy[:30], 5) == holt_like(noisy[:30], 5)  # Holt before an hour
+    forecast = arima.forecast(noisy, 10)
+    assert len(forecast) == 11 and forecast[-1] > noisy[-1] + 2
+    assert arima.forecast(noisy + [50.0], 10)[0] > forecast[0]  # a new bucket is taken in
+    with pytest.raises(ValueError, match="unknown forecaster"):
+        make_forecaster("tea-leaves", 60.0)
+
+
+def holt_like(buckets, steps):
+    from carpool.cluster.forecast import HoltForecaster
+
+    return HoltForecaster().forecast(buckets, steps)
+
+
+@pytest.mark.parametrize("forecaster", ["holt", "seasonal", "arima"])
+def test_the_forecast_alone_scales_ahead_of_a_ramp(forecaster):
+    config = AutoscaleConfig(max_replicas=40, startup_s=60, forecast_horizon_s=300)
+    scaler = make_scaler("forecast", config, replicas=2, forecaster=forecaster)
+    drive(scaler, lambda t: 10.0 + 0.05 * t, 3600)  # 10 -> 190 req/s over an hour
+    # Sized for the end of the ramp (within the tolerance band that keeps a
+    # want at a rounding edge from moving the pool).
+    assert scaler.replicas * (1 + config.tolerance) >= demand(190.0, SERVICE, config)
+    assert scaler.events and all("forecast" in e.cause or "highest want" in e.cause
+                                 for e in scaler.events)

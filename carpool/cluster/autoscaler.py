@@ -24,6 +24,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from carpool.cluster.forecast import Forecaster, HoltForecaster, make_forecaster
+
 
 @dataclass(frozen=True)
 class PoolSignals:
@@ -208,60 +210,42 @@ class ReactivePolicy:
 
 class PredictivePolicy:
     """Forecast the arrival rate over the next ``startup_s +
-    forecast_horizon_s`` (Holt's linear trend, damped, over per-bucket
-    rates) and size the pool for the forecast peak; never below what the
-    reactive rules want now (a forecast that misses a surge is caught as the
-    reactive policy would). The damping (``phi``) keeps a trend fitted to
-    noise from being extrapolated 16 buckets ahead at full slope."""
+    forecast_horizon_s`` (a ``Forecaster`` over per-bucket rates; default
+    damped Holt) and size the pool for the forecast peak; with ``reactive``
+    (the default) never below what the reactive rules want now, so a
+    forecast that misses a surge is caught as the reactive policy would
+    (``predictive+reactive``); without, the forecast alone decides."""
 
     name = "predictive"
 
-    def __init__(self, config: AutoscaleConfig, alpha: float = 0.5, beta: float = 0.2,
-                 phi: float = 0.9) -> None:
+    def __init__(self, config: AutoscaleConfig, forecaster: Forecaster | None = None,
+                 reactive: bool = True) -> None:
         self.config = config
-        self.alpha, self.beta, self.phi = alpha, beta, phi
-        self.reactive = ReactivePolicy(config)
-        self._level: float | None = None
-        self._trend = 0.0
-        self._seen = 0  # buckets folded into level and trend
-
-    def _update(self, buckets: list[float]) -> None:
-        for value in buckets[self._seen:]:
-            if self._level is None:
-                self._level = value
-                continue
-            previous = self._level
-            # A rate is never negative: unclamped, a falling trend carries the
-            # level below zero and back (a pool at zero would flap).
-            self._level = max(0.0, self.alpha * value + (1 - self.alpha) * (
-                self._level + self.phi * self._trend))
-            self._trend = self.beta * (self._level - previous) + (1 - self.beta) * (
-                self.phi * self._trend)
-        self._seen = len(buckets)
+        self.forecaster = forecaster if forecaster is not None else HoltForecaster()
+        self.reactive = ReactivePolicy(config) if reactive else None
 
     def forecast_peak(self, rates: RateHistory) -> float | None:
         """The highest rate forecast over the next start-up and horizon."""
-        self._update(rates.buckets)
-        if self._seen < 3:
-            return None
         steps = math.ceil((self.config.startup_s + self.config.forecast_horizon_s)
                           / self.config.forecast_bucket_s)
-        damped = sum(self.phi ** k for k in range(1, steps + 1))
-        return max(0.0, self._level, self._level + self._trend * damped)
+        values = self.forecaster.forecast(rates.buckets, steps)
+        return None if values is None else max(values)
 
     def want(self, signals: PoolSignals, rates: RateHistory) -> Want:
-        floor = self.reactive.want(signals, rates)
+        floor = (self.reactive.want(signals, rates) if self.reactive is not None
+                 else Want(signals.replicas, "no forecast yet"))
         peak = self.forecast_peak(rates)
         if peak is None:
             return floor
         current = rates.rate(signals.now, self.config.forecast_bucket_s)
         needed = demand(max(peak, current), _service(signals), self.config)
         replicas = math.ceil(needed - 1e-9)  # as replicas_for: no replica for float dust
-        if floor.replicas > replicas or floor.urgent:
+        if self.reactive is not None and (floor.replicas > replicas or floor.urgent):
             return floor
         ahead = (self.config.startup_s + self.config.forecast_horizon_s) / 60
         return Want(replicas, f"forecast peak {peak:.1f} req/s within {ahead:.0f} min "
-                                       f"(now {current:.1f} req/s)", demand=needed)
+                              f"({self.forecaster.name}; now {current:.1f} req/s)",
+                    demand=needed)
 
 
 class SchedulePolicy:
@@ -384,12 +368,17 @@ class PoolScaler:
 
 def make_scaler(name: str, config: AutoscaleConfig, replicas: int = 1, *,
                 schedule: Sequence[tuple[float, int]] = (),
-                rate_at: Callable[[float], float] | None = None) -> PoolScaler:
-    """A ``PoolScaler`` with the policy called ``name``."""
+                rate_at: Callable[[float], float] | None = None,
+                forecaster: str = "holt") -> PoolScaler:
+    """A ``PoolScaler`` with the policy called ``name`` (``predictive``:
+    with the reactive floor; ``forecast``: the forecast alone), predicting
+    with the ``forecaster`` named (``carpool.cluster.forecast``)."""
     if name == "reactive":
         policy = ReactivePolicy(config)
-    elif name == "predictive":
-        policy = PredictivePolicy(config)
+    elif name in ("predictive", "forecast"):
+        policy = PredictivePolicy(config, make_forecaster(forecaster, config.forecast_bucket_s),
+                                  reactive=name == "predictive")
+        policy.name = name
     elif name == "schedule":
         policy = SchedulePolicy(config, schedule)
     elif name == "oracle":
@@ -398,5 +387,5 @@ def make_scaler(name: str, config: AutoscaleConfig, replicas: int = 1, *,
         policy = OraclePolicy(config, rate_at)
     else:
         raise ValueError(f"unknown autoscaling policy {name!r}; one of reactive, predictive, "
-                         f"schedule, oracle")
+                         f"forecast, schedule, oracle")
     return PoolScaler(policy, config, replicas)

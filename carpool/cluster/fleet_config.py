@@ -8,13 +8,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from carpool.cluster.forecast import FORECASTERS
 from carpool.cluster.pd import PD_MODES
 from carpool.cluster.policies import POLICIES
 from carpool.settings_fields import setting
 
-# reactive and predictive serve live; schedule (a timetable) and oracle (the
-# ideal count from hindsight) are the simulator's baselines.
-AUTOSCALE_POLICIES = ("reactive", "predictive", "schedule", "oracle")
+# reactive, predictive (forecast, never below reactive) and forecast (the
+# forecast alone) serve live; schedule (a timetable) and oracle (the ideal
+# count from hindsight) are the simulator's baselines.
+AUTOSCALE_POLICIES = ("reactive", "predictive", "forecast", "schedule", "oracle")
 
 
 @dataclass
@@ -75,8 +77,14 @@ class FleetConfig:
     # (max: default --replicas); the rules' thresholds follow.
     autoscale: str | None = setting(
         None, "--autoscale", "POLICY",
-        "change the replica count live: reactive | predictive (default: fixed --replicas; "
-        "`carpool simulate` also takes schedule and oracle)", choices=AUTOSCALE_POLICIES)
+        "change the replica count live: reactive | predictive (a forecast, never below what "
+        "reactive wants) | forecast (the forecast alone) (default: fixed --replicas; `carpool "
+        "simulate` also takes schedule and oracle)", choices=AUTOSCALE_POLICIES)
+    forecaster: str = setting(
+        "holt", "--forecaster", None,
+        "--autoscale predictive/forecast: the arrival-rate forecaster: holt (damped trend) | "
+        "seasonal (yesterday's shape, today's level) | arima (statsmodels: pip install "
+        "'carpool[forecast]')", choices=FORECASTERS)
     min_replicas: int = setting(
         1, "--min-replicas", "N",
         "--autoscale: fewest replicas; 0 lets an idle fleet scale to zero (the next request "

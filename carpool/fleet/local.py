@@ -119,7 +119,7 @@ class FleetEngine(AutoscaledPool, PinFront, RequestIntake):
                     autoscale: AutoscaleConfig | None = None, autoscale_policy: str = "reactive",
                     pool: str = "r", router: Router | None = None, role: Role = Role.MIXED,
                     start_delay_s: float = 0.0, concurrency_from_replicas: bool = False,
-                    **launch) -> "FleetEngine":
+                    forecaster: str = "holt", **launch) -> "FleetEngine":
         """Start ``replicas`` workers (concurrently) on one block-hash secret;
         ``autoscale``: then move the count within its bounds by the
         ``autoscale_policy``'s wants (``carpool.cluster.autoscaler``);
@@ -128,7 +128,7 @@ class FleetEngine(AutoscaledPool, PinFront, RequestIntake):
         ``start_delay_s``, ``concurrency_from_replicas``: see ``AutoscaledPool``."""
         scaler = None
         if autoscale is not None:
-            scaler = make_scaler(autoscale_policy, autoscale, replicas)
+            scaler = make_scaler(autoscale_policy, autoscale, replicas, forecaster=forecaster)
             replicas = scaler.replicas  # clamped into [min, max]
         if replicas < 1:
             raise ValueError(f"replicas must be >= 1, got {replicas}")

@@ -292,8 +292,8 @@ class ServerConfig(FleetConfig):
             if self.min_replicas == 0 and self.backend == "ray":
                 raise ValueError("--min-replicas 0 (scale to zero) runs on the local fleet; "
                                  "with --backend ray the fewest replicas is 1")
-            if self.autoscale not in ("reactive", "predictive"):
-                raise ValueError(f"autoscale must be reactive or predictive, got "
+            if self.autoscale not in ("reactive", "predictive", "forecast"):
+                raise ValueError(f"autoscale must be reactive, predictive or forecast, got "
                                  f"{self.autoscale!r}")
         if self.routing not in POLICIES:
             raise ValueError(f"unknown routing policy {self.routing!r}; one of "

@@ -266,7 +266,8 @@ async def _serve_with_worker(engine_config: EngineConfig, server_config: ServerC
                 engine_config, server_config.replicas, server_config.routing, autoscale,
                 server_config.autoscale or "reactive",
                 start_delay_s=server_config.replica_start_delay,
-                concurrency_from_replicas=server_config.replica_concurrency is None, **launch)
+                concurrency_from_replicas=server_config.replica_concurrency is None,
+                forecaster=server_config.forecaster, **launch)
         else:
             client = await EngineClient.start(engine_config, **launch)
     except EngineLaunchError as exc:

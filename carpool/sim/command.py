@@ -84,8 +84,8 @@ def add_simulation_args(parser: argparse.ArgumentParser, *, fleet: bool = True) 
     if not fleet:
         return
     scale = parser.add_argument_group("autoscaling (--replicas is then the start)")
-    add_setting_args(scale, FleetConfig, only=("autoscale", "min_replicas", "max_replicas",
-                                               "scale_tick"),
+    add_setting_args(scale, FleetConfig, only=("autoscale", "forecaster", "min_replicas",
+                                               "max_replicas", "scale_tick"),
                      defaults={"max_replicas": SIM_FLEET_DEFAULTS["max_replicas"]})
     add_setting_args(scale, SimScaleFlags)
     add_reactive_args(scale)
@@ -161,6 +161,7 @@ def settings_from_args(config: EngineConfig, cost: CostModel,
                        args.workers or available_cpus(), autoscale=autoscale,
                        autoscale_config=scale_config,
                        autoscale_schedule=getattr(args, "scale_schedule", ()),
+                       forecaster=getattr(args, "forecaster", "holt"),
                        kv_tier=kv_tier_from_args(args), pd=pd_from_args(args),
                        failures=failures_from_args(args),
                        fleet_ttft_target=getattr(args, "fleet_ttft_target", None),

@@ -191,7 +191,8 @@ def _scaling(settings: SimSettings, router: FleetRouter, make_replica,
         return (bisect.bisect_left(times, t + window) - bisect.bisect_left(times, t)) / window
 
     scaler = make_scaler(settings.autoscale, config, settings.replicas,
-                         schedule=settings.autoscale_schedule, rate_at=rate_at)
+                         schedule=settings.autoscale_schedule, rate_at=rate_at,
+                         forecaster=settings.forecaster)
     return FleetScaling(scaler, router, make_replica)
 
 

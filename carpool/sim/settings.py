@@ -45,6 +45,7 @@ class SimSettings:
     autoscale: str | None = None
     autoscale_config: AutoscaleConfig | None = None
     autoscale_schedule: tuple[tuple[float, int], ...] = ()
+    forecaster: str = "holt"  # predictive's (``carpool.cluster.forecast``)
     kv_tier: KVTierSettings | None = None  # a shared external KV tier (fleet.py)
     pd: PDSettings | None = None  # prefill and decode pools (pd.py); the planner routes
     failures: FailureSettings | None = None  # replicas killed on a schedule (failures.py)
