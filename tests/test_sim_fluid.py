@@ -184,3 +184,12 @@ def test_trace_arrivals_count_what_retime_makes_interval_by_interval():
     assert all(abs(a - b) <= 1 for a, b in zip(made, counted)), (made, counted)
     with pytest.raises(ValueError):
         counts(0.0, 10.0)  # not the next interval
+
+
+def test_day_policies_can_name_a_forecaster():
+    from carpool.sim.evaluate_day import _policies
+
+    assert _policies("reactive, forecast:seasonal,predictive:arima") == (
+        "reactive", "forecast:seasonal", "predictive:arima")
+    with pytest.raises(ValueError, match="unknown policies"):
+        _policies("predictive:tea-leaves")

@@ -37,6 +37,7 @@ from carpool.cluster.autoscaler import (
     replicas_for,
 )
 from carpool.cluster.fleet_config import FleetConfig
+from carpool.cluster.forecast import FORECASTERS
 from carpool.config import EngineConfig
 from carpool.settings_fields import add_setting_args, flag_fields, setting
 from carpool.sim.cost_flags import cost_model_from_args, pool_blocks
@@ -60,6 +61,10 @@ from carpool.workload.command import arg_type, workload_spec
 from carpool.workload.spec import mooncake_block_tokens, plan_workload
 
 DAY_POLICIES = ("static", "reactive", "predictive", "schedule", "oracle")
+# More names --policies takes: the forecast alone, and either forecast
+# policy with a forecaster other than Holt (``predictive:seasonal``).
+MORE_POLICIES = ("forecast", *(f"{policy}:{name}" for policy in ("predictive", "forecast")
+                               for name in FORECASTERS))
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -71,9 +76,10 @@ def _floats(text: str) -> tuple[float, ...]:
 
 def _policies(text: str) -> tuple[str, ...]:
     names = tuple(n.strip() for n in text.split(",") if n.strip())
-    unknown = [n for n in names if n not in DAY_POLICIES]
+    unknown = [n for n in names if n not in DAY_POLICIES + MORE_POLICIES]
     if unknown or not names:
-        raise ValueError(f"unknown policies {unknown}; choose from {', '.join(DAY_POLICIES)}")
+        raise ValueError(f"unknown policies {unknown}; choose from "
+                         f"{', '.join(DAY_POLICIES + MORE_POLICIES)}")
     return names
 
 
@@ -254,7 +260,11 @@ def day_scaler(name: str, load: DayLoad, config: AutoscaleConfig, service: float
     for hour in range(24):
         busiest = max(load.planned_rate_at(hour * HOUR_S + s) for s in range(0, 3600, 60))
         table.append((hour * HOUR_S, replicas_for(busiest, service, config)))
-    return make_scaler(name, config, start, schedule=table, rate_at=load.rate_at)
+    policy, _, forecaster = name.partition(":")
+    scaler = make_scaler(policy, config, start, schedule=table, rate_at=load.rate_at,
+                         forecaster=forecaster or "holt")
+    scaler.policy.name = name
+    return scaler
 
 
 def run_day_rows(base, load: DayLoad, response: ReplicaResponse, config: AutoscaleConfig,
@@ -306,12 +316,15 @@ def run_check_rows(base, config, cost, num_blocks, block_tokens, response: Repli
     check = replace(scale, max_replicas=4 * args.check_replicas)
     rows = []
     for name in args.check_policies:
+        policy, _, forecaster = name.partition(":")
         settings = SimSettings(replicas=args.check_replicas, routing="predicted-ttft",
-                               hash_block=block_tokens, autoscale=name,
-                               autoscale_config=check).validate()
+                               hash_block=block_tokens, autoscale=policy,
+                               autoscale_config=check,
+                               forecaster=forecaster or "holt").validate()
         run = simulate(plan, config, cost, num_blocks, settings)
         measured = latency_row(run, name, args.slo)
-        scaler = make_scaler(name, check, args.check_replicas, rate_at=load.rate_at)
+        scaler = make_scaler(policy, check, args.check_replicas, rate_at=load.rate_at,
+                             forecaster=forecaster or "holt")
         fluid = run_fluid(scaler, load.rate_at, response, args.slo, 0.0, window,
                           arrivals_in=TraceArrivals(base, load.rate_at))
         fluid_row = fluid.summary(hour_goal(response, args))
