@@ -70,8 +70,8 @@ class FleetConfig:
     routing: str = setting(
         "predicted-ttft", "--routing", "POLICY",
         "the router's policy with --replicas > 1: predicted-ttft | cache-aware | "
-        "approx-cache-aware | kv-cost | session | least-outstanding | response-time | "
-        "round-robin | random", choices=tuple(POLICIES))
+        "approx-cache-aware | kv-cost | learned-ttft | session | least-outstanding | "
+        "response-time | round-robin | random", choices=tuple(POLICIES))
     # Live replica counts (carpool.cluster.autoscaler): reactive | predictive,
     # None = the fixed --replicas. The count moves within [min, max]
     # (max: default --replicas); the rules' thresholds follow.

@@ -189,10 +189,11 @@ class PredictedTTFTPolicy:
     the best, so a conversation stays where its KV is."""
 
     name = "predicted-ttft"
+    learned = False  # price with the router's TTFT model fitted on first tokens
 
     def choose(self, request, candidates, router, now) -> RouteDecision:
         within = router.within_load_bound(candidates)
-        scored = score_replicas(router, request, within)
+        scored = score_replicas(router, request, within, self.learned)
         best = min(scored, key=Scored.rank)
         home = router.session_home(request.session_id, within)
         if home is not None and home is not best.view:
@@ -209,6 +210,15 @@ class PredictedTTFTPolicy:
                  "fewest in flight (no cost model yet)" if best.ttft is None else
                  f"lowest predicted TTFT {best.ttft:.3f} s")
         return RouteDecision(best.view.replica_id, cause, best.cached, best.ttft)
+
+
+class LearnedTTFTPolicy(PredictedTTFTPolicy):
+    """``predicted-ttft`` priced by the TTFT the router learned from the
+    first tokens it saw (``carpool.cluster.ttft_model``) once it has
+    enough, by the analytic prediction until then."""
+
+    name = "learned-ttft"
+    learned = True
 
 
 @dataclass(frozen=True)
@@ -233,7 +243,7 @@ class Scored:
 
 
 def score_replicas(router, request: RouteRequest,
-                   views: Sequence[ReplicaView]) -> list[Scored]:
+                   views: Sequence[ReplicaView], learned: bool = False) -> list[Scored]:
     """Each of ``views`` priced for ``request`` by the fleet prefix index and
     ``Router.predict_ttft`` (the views are each other's cost-model peers).
     With a shared KV tier, the prompt's blocks there beyond a replica's own
@@ -247,7 +257,7 @@ def score_replicas(router, request: RouteRequest,
         local = depth.get(view.replica_id, 0)
         cached = router.cached_tokens(view, local, request)
         covered = router.cached_tokens(view, max(local, shared), request)
-        ttft = router.predict_ttft(view, request.prompt_tokens - covered, views)
+        ttft = router.predict_ttft(view, request.prompt_tokens - covered, views, learned)
         if ttft is not None and covered > cached:
             ttft += tier.load_seconds(-(-(covered - cached) // view.block_size))
         scored.append(Scored(view, cached, ttft))
@@ -277,7 +287,7 @@ def predict_ttft_on(view: ReplicaView, uncached_tokens: int,
 POLICIES = {policy.name: policy for policy in (
     RandomPolicy, RoundRobinPolicy, LeastOutstandingPolicy, ResponseTimePolicy,
     SessionAffinityPolicy, CacheAwarePolicy, ApproximateCacheAwarePolicy, KVCostPolicy,
-    PredictedTTFTPolicy)}
+    PredictedTTFTPolicy, LearnedTTFTPolicy)}
 
 
 def make_policy(name: str, seed: int = 0) -> Policy:

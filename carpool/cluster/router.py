@@ -19,6 +19,7 @@ from typing import Protocol
 from carpool.cluster.hashring import HashRing
 from carpool.cluster.policies import POLICIES, Policy, make_policy, predict_ttft_on
 from carpool.cluster.prefix_index import ApproximatePrefixIndex, FleetPrefixIndex
+from carpool.cluster.ttft_model import Features, TTFTModel, ttft_features
 from carpool.cluster.view import (
     Health,
     ReplicaView,
@@ -63,6 +64,7 @@ class _Routed:
     cached_blocks: int = 0
     predicted_ttft: float | None = None
     blocks: int = 0  # the prompt's KV blocks, active there until it finishes
+    features: Features | None = None  # the TTFT model's inputs at routing time
 
 
 class Router:
@@ -98,6 +100,11 @@ class Router:
         # the index corrections first tokens made (``first_token``).
         self.ttft_errors: deque[float] = deque(maxlen=TTFT_ERROR_WINDOW)
         self.index_corrections = 0
+        # Fitted on every first token (its error is reported beside the
+        # analytic one's); policies price with it when they ask (learned-ttft).
+        self.ttft_model = TTFTModel()
+        self.analytic_errors: deque[float] = deque(maxlen=TTFT_ERROR_WINDOW)
+        self.learned_errors: deque[float] = deque(maxlen=TTFT_ERROR_WINDOW)
 
     # -- membership and stats -------------------------------------------------
 
@@ -196,11 +203,15 @@ class Router:
         # last prompt token always computed.
         held = (self.prefix_index.matches(request.block_hashes).get(view.replica_id, 0)
                 if request.block_hashes else 0)
+        analytic = predict_ttft_on(view, pending, self.cost_model_for(view))
         self._routed[request.request_id] = _Routed(
             view.replica_id, now, pending, block_hashes=tuple(request.block_hashes),
             cached_blocks=min(held, (request.prompt_tokens - 1) // view.block_size),
             predicted_ttft=decision.predicted_ttft,
-            blocks=-(-request.prompt_tokens // view.block_size))
+            blocks=-(-request.prompt_tokens // view.block_size),
+            # A decode leg's first token waits for its KV, not for a prefill.
+            features=None if analytic is None or prefill_tokens is not None else ttft_features(
+                analytic, pending, view.in_flight, view.kv_usage, view.running))
         view.in_flight += 1
         view.active_blocks += self._routed[request.request_id].blocks
         view.prefilling += 1
@@ -216,9 +227,8 @@ class Router:
         if routed is None or not routed.prefilling:
             return
         routed.prefilling = False
-        if routed.predicted_ttft is not None and now > routed.sent_at:
-            observed = now - routed.sent_at
-            self.ttft_errors.append(abs(routed.predicted_ttft - observed) / observed)
+        if now > routed.sent_at:
+            self._learn(routed, now - routed.sent_at)
         view = self.views.get(routed.replica_id)
         if view is not None:
             view.prefilling -= 1
@@ -238,6 +248,26 @@ class Router:
         elif found > expected:  # there all the same: a store the index missed
             self.prefix_index.stored(view.replica_id, routed.block_hashes[expected:found])
         self.index_corrections += found != expected
+
+    def _learn(self, routed: _Routed, observed: float) -> None:
+        """Score the predictions against a first token, and fit on it."""
+        if routed.predicted_ttft is not None:
+            self.ttft_errors.append(abs(routed.predicted_ttft - observed) / observed)
+        if routed.features is None:
+            return
+        learned = self.ttft_model.predict(routed.features)
+        if learned is not None:  # scored before it learns from this one
+            self.learned_errors.append(abs(learned - observed) / observed)
+            self.analytic_errors.append(abs(routed.features[1] - observed) / observed)
+        self.ttft_model.record(routed.features, observed)
+
+    def ttft_errors_by_model(self) -> dict[str, float | None]:
+        """The analytic and the learned predictions' MAPE over the same
+        latest first tokens (those since the model was first fitted)."""
+        def mean(values: deque[float]) -> float | None:
+            return sum(values) / len(values) if values else None
+        return {"analytic": mean(self.analytic_errors), "learned": mean(self.learned_errors),
+                "samples": len(self.learned_errors)}
 
     @property
     def ttft_error(self) -> float | None:
@@ -298,9 +328,14 @@ class Router:
         return max(0, min(blocks * view.block_size, request.prompt_tokens - 1))
 
     def predict_ttft(self, view: ReplicaView, uncached_tokens: int,
-                     peers: Sequence[ReplicaView] = ()) -> float | None:
-        """``predict_ttft_on`` with ``cost_model_for(view, peers)``."""
-        return predict_ttft_on(view, uncached_tokens, self.cost_model_for(view, peers))
+                     peers: Sequence[ReplicaView] = (), learned: bool = False) -> float | None:
+        """``predict_ttft_on`` with ``cost_model_for(view, peers)``;
+        ``learned``: the fitted ``TTFTModel`` on it, once it is fitted."""
+        analytic = predict_ttft_on(view, uncached_tokens, self.cost_model_for(view, peers))
+        if analytic is None or not (learned and self.ttft_model.ready):
+            return analytic
+        return self.ttft_model.predict(ttft_features(
+            analytic, max(1, uncached_tokens), view.in_flight, view.kv_usage, view.running))
 
     def cost_model_for(self, view: ReplicaView, peers: Sequence[ReplicaView] = ()):
         """The replica's own cost model once ready, else a ready peer's, else

@@ -73,6 +73,8 @@ def routing_report(router: Router, views: Sequence[ReplicaView],
                                    "causes": dict(router.causes),
                                    # mean |predicted - observed| / observed of the latest TTFTs
                                    "ttft_prediction_error": router.ttft_error,
+                                   # the analytic and the learned model, on the same tokens
+                                   "ttft_models": router.ttft_errors_by_model(),
                                    "index_corrections": router.index_corrections,
                                    "decisions": list(router.decisions)[-20:]}}
 

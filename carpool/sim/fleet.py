@@ -34,7 +34,8 @@ TIER_MEMORY_PER_REPLICA = 256 << 30
 TIER_BANDWIDTH = 25e9  # bytes/s
 TIER_LATENCY_S = 0.001
 # Policies that read the fleet prefix index (and so need block hashes).
-_CACHE_POLICIES = {"cache-aware", "approx-cache-aware", "kv-cost", "predicted-ttft"}
+_CACHE_POLICIES = {"cache-aware", "approx-cache-aware", "kv-cost", "predicted-ttft",
+                   "learned-ttft"}
 
 
 class _Events:

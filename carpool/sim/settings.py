@@ -92,9 +92,10 @@ class SimSettings:
                 raise ValueError("failures do not yet combine with P/D pools or a replica "
                                  "schedule")
         if self.fleet_ttft_target is not None and (
-                self.fleet_ttft_target <= 0 or self.routing != "predicted-ttft"):
+                self.fleet_ttft_target <= 0
+                or self.routing not in ("predicted-ttft", "learned-ttft")):
             raise ValueError("--fleet-ttft-target needs a target > 0 and --routing "
-                             "predicted-ttft (the policy that predicts TTFTs)")
+                             "predicted-ttft or learned-ttft (the policies that predict TTFTs)")
         if not self.front_seconds >= 0:
             raise ValueError(f"--front-seconds must be >= 0, got {self.front_seconds}")
         if self.routing not in ROUTING:

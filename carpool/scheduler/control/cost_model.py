@@ -145,12 +145,12 @@ class StepCostModel:
             matrix = [[n, st, ss], [st, stt, sts], [ss, sts, sss]]
             for i in range(1, _FEATURES):  # scale-free: relative to the feature's own moment
                 matrix[i][i] += _RIDGE * max(matrix[i][i], 1.0)
-            self._coef = _solve(matrix, [sy, sty, ssy])
+            self._coef = solve_linear(matrix, [sy, sty, ssy])
         return self._coef
 
 
-def _solve(matrix: list[list[float]], rhs: list[float]) -> list[float]:
-    """Gaussian elimination with partial pivoting (n = 3)."""
+def solve_linear(matrix: list[list[float]], rhs: list[float]) -> list[float]:
+    """Gaussian elimination with partial pivoting (small n; changes its arguments)."""
     n = len(rhs)
     for col in range(n):
         pivot = max(range(col, n), key=lambda r: abs(matrix[r][col]))
