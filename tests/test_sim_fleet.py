@@ -299,3 +299,36 @@ def test_a_burst_reaches_the_replicas_one_request_after_another_past_the_front(r
     assert 0.002 < ttft[0] < min(first) - 1.0 < ttft[1] == ttft[2]
     assert front_times(plan, [0, 1, 2], 0.002) == pytest.approx([1.002, 1.004, 1.006])
     assert front_times(plan, [0, 1, 2], 0.0) is None
+
+
+def test_a_fleet_whose_traffic_stops_scales_to_zero_and_the_next_request_waits():
+    """min_replicas 0: after a whole scale-in window without a request the
+    pool goes to zero (and stops costing); requests that come then are held,
+    not refused, and answered once a replica has started."""
+    from carpool.cluster.autoscaler import AutoscaleConfig
+
+    cost = analytic_from_names("l4", "llama-3-8b")
+    rng = random.Random(5)
+    plan, t = [], 0.0
+    while t < 120:
+        t += rng.expovariate(2.0)
+        plan.append(TraceRequest(t, rng.randrange(100, 600), rng.randrange(20, 120)))
+    late = [TraceRequest(3000.0 + i, 300, 50) for i in range(5)]
+    config = AutoscaleConfig(min_replicas=0, max_replicas=4, startup_s=60.0, tick_s=10.0,
+                             scale_in_after_s=120.0, scale_in_window_s=300.0)
+    run = simulate(plan + late, EngineConfig(), cost, 3000,
+                   SimSettings(replicas=1, routing="predicted-ttft", autoscale="reactive",
+                               autoscale_config=config))
+    assert all(r.status == "ok" for r in run.records), {(r.status, r.reason)
+                                                        for r in run.records}
+    events = run.scaling["events"]
+    to_zero = next(e for e in events if e["replicas_to"] == 0)
+    assert to_zero["time"] >= plan[-1].arrival + config.scale_in_window_s
+    woken = next(e for e in events if e["replicas_from"] == 0)
+    assert woken["time"] == pytest.approx(3000.0) and woken["cause"] == \
+        "requests at zero replicas"
+    first_late = run.records[len(plan)]
+    assert first_late.sent == 3000.0  # its TTFT counts the wait
+    assert config.startup_s <= first_late.ttft < config.startup_s + 5  # the cold start
+    # Nothing paid while at zero: the replica-seconds are far below a pool of one.
+    assert run.scaling["replica_seconds"] < 0.5 * run.duration

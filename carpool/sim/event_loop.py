@@ -84,7 +84,9 @@ class FleetLoop:
     def run(self) -> SimRun:
         arrivals, heap = self.arrivals, self.heap
         next_arrival = 0
-        while next_arrival < len(arrivals) or heap:
+        # A timer holding requests (a pool at zero) keeps the run going.
+        while next_arrival < len(arrivals) or heap or any(
+                getattr(t, "holding", False) for t in self.timers):
             arrival_time = (self._received(*arrivals[next_arrival])
                             if next_arrival < len(arrivals) else math.inf)
             wake_time = heap[0][0] if heap else math.inf
@@ -132,6 +134,10 @@ class FleetLoop:
                 replica, request, leg = fleet.place(self.replicas, index, request, record, now)
             except RoutingError as exc:  # what the front answers: 429, nothing queued
                 record.sent = now
+                if (exc.reason == "no_replica" and self.scaling is not None
+                        and self.scaling.holds_at_zero):  # scaled to zero: it waits
+                    self.scaling.hold(request, record, now)
+                    return
                 record.status, record.reason, record.finished = REJECTED, exc.reason, now
                 return
         if replica.receive(request, leg, now, resumed=resumed):

@@ -231,7 +231,9 @@ class FleetScaling:
     simulated fleet: at every tick it reads the pool's signals, and the
     replicas it adds are created then and take requests ``startup_s``
     later; those it removes drain (no new requests, their own finish) and
-    then stop counting. Keeps the timeline and the replica-seconds paid."""
+    then stop counting. Keeps the timeline and the replica-seconds paid.
+    With ``min_replicas`` 0 a request that finds no replica is held
+    (``hold``), as the live front holds it, and sent on when one is ready."""
 
     def __init__(self, scaler: PoolScaler, fleet: FleetRouter,
                  make_replica: Callable[[int], SimReplica]) -> None:
@@ -245,6 +247,22 @@ class FleetScaling:
         self.timeline: list[dict] = []
         self._arrivals = 0
         self._calm_service: float | None = None
+        self._held: list = []  # (request, record) waiting for a replica at zero
+
+    @property
+    def holding(self) -> bool:
+        """Requests wait for a replica (the event loop runs on for them)."""
+        return bool(self._held)
+
+    @property
+    def holds_at_zero(self) -> bool:
+        return self.config.min_replicas == 0
+
+    def hold(self, request, record, now: float) -> None:  # noqa: ANN001
+        """No replica to take ``request``: keep it, and tick now (a request
+        at zero wants a replica at once: ``PoolScaler.tick``)."""
+        self._held.append((request, record))
+        self.next_tick = min(self.next_tick, now)
 
     def arrived(self) -> None:
         self._arrivals += 1
@@ -302,11 +320,19 @@ class FleetScaling:
         self._stop(replica_id, now)
 
     def fire(self, now: float, replicas: list[SimReplica]) -> tuple[list[SimReplica], list]:
-        """The event loop's timer interface: a tick (nothing to route again)."""
-        return self.tick(now, replicas), []
+        """The event loop's timer interface: a tick, or a held request's
+        replica ready; the held requests to route again once one is."""
+        created = self.tick(now, replicas) if now >= self.next_tick else []
+        self.promote(now)
+        if not self._held or not any(v.routable for v in self.fleet.router.views.values()):
+            return created, []
+        held, self._held = self._held, []
+        return created, [(request, record, 0) for request, record in held]
 
     @property
     def next_time(self) -> float:
+        if self._held and self._ready_at:  # release them the moment one is ready
+            return min(self.next_tick, min(self._ready_at.values()))
         return self.next_tick
 
     def finish(self, now: float) -> dict:
