@@ -285,6 +285,35 @@ def test_kv_cost_weighs_the_blocks_to_prefill_against_the_blocks_active():
     assert router.views["r0"].active_blocks == router.views["r1"].active_blocks == 0
 
 
+def test_a_second_front_prices_the_queue_the_first_front_built_from_polled_stats():
+    """Several API fronts each count only what they sent. Front A sent a
+    tenant's long shared prompt 40 times (to its cache on r0, the rest to
+    r1, whose queue is now the longer in tokens); front B, with fresh
+    prompts, sees both replicas idle by its own count. The replicas' polled
+    queues (every front's) are the guard: B prices them and sends most to
+    the shorter queue, so the fleet's longest prefill queue is shorter."""
+    def run(polled: bool) -> tuple[int, int]:
+        a, b = fleet("predicted-ttft", replicas=2), fleet("predicted-ttft", replicas=2)
+        shared = list(range(100, 580))  # 7,680 of 8,000 tokens cached on r0
+        a.blocks_stored("r0", shared)
+        for i in range(40):
+            a.route(request(i, 8000, shared + [10_000 + i]), 0.0)
+        if polled:
+            for rid, view in a.views.items():
+                b.update_stats(rid, 0.0, waiting=view.in_flight, running=0,
+                               waiting_tokens=view.pending_prefill_tokens)
+        for i in range(20):
+            b.route(request(100 + i, 2000), 0.0)
+        queues = [a.views[r].pending_prefill_tokens + b.views[r].pending_prefill_tokens
+                  for r in ("r0", "r1")]
+        return b.views["r0"].in_flight, max(queues)
+
+    blind_r0, blind_longest = run(polled=False)
+    guarded_r0, guarded_longest = run(polled=True)
+    assert blind_r0 == 10  # an even split: r0 and r1 look alike to B
+    assert guarded_r0 > blind_r0 and guarded_longest < blind_longest
+
+
 def test_fleet_prefix_index_matches_leading_blocks_only():
     index = FleetPrefixIndex()
     index.stored("a", [1, 2, 3, 4])

@@ -273,12 +273,15 @@ def predict_ttft_on(view: ReplicaView, uncached_tokens: int,
     learned service time. None without a ready cost model."""
     if cost_model is None or not cost_model.ready:
         return None
-    delay = predict_first_token_delay(cost_model, view.pending_prefill_tokens,
+    # The prefill ahead: the router's own count, or the replica's polled
+    # queue where that is more (other fronts sent it requests too).
+    ahead = max(view.pending_prefill_tokens, view.waiting_tokens)
+    delay = predict_first_token_delay(cost_model, ahead,
                                       max(1, uncached_tokens), view.decoding,
                                       view.max_num_batched_tokens)
     if delay is None:
         return None
-    short = view.in_flight + 1 - view.max_num_seqs
+    short = max(view.in_flight, view.waiting + view.running) + 1 - view.max_num_seqs
     if short > 0 and view.service_time is not None:
         delay += short * view.service_time / view.max_num_seqs
     return delay

@@ -141,9 +141,10 @@ class Router:
             self.prefix_index.remove_replica(replica_id)
 
     def update_stats(self, replica_id: str, now: float, *, waiting: int, running: int,
-                     kv_usage: float = 0.0, free_blocks: int = 0) -> None:
+                     kv_usage: float = 0.0, free_blocks: int = 0,
+                     waiting_tokens: int = 0) -> None:
         view = self.views[replica_id]
-        view.waiting, view.running = waiting, running
+        view.waiting, view.running, view.waiting_tokens = waiting, running, waiting_tokens
         view.kv_usage, view.free_blocks, view.stats_time = kv_usage, free_blocks, now
 
     def block_events(self, replica_id: str, stored: Iterable[int], evicted: Iterable[int],

@@ -68,6 +68,9 @@ class ReplicaView:
     active_blocks: int = 0  # KV blocks of in_flight's prompts (the router's count)
     # Polled from the replica (stale by up to a poll interval).
     waiting: int = 0
+    # Prompt tokens waiting there, as polled: every front's, where the
+    # router's own count (pending_prefill_tokens) has only what it sent.
+    waiting_tokens: int = 0
     running: int = 0
     kv_usage: float = 0.0
     free_blocks: int = 0

@@ -296,7 +296,7 @@ class FleetEngine(AutoscaledPool, PinFront, RequestIntake):
                 stats = client.stats
                 self.router.update_stats(
                     replica_id, now, waiting=stats.num_waiting, running=stats.num_running,
-                    kv_usage=stats.kv_usage,
+                    kv_usage=stats.kv_usage, waiting_tokens=stats.waiting_tokens,
                     free_blocks=stats.kv_num_blocks - stats.kv_used_blocks)
             await asyncio.sleep(VIEW_INTERVAL_S)
 

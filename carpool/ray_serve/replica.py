@@ -207,7 +207,7 @@ class EngineReplica:
             self.name, stats.num_waiting, stats.num_running, stats.kv_usage,
             stats.kv_num_blocks - stats.kv_used_blocks, scheduler.max_num_seqs,
             scheduler.max_num_batched_tokens, cache.block_size, self.held.snapshot(),
-            [(s.shape.tokens, s.shape.seqs, s.seconds) for s in steps])
+            [(s.shape.tokens, s.shape.seqs, s.seconds) for s in steps], stats.waiting_tokens)
         return {REPORT_KEY: self._encoder.encode(report)}
 
     def record_autoscaling_stats(self) -> dict[str, float]:

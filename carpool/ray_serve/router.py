@@ -93,7 +93,8 @@ class CarpoolRequestRouter(FIFOMixin, RequestRouter):
             view.max_num_seqs, view.block_size = report.max_num_seqs, report.block_size
             view.max_num_batched_tokens = report.max_num_batched_tokens
             self.router.update_stats(name, now, waiting=report.waiting, running=report.running,
-                                     kv_usage=report.kv_usage, free_blocks=report.free_blocks)
+                                     kv_usage=report.kv_usage, free_blocks=report.free_blocks,
+                                     waiting_tokens=report.waiting_tokens)
             self.router.prefix_index.remove_replica(name)  # a snapshot replaces the last
             self.router.blocks_stored(name, report.held)
             costs = StepCostModel()

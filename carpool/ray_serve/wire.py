@@ -96,6 +96,7 @@ class ReplicaReport(msgspec.Struct, array_like=True):
     block_size: int
     held: list[int] = []
     steps: list[tuple[int, int, float]] = []  # (tokens, seqs, seconds), oldest first
+    waiting_tokens: int = 0  # prompt tokens waiting (every ingress's requests)
 
 
 report_decoder = msgspec.msgpack.Decoder(ReplicaReport)
