@@ -201,60 +201,72 @@ def test_removing_a_replica_returns_its_requests_and_forgets_its_blocks():
 def test_a_restarted_engine_s_first_events_clear_what_the_router_held_for_it():
     """A replica whose engine restarted under the same id (the router never
     saw it leave) has an empty cache: its first drained events are a reset,
-    and the router forgets the blocks it held for it, precise and
-    approximate, so no prompt is sent there for a hit that is gone."""
+    and the router forgets the blocks its index held for it, so no prompt is
+    sent there for a hit that is gone."""
     from carpool.scheduler.kv_manager import KVCacheManager
 
-    router = fleet("approx-cache-aware", replicas=2)
+    router = fleet("cache-aware", replicas=2)
     stale = list(range(40, 48))
     router.blocks_stored("r0", stale)
-    router.route(request(0, 256, stale), 0.0)  # the approximate index learns it too
-    assert router.prefix_index.matches(stale) == {"r0": 8}
-    assert router.approximate_index.match("r0", stale) == 8
+    assert router.route(request(0, 256, stale), 0.0).cached_tokens == 128
     restarted = KVCacheManager(num_blocks=16, block_size=2).event_buffer()
     batch = restarted.drain()
     router.block_events("r0", batch.stored, batch.evicted, batch.reset)
     assert router.prefix_index.matches(stale) == {}
-    assert router.approximate_index.match("r0", stale) == 0
+    assert router.route(request(1, 256, stale), 0.0).cached_tokens == 0
     router.block_events("r1", [7], [], reset=False)  # a plain batch keeps the rest
     router.block_events("r1", [8], [], reset=False)
     assert router.prefix_index.matches([7]) == {"r1": 1}
 
 
-def test_a_first_token_corrects_an_index_that_missed_block_events():
-    """Lost or late block events: r0's eviction of a prefix never reached the
-    router, r1's store of another never did either. Each replica's first
-    token says how much of the prompt it found cached; the router corrects
-    its index there and then, so the next request is routed on the truth.
-    (Without the count, the index keeps claiming r0's hit.)"""
+def test_a_first_token_resyncs_an_index_that_missed_block_events():
+    """Lost or late block events: r0's evictions of two prefixes never
+    reached the router. A first token says how much of the prompt its
+    replica found cached; fewer blocks than the index claimed means its
+    entries there are in doubt, and the router resyncs them from the
+    replica's cache (at most once a second), so the next requests are
+    routed on the truth. (Without the count, the index keeps claiming.)"""
+    truth: dict[str, list[int]] = {"r0": [], "r1": []}
+    asked: list[str] = []
+
+    def resync(replica_id: str) -> None:
+        asked.append(replica_id)
+        router.block_events(replica_id, truth[replica_id], [], reset=True)
+
     router = fleet("cache-aware", replicas=2)
-    gone, loaded = list(range(50, 58)), list(range(60, 68))
-    router.blocks_stored("r0", gone)  # its eviction event was lost
+    router.resync_index = resync
+    gone, also_gone, loaded = list(range(50, 58)), list(range(70, 78)), list(range(60, 68))
+    router.blocks_stored("r0", gone + also_gone)  # their eviction events were lost
     first = router.route(request(0, 200, gone), 0.0)
     assert (first.replica_id, first.cached_tokens) == ("r0", 128)
     router.first_token("q0", 0.5, cached_tokens=0)  # the engine found nothing
-    assert router.prefix_index.matches(gone) == {} and router.index_corrections == 1
+    truth["r0"] = gone  # it computed them again
+    assert asked == ["r0"] and router.index_corrections == 1
+    assert router.prefix_index.matches(also_gone) == {}  # the other stale entries too
     router.finished("q0", 1.0)
-    assert router.route(request(1, 200, gone), 1.0).cached_tokens == 0
-    router.finished("q1", 1.0)
     blind = fleet("cache-aware", replicas=2)  # no count with the first token
-    blind.blocks_stored("r0", gone)
+    blind.blocks_stored("r0", gone + also_gone)
     blind.route(request(0, 200, gone), 0.0)
     blind.first_token("q0", 0.5)
     blind.finished("q0", 1.0)
-    assert blind.route(request(1, 200, gone), 1.0).cached_tokens == 128
-    # A store the index missed: r1 found 5 of the 8 blocks (loaded from a shared store).
-    second = router.route(request(2, 200, loaded), 2.0)
-    router.first_token("q2", 2.5, cached_tokens=5 * 16 + 3)
-    assert router.prefix_index.matches(loaded) == {second.replica_id: 5}
-    assert router.index_corrections == 2
+    assert blind.route(request(1, 200, also_gone), 1.0).cached_tokens == 128
+    # Another miss within the second: counted, not resynced again.
+    router.blocks_stored("r0", also_gone)
+    router.route(request(2, 200, also_gone), 1.0)
+    router.first_token("q2", 1.2, cached_tokens=0)
+    assert asked == ["r0"] and router.index_corrections == 2
+    # More than the index knew (loaded from a shared store): it holds them now.
+    third = router.route(request(3, 200, loaded), 2.0)
+    router.first_token("q3", 2.5, cached_tokens=5 * 16 + 3)
+    assert router.prefix_index.matches(loaded) == {third.replica_id: 5}
+    assert router.index_corrections == 3
     # As the engine counts: the last prompt token is always computed, so a
     # prompt of whole blocks all cached reports one block fewer; no correction.
-    router.blocks_stored("r1", gone[:4])
-    router.route(request(3, 64, gone[:4]), 3.0)
-    where = router.replica_of("q3")
-    router.first_token("q3", 3.1, cached_tokens=48 if where == "r1" else 0)
-    assert router.index_corrections == 2
+    router.blocks_stored("r1", loaded[:4])
+    router.route(request(4, 64, loaded[:4]), 3.0)
+    held = 48 if router.replica_of("q4") == "r1" else 0
+    router.first_token("q4", 3.1, cached_tokens=held)
+    assert router.index_corrections == 3 and asked == ["r0"]
 
 
 def test_the_router_reports_its_ttft_prediction_error():

@@ -332,3 +332,31 @@ def test_a_fleet_whose_traffic_stops_scales_to_zero_and_the_next_request_waits()
     assert config.startup_s <= first_late.ttft < config.startup_s + 5  # the cold start
     # Nothing paid while at zero: the replica-seconds are far below a pool of one.
     assert run.scaling["replica_seconds"] < 0.5 * run.duration
+
+
+def test_lost_block_events_cost_cache_hits_unless_first_tokens_resync_the_index(monkeypatch):
+    """90% of the replicas' block events lost on their way: the router's
+    index drifts from the caches and cache-aware routing sends prompts
+    where their prefix no longer is. First tokens that find fewer cached
+    blocks than the index claimed resync the replica's entries from its
+    cache, and more blocks than it claimed are added (``Router._reconcile``),
+    which recovers the hit rate; without that check it falls."""
+    from carpool.cluster.router import Router
+
+    cost = analytic_from_names("l4", "llama-3-8b")
+    plan = _conversations(600, 30.0)
+
+    def hit_rate(lost: float) -> float:
+        run = simulate(plan, EngineConfig(), cost, 2000,
+                       SimSettings(replicas=4, routing="cache-aware", hash_block=32,
+                                   lost_block_events=lost))
+        assert all(r.status == "ok" for r in run.records)
+        return _hit_rate(run)
+
+    whole, guarded = hit_rate(0.0), hit_rate(0.9)
+    monkeypatch.setattr(Router, "_reconcile", lambda self, *args: None)
+    blind = hit_rate(0.9)
+    assert guarded > 0.97 * whole, (whole, guarded)
+    assert blind < 0.92 * whole, (whole, blind)
+    with pytest.raises(ValueError, match="lost-block-events"):
+        SimSettings(replicas=2, lost_block_events=1.0).validate()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -40,6 +40,9 @@ DECISION_LOG = 512  # decisions kept for /carpool/policy and reports
 APPROX_CAPACITY_BLOCKS = 1 << 16
 # First tokens the TTFT prediction error is measured over (the latest ones).
 TTFT_ERROR_WINDOW = 512
+# A replica's index is resynced at most this often (seconds): under memory
+# pressure an eviction between routing and admission is an honest miss too.
+RESYNC_INTERVAL_S = 1.0
 
 __all__ = ["POLICIES", "Router", "make_policy"]
 
@@ -100,6 +103,11 @@ class Router:
         # the index corrections first tokens made (``first_token``).
         self.ttft_errors: deque[float] = deque(maxlen=TTFT_ERROR_WINDOW)
         self.index_corrections = 0
+        # The driver's way to replace a replica's index entries with its
+        # cache's snapshot (the live front asks the worker; the simulator
+        # reads the pool); None: no resync. Asked by ``_reconcile``.
+        self.resync_index: Callable[[str], None] | None = None
+        self._resynced: dict[str, float] = {}
         # Fitted on every first token (its error is reported beside the
         # analytic one's); policies price with it when they ask (learned-ttft).
         self.ttft_model = TTFTModel()
@@ -150,11 +158,12 @@ class Router:
     def block_events(self, replica_id: str, stored: Iterable[int], evicted: Iterable[int],
                      reset: bool = False) -> None:
         """A replica's drained cache events (``KvEventBatch``). ``reset``:
-        its pool starts over (an overflow, or its engine restarted with an
-        empty cache): forget every block either index holds for it first."""
+        ``stored`` is its whole cache (its engine restarted with an empty
+        one, its buffer overflowed, or it was asked to resync): forget what
+        the index held for it first. (The approximate index, a baseline
+        that sees no events, keeps what it was sent.)"""
         if reset:
             self.prefix_index.remove_replica(replica_id)
-            self.approximate_index.remove_replica(replica_id)
         self.blocks_evicted(replica_id, evicted)
         self.blocks_stored(replica_id, stored)
 
@@ -235,19 +244,26 @@ class Router:
             view.prefilling -= 1
             view.pending_prefill_tokens -= routed.pending_tokens
             if cached_tokens is not None:
-                self._reconcile(routed, view, cached_tokens)
+                self._reconcile(routed, view, cached_tokens, now)
 
-    def _reconcile(self, routed: _Routed, view: ReplicaView, cached_tokens: int) -> None:
+    def _reconcile(self, routed: _Routed, view: ReplicaView, cached_tokens: int,
+                   now: float) -> None:
         """The engine found ``cached_tokens`` where the index expected
-        ``routed.cached_blocks`` blocks: an eviction or a store event was
-        lost or is late. Correct the index for this replica's blocks of this
-        prompt now, so no further prompt is routed on the wrong belief."""
+        ``routed.cached_blocks`` blocks. More: blocks the index missed (a
+        lost store event, or loaded from a shared store): it holds them now.
+        Fewer: the index held blocks that were gone, so an eviction event
+        was lost or is late, and others may be too; the request computed
+        its own again (they are there now), but what else the index claims
+        there is in doubt: resync the replica's entries from its cache
+        (``resync_index``, at most every ``RESYNC_INTERVAL_S``)."""
         found = min(cached_tokens // view.block_size, len(routed.block_hashes))
         expected = routed.cached_blocks
-        if found < expected:  # gone there: an eviction the index missed
-            self.prefix_index.evicted(view.replica_id, routed.block_hashes[found:expected])
-        elif found > expected:  # there all the same: a store the index missed
+        if found > expected:
             self.prefix_index.stored(view.replica_id, routed.block_hashes[expected:found])
+        elif found < expected and self.resync_index is not None and (
+                now - self._resynced.get(view.replica_id, -math.inf) >= RESYNC_INTERVAL_S):
+            self._resynced[view.replica_id] = now
+            self.resync_index(view.replica_id)
         self.index_corrections += found != expected
 
     def _learn(self, routed: _Routed, observed: float) -> None:

@@ -58,6 +58,7 @@ from carpool.engine.wire import (
     Progress,
     Ready,
     Refusal,
+    ResyncKvEvents,
     Shutdown,
     Unpin,
     to_front_decoder,
@@ -271,6 +272,11 @@ class EngineClient(PinFront, RequestIntake):
         """P/D: delete a handoff's layer parts no decode part took."""
         if self.is_alive:
             self._send_now(DropHandoff(block_hashes, parts_key))
+
+    def resync_kv_events(self) -> None:
+        """Have the worker send its prefix cache's snapshot (a reset batch)."""
+        if self.is_alive:
+            self._send_now(ResyncKvEvents())
 
     async def _submit(self, add: Add, live: LiveRequest) -> RequestStream:
         """Send ``add``; its stream once the worker accepted it."""

@@ -133,6 +133,12 @@ class DropHandoff(msgspec.Struct, tag=True, array_like=True):
     parts_key: int = 0
 
 
+class ResyncKvEvents(msgspec.Struct, tag=True, array_like=True):
+    """The front doubts its index of this worker's prefix cache (a first
+    token found fewer cached blocks than it claimed): make the next event
+    batch a reset with the cache's snapshot (``KvEventBuffer.resync``)."""
+
+
 class DeliveryLagUpdate(msgspec.Struct, tag=True, array_like=True):
     """The front's measured first-token delivery lag, for admission."""
 
@@ -143,7 +149,8 @@ class Shutdown(msgspec.Struct, tag=True, array_like=True):
     pass
 
 
-ToWorker = Add | Abort | Unpin | DropHandoff | DeliveryLagUpdate | Shutdown | Launch
+ToWorker = (Add | Abort | Unpin | DropHandoff | ResyncKvEvents | DeliveryLagUpdate | Shutdown
+            | Launch)
 
 
 # -- worker -> front -----------------------------------------------------------------

@@ -45,6 +45,7 @@ from carpool.engine.wire import (
     Progress,
     Ready,
     Refusal,
+    ResyncKvEvents,
     Shutdown,
     Unpin,
     to_worker_decoder,
@@ -181,6 +182,9 @@ class WorkerLoop:
                 if self.engine.kv_connector is not None:
                     self.engine.kv_connector.worker.drop_parts(message.block_hashes,
                                                                message.parts_key)
+            elif isinstance(message, ResyncKvEvents):
+                if self.kv_events is not None:  # this round's drain is the reset
+                    self.kv_events.resync()
             elif isinstance(message, DeliveryLagUpdate):
                 self.engine.scheduler.admission.delivery_lag = message.seconds
             elif isinstance(message, Shutdown):

@@ -110,6 +110,18 @@ class FleetEngine(AutoscaledPool, PinFront, RequestIntake):
         # fleet's totals so they never go backwards when a worker restarts.
         self._retired: EngineStats | None = None
         self._init_scaling(scaler, len(clients))  # --autoscale (``AutoscaledPool``)
+        # The router resyncs a replica's index entries through its worker; a
+        # router shared with another pool (P/D) asks that pool for its own.
+        other_pool = router.resync_index
+
+        def resync_index(replica_id: str) -> None:
+            client = self.clients.get(replica_id)
+            if client is not None:
+                client.resync_kv_events()
+            elif other_pool is not None:
+                other_pool(replica_id)
+
+        router.resync_index = resync_index
         for index, client in enumerate(clients):
             self._join(f"{pool}{index}", client)
         self._last_stats = self.stats

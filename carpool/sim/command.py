@@ -164,6 +164,7 @@ def settings_from_args(config: EngineConfig, cost: CostModel,
                        forecaster=getattr(args, "forecaster", "holt"),
                        kv_tier=kv_tier_from_args(args), pd=pd_from_args(args),
                        failures=failures_from_args(args),
+                       lost_block_events=getattr(args, "lost_block_events", 0.0),
                        fleet_ttft_target=getattr(args, "fleet_ttft_target", None),
                        front_seconds=getattr(args, "front_seconds", 0.0)).validate()
 

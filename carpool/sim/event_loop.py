@@ -52,7 +52,8 @@ class FleetLoop:
         if (settings.routing != "round-robin" or settings.autoscale or self.tier is not None
                 or settings.pd or settings.failures):  # else one replica's share of a plan
             fleet.attach(self.replicas, config, settings.hash_block, self._tier_client(),
-                         settings.pd, kv_shape_of(cost), settings.fleet_ttft_target)
+                         settings.pd, kv_shape_of(cost), settings.fleet_ttft_target,
+                         settings.lost_block_events)
         self.scaling = _scaling(settings, fleet, self.make_replica, arrivals)
         if self.scaling is not None:
             self.scaling.start(self.replicas, 0.0)

@@ -75,6 +75,10 @@ class FailureFlags:
         "kill replica REPLICA (its index) SECONDS into the run; its streams are resumed on "
         "another replica, the others routed again (a request's third dead replica fails it)",
         parse=arg_type(parse_failures))
+    lost_block_events: float = setting(
+        0.0, "--lost-block-events", "FRACTION",
+        "lose this share of the replicas' block events on their way to the router (seeded): "
+        "its index then drifts from the caches, and first tokens correct it", parse=float)
     failure_restart_s: float = setting(
         60.0, "--failure-restart-s", None,
         "seconds until a fresh replica replaces a failed one (without --autoscale; default 60)",

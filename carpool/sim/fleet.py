@@ -12,6 +12,7 @@ others leave the replicas' lazy keys alone.
 from __future__ import annotations
 
 import dataclasses
+import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -39,22 +40,31 @@ _CACHE_POLICIES = {"cache-aware", "approx-cache-aware", "kv-cost", "predicted-tt
 
 
 class _Events:
-    """One replica's listener and block events, into the router."""
+    """One replica's listener and block events, into the router; with
+    ``lost`` > 0 that share of its block events never arrives (a fault to
+    measure the router's guard against: ``Router._reconcile``)."""
 
-    def __init__(self, router: Router, replica_id: str) -> None:
+    def __init__(self, router: Router, replica_id: str, lost: float = 0.0) -> None:
         self.router, self.replica_id = router, replica_id
+        self.lost = lost
+        self._random = random.Random(f"lost-events/{replica_id}")
 
-    def first_token(self, index: int, now: float) -> None:
-        self.router.first_token(str(index), now)
+    def first_token(self, index: int, now: float, cached_tokens: int | None = None) -> None:
+        self.router.first_token(str(index), now, cached_tokens)
+
+    def _arrives(self) -> bool:
+        return not self.lost or self._random.random() >= self.lost
 
     def finished(self, index: int, now: float, ok: bool, queued_s: float = 0.0) -> None:
         self.router.finished(str(index), now, learn=ok, queued_s=queued_s)
 
     def stored(self, hashes: list[int]) -> None:
-        self.router.blocks_stored(self.replica_id, hashes)
+        if self._arrives():
+            self.router.blocks_stored(self.replica_id, hashes)
 
     def evicted(self, hashes: list[int]) -> None:
-        self.router.blocks_evicted(self.replica_id, hashes)
+        if self._arrives():
+            self.router.blocks_evicted(self.replica_id, hashes)
 
 
 @dataclass(frozen=True)
@@ -99,12 +109,12 @@ class _PrefillEvents(_Events):
     """A prefill replica's listener: its requests are prefill legs, and one
     that leaves hands its decode leg over (``FleetPD.prefill_done``)."""
 
-    def __init__(self, router: Router, replica_id: str, pd) -> None:
-        super().__init__(router, replica_id)
+    def __init__(self, router: Router, replica_id: str, pd, lost: float = 0.0) -> None:
+        super().__init__(router, replica_id, lost)
         self.pd = pd
 
-    def first_token(self, index: int, now: float) -> None:
-        self.router.first_token(PDPlanner.prefill_leg(str(index)), now)
+    def first_token(self, index: int, now: float, cached_tokens: int | None = None) -> None:
+        self.router.first_token(PDPlanner.prefill_leg(str(index)), now, cached_tokens)
 
     def finished(self, index: int, now: float, ok: bool, queued_s: float = 0.0) -> None:
         self.router.finished(PDPlanner.prefill_leg(str(index)), now, learn=ok, queued_s=queued_s)
@@ -125,6 +135,7 @@ class FleetRouter:
         self._active = replicas
         self._chain: BlockKeyChain | None = None
         self._hash_block = 1
+        self._lost_events = 0.0
         self._by_id: dict[str, SimReplica] = {}
         self.pd: FleetPD | None = None  # the P/D planner, when attached with pools
 
@@ -145,12 +156,15 @@ class FleetRouter:
     def attach(self, replicas: Sequence[SimReplica], config: EngineConfig,
                hash_block: int = 1, shared_kv: TierClient | None = None,
                pd: PDSettings | None = None, kv_shape: KVShape | None = None,
-               ttft_target: float | None = None) -> None:
+               ttft_target: float | None = None, lost_events: float = 0.0) -> None:
         """Build the cluster router over ``replicas`` (before any arrival);
         ``shared_kv``: the fleet's KV tier, for the policies to price;
         ``pd``: plan each request's prefill and decode (``self.pd``);
-        ``ttft_target``: fleet admission (``Router``)."""
+        ``ttft_target``: fleet admission (``Router``); ``lost_events``: the
+        share of block events lost on the way (``_Events``)."""
         self.router = Router(self.routing, shared_kv=shared_kv, ttft_target=ttft_target)
+        self.router.resync_index = self._resync_index
+        self._lost_events = lost_events
         self._config = config
         self.pd = None
         if pd is not None:
@@ -175,13 +189,22 @@ class FleetRouter:
             max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
             block_size=config.cache.block_size,
             cost_model=replica.scheduler.admission.cost_model))
-        events = (_PrefillEvents(self.router, replica_id, self.pd) if replica.role == "prefill"
-                  else _Events(self.router, replica_id))
+        lost = self._lost_events
+        events = (_PrefillEvents(self.router, replica_id, self.pd, lost)
+                  if replica.role == "prefill" else _Events(self.router, replica_id, lost))
         if replica.role == "decode":
             self.pd.inboxes[replica_id] = replica.scheduler.kv.external
         replica.listener = events
         if self._chain is not None:
             replica.scheduler.kv.report_blocks_to(events)
+
+    def _resync_index(self, replica_id: str) -> None:
+        """The router doubts its index of ``replica_id``: a snapshot of the
+        replica's cache replaces it (the live worker's event reset)."""
+        if self._chain is None:
+            return
+        self.router.block_events(replica_id, self._by_id[replica_id].scheduler.kv.pool
+                                 .reported_hashes(), [], reset=True)
 
     def is_ready(self, replica: SimReplica) -> bool:
         """Whether the router sends ``replica`` new requests (always, without

@@ -76,7 +76,8 @@ class ReplicaListener(Protocol):
     """Told what happens to the requests a replica was sent (a fleet router
     counts its in-flight work from these), by the plan index of each."""
 
-    def first_token(self, index: int, now: float) -> None: ...
+    def first_token(self, index: int, now: float, cached_tokens: int | None = None) -> None:
+        """``cached_tokens``: the prompt tokens its replica found cached."""
 
     def finished(self, index: int, now: float, ok: bool, queued_s: float = 0.0) -> None: ...
 
@@ -297,7 +298,8 @@ class SimReplica:
         if self.listener is not None:  # a run of decodes makes no first token
             for request in progressed:
                 if request.num_output_tokens == 1:
-                    self.listener.first_token(self._records[request.request_id].index, now)
+                    self.listener.first_token(self._records[request.request_id].index, now,
+                                              request.num_cached_tokens)
         for request in finished:
             self._finish(request, now)
 

@@ -46,6 +46,7 @@ class SimSettings:
     autoscale_config: AutoscaleConfig | None = None
     autoscale_schedule: tuple[tuple[float, int], ...] = ()
     forecaster: str = "holt"  # predictive's (``carpool.cluster.forecast``)
+    lost_block_events: float = 0.0  # the share of replicas' block events lost (a fault)
     kv_tier: KVTierSettings | None = None  # a shared external KV tier (fleet.py)
     pd: PDSettings | None = None  # prefill and decode pools (pd.py); the planner routes
     failures: FailureSettings | None = None  # replicas killed on a schedule (failures.py)
@@ -96,6 +97,9 @@ class SimSettings:
                 or self.routing not in ("predicted-ttft", "learned-ttft")):
             raise ValueError("--fleet-ttft-target needs a target > 0 and --routing "
                              "predicted-ttft or learned-ttft (the policies that predict TTFTs)")
+        if not 0 <= self.lost_block_events < 1:
+            raise ValueError(f"--lost-block-events must be in [0, 1), got "
+                             f"{self.lost_block_events}")
         if not self.front_seconds >= 0:
             raise ValueError(f"--front-seconds must be >= 0, got {self.front_seconds}")
         if self.routing not in ROUTING:
