@@ -354,13 +354,33 @@ def verdict(soak: Soak, orphans: list[int]) -> dict:
         {"workers_rss_mb"} if soak.settings.kill_every <= 0 else set())
     leaks = {key: value for key, value in growths.items()
              if key in judged and value is not None and value > soak.settings.leak_percent}
+    refused = [r for r in records if r.status == REJECTED]
+    in_bursts = [r for r in refused if _in_burst(soak, r.scheduled)]
     return {"requests": len(records), "ok": sum(r.status == OK for r in records),
-            "refused": sum(r.status == REJECTED for r in records), "lost": len(lost),
+            "refused": len(refused), "refused_in_bursts": len(in_bursts),
+            "lost": len(lost),
+            # every request that did not end well: (sent at, status, reason)
+            "not_ok": [(round(r.scheduled, 3), r.status, r.reason) for r in records
+                       if r.status != OK][:10_000],
             "hung": len(hung), "lost_examples": [f"{r.reason}: {r.error[:120]}" for r in lost[:5]],
             "second_half_growth_percent": growths, "leaks": leaks, "orphans": orphans,
             "faults": {kind: sum(f["fault"] == kind for f in soak.faults)
                        for kind in sorted({f["fault"] for f in soak.faults})},
             "passed": not lost and not hung and not leaks and not orphans}
+
+
+def _in_burst(soak: Soak, t: float) -> bool:
+    """Whether ``t`` falls in a burst or the ``burst_s`` after it (its
+    queues drain then): where refusals are the burst's, not a fault's."""
+    start = None
+    for fault in soak.faults:
+        if fault["fault"] == "burst_start":
+            start = fault["t"]
+        elif fault["fault"] == "burst_end" and start is not None:
+            if start <= t <= fault["t"] + soak.settings.burst_s:
+                return True
+            start = None
+    return start is not None and t >= start
 
 
 def plot(soak: Soak, path: Path) -> None:
