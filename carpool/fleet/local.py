@@ -319,7 +319,9 @@ class FleetEngine(AutoscaledPool, PinFront, RequestIntake):
         """The replicas' snapshots merged (``merge_stats``) with the counters
         of those that left; the last merge while there are neither."""
         snapshots = [c.stats for c in self.clients.values()]
-        snapshots += [self._retired] if self._retired is not None else []
+        if self._retired is not None:  # an unpinned prefix's series leaves with it
+            snapshots.append(dataclasses.replace(self._retired, pinned=tuple(
+                p for p in self._retired.pinned if p.pin_id in self.pins.specs)))
         if snapshots:
             self._last_stats = merge_stats(snapshots)
         return dataclasses.replace(self._last_stats, requests_rerouted=self.rerouted,
