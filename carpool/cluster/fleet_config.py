@@ -81,7 +81,7 @@ class FleetConfig:
         "reactive wants) | forecast (the forecast alone) (default: fixed --replicas; `carpool "
         "simulate` also takes schedule and oracle)", choices=AUTOSCALE_POLICIES)
     forecaster: str = setting(
-        "holt", "--forecaster", None,
+        "holt", "--forecaster", "NAME",
         "--autoscale predictive/forecast: the arrival-rate forecaster: holt (damped trend) | "
         "seasonal (yesterday's shape, today's level) | arima (statsmodels: pip install "
         "'carpool[forecast]')", choices=FORECASTERS)
