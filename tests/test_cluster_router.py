@@ -279,6 +279,11 @@ def test_the_router_reports_its_ttft_prediction_error():
     router.route(request(1, 256), 0.0)
     router.first_token("q1", 0.0)  # no time passed: nothing to divide by, not counted
     assert len(router.ttft_errors) == 1
+    # One rejected a moment after routing left with no first token: no TTFT.
+    router.route(request(2, 256), 1.0)
+    router.finished("q2", 1.0001, learn=False)
+    assert len(router.ttft_errors) == 1 and router.error_totals["decided"][1] == 1
+    assert router.views[router.decisions[-1]["replica"]].prefilling == 0
 
 
 def test_kv_cost_weighs_the_blocks_to_prefill_against_the_blocks_active():
@@ -420,3 +425,48 @@ def test_predicted_ttft_keeps_the_longest_cached_prefix_within_its_affinity():
     assert kept.replica_id == "r1" and kept.cause.startswith("longest cached prefix")
     router.views["r1"].pending_prefill_tokens = 5000  # ~0.5 s more: r0's miss is cheaper
     assert router.route(request(1, 40, [1, 2]), 0.0).replica_id == "r0"
+
+
+def test_the_affinity_gate_explores_a_seeded_share_of_what_it_keeps():
+    """``explore`` sends that share of the requests the gate would keep on
+    their cached prefix to the lowest predicted TTFT instead (the same
+    requests for the same seed); 0 keeps every one, and a penalty over the
+    gate is dropped whatever the draw."""
+    from carpool.cluster.policies import AffinityGate, PredictedTTFTPolicy
+
+    def kept_on_r1(explore: float, seed: int = 0) -> tuple[list[str], int]:
+        policy = PredictedTTFTPolicy(AffinityGate(explore=explore), seed=seed)
+        router = fleet(policy, replicas=2)
+        router.blocks_stored("r1", [1, 2])
+        picks = []
+        for i in range(400):
+            router.views["r1"].pending_prefill_tokens = 40  # within the gate
+            router.views["r0"].pending_prefill_tokens = 0
+            picks.append(router.route(request(i, 40, [1, 2]), 0.0).replica_id)
+            router.finished(f"q{i}", 0.0, learn=False)
+        return picks, policy.explored
+
+    picks, explored = kept_on_r1(0.0)
+    assert set(picks) == {"r1"} and explored == 0
+    picks, explored = kept_on_r1(0.1)
+    assert picks.count("r0") == explored and 20 <= explored <= 60
+    assert kept_on_r1(0.1) == (picks, explored)  # seeded: the same requests
+    assert kept_on_r1(0.1, seed=1)[0] != picks
+    router = fleet(PredictedTTFTPolicy(AffinityGate(explore=0.1)), replicas=2)
+    router.blocks_stored("r1", [1, 2])
+    router.views["r1"].pending_prefill_tokens = 5000  # over the gate: never kept
+    assert router.route(request(0, 40, [1, 2]), 0.0).replica_id == "r0"
+
+
+@pytest.mark.parametrize("name, replica", [("predicted-ttft/no-affinity", "r0"),
+                                           ("predicted-ttft/no-gate", "r1")])
+def test_the_ablations_drop_the_affinity_or_its_gate(name, replica):
+    """Without affinity the lowest predicted TTFT wins even for a small
+    penalty; without the gate the cached prefix wins even for a large one."""
+    from carpool.cluster.policies import ABLATIONS
+
+    router = fleet(name, replicas=2)
+    assert name in ABLATIONS
+    router.blocks_stored("r1", [1, 2])
+    router.views["r1"].pending_prefill_tokens = 40 if replica == "r0" else 50_000
+    assert router.route(request(0, 40, [1, 2]), 0.0).replica_id == replica

@@ -144,6 +144,31 @@ def test_evaluate_routing_replays_the_same_arrivals_for_every_policy(tmp_path):
     assert rows[2]["capacity"] / rows[0]["capacity"] == pytest.approx(1.5, rel=0.15)
 
 
+def test_evaluate_routing_as_planned_reports_each_prediction_s_error(tmp_path):
+    """``--load 0`` replays the arrivals as planned (llm-d's ramp) with no
+    capacity probe; each row carries the MAPE of the TTFT predictions (none
+    for a policy that predicts nothing), and the default's ablations run."""
+    import json
+
+    from carpool.cli import main
+
+    out = tmp_path / "routing.json"
+    code = main(["evaluate", "routing", "--workload", "llm-d-prefix", "--arrival", "poisson",
+                 "--rate", "3", "--ramp", "1x-4x@0+40", "--num-requests", "150",
+                 "--max-input-len", "200000", "--hardware", "h100-sxm", "--model-shape",
+                 "llama-3-8b", "--replicas", "2", "--load", "0", "--policies",
+                 "round-robin,learned-ttft,predicted-ttft/no-affinity", "--json", str(out)])
+    assert code == 0
+    rows = {r["policy"]: r for r in json.loads(out.read_text())["rows"]}
+    assert all(r["capacity"] is None and r["time_factor"] == 1.0 for r in rows.values())
+    assert rows["round-robin"]["mape_decided"] is None
+    learned = rows["learned-ttft"]
+    assert learned["mape_analytic"] > 0 and learned["mape_learned"] > 0
+    assert learned["mape_decided"] > 0
+    assert rows["predicted-ttft/no-affinity"]["requests"] == 150
+    assert rows["learned-ttft"]["hit_rate"] > rows["round-robin"]["hit_rate"]
+
+
 def _step_plan(low: float, high: float, until: float, step_at: float, seed: int = 5):
     rng = random.Random(seed)
     plan, t = [], 0.0

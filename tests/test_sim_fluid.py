@@ -165,6 +165,8 @@ def test_evaluate_autoscale_runs_every_policy_over_one_day(tmp_path):
             row["policy"] == "predictive"
         assert math.isclose(row["cost"], row["replica_hours"])  # the assumed $1
     assert rows["oracle"]["replica_hours"] < 0.8 * rows["static peak"]["replica_hours"]
+    assert {(r["startup_s"], r["policy"]) for r in result["equal_attainment"]} == {
+        (60.0, policy) for policy in rows}
     check = result["checks"][0]
     assert check["policy"] == "reactive" and check["requests"] > 400
     assert check["per_request"]["replica_seconds"] >= 1200 - 1e-6
@@ -193,3 +195,26 @@ def test_day_policies_can_name_a_forecaster():
         "reactive", "forecast:seasonal", "predictive:arima")
     with pytest.raises(ValueError, match="unknown policies"):
         _policies("predictive:tea-leaves")
+
+
+def test_equal_attainment_takes_each_policy_s_cheapest_run_that_meets_every_hour():
+    """Per start-up: the cheapest target meeting every hour's goal, else the
+    fewest hours under it; priced against reactive's own such run."""
+    from carpool.sim.day_report import equal_attainment_rows, format_equal_table
+
+    def row(startup, policy, target, hours, missed):
+        return {"startup_s": startup, "policy": policy, "target_utilization": target,
+                "replica_hours": hours, "hours_missing_slo": missed, "slo_attainment": 0.99,
+                "worst_hour_attainment": 0.98}
+
+    rows = [row(60, "reactive", 0.7, 100, 0), row(60, "reactive", 0.9, 80, 2),
+            row(60, "predictive", 0.7, 95, 0), row(60, "predictive", 0.9, 85, 0),
+            row(120, "reactive", 0.7, 110, 1), row(120, "reactive", 0.9, 90, 3),
+            row(120, "predictive", 0.7, 99, 0)]
+    equal = {(r["startup_s"], r["policy"]): r for r in equal_attainment_rows(rows)}
+    assert equal[(60, "reactive")]["replica_hours"] == 100
+    assert equal[(60, "predictive")]["target_utilization"] == 0.9
+    assert equal[(60, "predictive")]["vs_reactive"] == pytest.approx(0.85)
+    assert equal[(120, "reactive")]["hours_missing_slo"] == 1  # none met every hour
+    assert equal[(120, "predictive")]["vs_reactive"] == pytest.approx(0.9)
+    assert "| 60 s | predictive | 0.9 | 85 | 0.85 |" in format_equal_table(list(equal.values()))

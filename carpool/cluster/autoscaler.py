@@ -136,6 +136,13 @@ class RateHistory:
             self._bucket_count = 0
             self._bucket_start += size
 
+    def remember(self, rates: Sequence[float]) -> None:
+        """Rates of buckets before the first tick (a previous day's, oldest
+        first), for forecasters that learn from history longer than the run."""
+        if self._bucket_start is not None:
+            raise ValueError("history goes in before the first tick")
+        self.buckets[:0] = list(rates)
+
     def rate(self, now: float, window: float) -> float:
         """Arrivals per second over the last ``window`` seconds (ticks in it)."""
         inside = [(t, n) for t, n in self._ticks if t > now - window - 1e-9]
@@ -212,9 +219,10 @@ class PredictivePolicy:
     """Forecast the arrival rate over the next ``startup_s +
     forecast_horizon_s`` (a ``Forecaster`` over per-bucket rates; default
     damped Holt) and size the pool for the forecast peak; with ``reactive``
-    (the default) never below what the reactive rules want now, so a
+    (the default) never below a scale-out the reactive rules want now, so a
     forecast that misses a surge is caught as the reactive policy would
-    (``predictive+reactive``); without, the forecast alone decides."""
+    (``predictive+reactive``; scaling in is the forecast's alone); without,
+    the forecast alone decides."""
 
     name = "predictive"
 
@@ -240,7 +248,12 @@ class PredictivePolicy:
         current = rates.rate(signals.now, self.config.forecast_bucket_s)
         needed = demand(max(peak, current), _service(signals), self.config)
         replicas = math.ceil(needed - 1e-9)  # as replicas_for: no replica for float dust
-        if self.reactive is not None and (floor.replicas > replicas or floor.urgent):
+        # The reactive rules are a floor for scaling out only (a panic, or a
+        # backlog that waits): their "steady" would hold every replica the
+        # forecast no longer needs, and their scale-in (utilisation under
+        # half for 5 minutes) comes later than the forecast's.
+        if self.reactive is not None and (floor.urgent or floor.replicas > max(
+                replicas, signals.replicas)):
             return floor
         ahead = (self.config.startup_s + self.config.forecast_horizon_s) / 60
         return Want(replicas, f"forecast peak {peak:.1f} req/s within {ahead:.0f} min "
@@ -333,8 +346,9 @@ class PoolScaler:
         if want.demand is not None:  # the tolerance band (see AutoscaleConfig)
             if wanted > self.replicas and want.demand <= self.replicas * (1 + config.tolerance):
                 wanted = self.replicas
-            elif wanted < self.replicas:
-                wanted = max(wanted, math.ceil(want.demand / (1 - config.tolerance) - 1e-9))
+            elif wanted < self.replicas:  # in, but never past the band: not out
+                wanted = min(self.replicas, max(
+                    wanted, math.ceil(want.demand / (1 - config.tolerance) - 1e-9)))
         wanted = min(config.max_replicas, max(config.min_replicas, wanted, self._floor(signals)))
         if self.replicas == 0 and (signals.arrivals or signals.in_flight or signals.backlog):
             want = Want(wanted, "requests at zero replicas", urgent=True)  # as ``wake``

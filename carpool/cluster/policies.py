@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -26,6 +26,8 @@ from carpool.scheduler.control.shedding import predict_first_token_delay
 # 85% / 87% at a TTFT p99 2-3% higher.
 AFFINITY_FACTOR = 1.5
 AFFINITY_SLACK_S = 0.05
+# The share of affinity-kept requests ``learned-ttft/explore`` sends to the best.
+EXPLORE_SHARE = 0.05
 
 
 class Policy(Protocol):
@@ -179,31 +181,69 @@ class KVCostPolicy:
         return RouteDecision(view.replica_id, f"lowest KV cost {cost(view):.0f} blocks", cached)
 
 
+@dataclass(frozen=True)
+class AffinityGate:
+    """When the default keeps a request where its KV is (its session's home,
+    or the longest cached prefix) rather than on the lowest predicted TTFT:
+    while the predicted penalty stays within ``factor`` x the best and
+    ``slack_s`` seconds. ``explore``: the share of those kept requests sent
+    to the best instead (drawn from the policy's seeded generator), so the
+    TTFTs the router learns from include where affinity would not have
+    gone; 0 keeps every one."""
+
+    factor: float = AFFINITY_FACTOR
+    slack_s: float = AFFINITY_SLACK_S
+    explore: float = 0.0
+
+    def keeps(self, kept: Scored, best: Scored, draw: Callable[[], float]) -> bool:
+        if kept.seconds > best.seconds * self.factor + self.slack_s:
+            return False
+        return self.explore <= 0 or draw() >= self.explore
+
+
+NEVER = AffinityGate(factor=0.0, slack_s=-math.inf)  # affinity off
+ALWAYS = AffinityGate(factor=math.inf)  # affinity at any predicted penalty
+
+
 class PredictedTTFTPolicy:
     """carpool's default: the lowest predicted TTFT (``Router.predict_ttft``:
     queue wait plus the prefill of the prompt's uncached part, priced by the
     replica's cost model), among replicas within the load bound (the guard
     against every request collapsing onto the hottest cache); the session's
     home replica, else the replica holding the longest cached prefix, is
-    kept while it is within ``AFFINITY_FACTOR`` and ``AFFINITY_SLACK_S`` of
-    the best, so a conversation stays where its KV is."""
+    kept while ``gate`` keeps it (``AffinityGate``), so a conversation stays
+    where its KV is. ``bounded=False`` drops the load bound (an ablation)."""
 
     name = "predicted-ttft"
     learned = False  # price with the router's TTFT model fitted on first tokens
 
+    def __init__(self, gate: AffinityGate = AffinityGate(), bounded: bool = True,
+                 seed: int = 0) -> None:
+        self.gate = gate
+        self.bounded = bounded
+        self._random = random.Random(seed)
+        self.explored = 0  # kept requests the gate's exploration sent to the best
+
+    def _keeps(self, kept: Scored, best: Scored) -> bool:
+        if self.gate.keeps(kept, best, self._random.random):
+            return True
+        if self.gate.keeps(kept, best, lambda: 1.0):
+            self.explored += 1
+        return False
+
     def choose(self, request, candidates, router, now) -> RouteDecision:
-        within = router.within_load_bound(candidates)
+        within = router.within_load_bound(candidates) if self.bounded else list(candidates)
         scored = score_replicas(router, request, within, self.learned)
         best = min(scored, key=Scored.rank)
         home = router.session_home(request.session_id, within)
         if home is not None and home is not best.view:
             kept = next(row for row in scored if row.view is home)
-            if kept.within_affinity_of(best):
+            if self._keeps(kept, best):
                 return RouteDecision(home.replica_id, "session home", kept.cached, kept.ttft)
         # The longest cached prefix is kept in the same way: the next turn of a
         # conversation finds its whole history there only if this one goes there.
         hottest = max(scored, key=lambda row: (row.cached, -row.view.order))
-        if hottest.cached > best.cached and hottest.within_affinity_of(best):
+        if hottest.cached > best.cached and self._keeps(hottest, best):
             return RouteDecision(hottest.view.replica_id, f"longest cached prefix "
                                  f"({hottest.cached} tokens)", hottest.cached, hottest.ttft)
         cause = ("session home" if best.view is home else
@@ -237,9 +277,6 @@ class Scored:
     def rank(self) -> tuple[float, int, int]:
         """Lowest predicted TTFT, then fewest in flight, then join order."""
         return self.seconds, self.view.in_flight, self.view.order
-
-    def within_affinity_of(self, best: Scored) -> bool:
-        return self.seconds <= best.seconds * AFFINITY_FACTOR + AFFINITY_SLACK_S
 
 
 def score_replicas(router, request: RouteRequest,
@@ -292,9 +329,26 @@ POLICIES = {policy.name: policy for policy in (
     SessionAffinityPolicy, CacheAwarePolicy, ApproximateCacheAwarePolicy, KVCostPolicy,
     PredictedTTFTPolicy, LearnedTTFTPolicy)}
 
+# The default with one part changed, for measuring what each part buys
+# (``carpool evaluate routing --policies``); not offered to ``serve``.
+ABLATIONS: dict[str, Callable[[int], Policy]] = {
+    "predicted-ttft/no-affinity": lambda seed: PredictedTTFTPolicy(NEVER, seed=seed),
+    "predicted-ttft/no-gate": lambda seed: PredictedTTFTPolicy(ALWAYS, seed=seed),
+    "predicted-ttft/no-bound": lambda seed: PredictedTTFTPolicy(bounded=False, seed=seed),
+    "learned-ttft/explore": lambda seed: LearnedTTFTPolicy(
+        AffinityGate(explore=EXPLORE_SHARE), seed=seed),
+}
+
 
 def make_policy(name: str, seed: int = 0) -> Policy:
-    """A fresh policy by name (``POLICIES``); ``seed`` for ``random``."""
+    """A fresh policy by name (``POLICIES``, or one of ``ABLATIONS``);
+    ``seed`` for ``random`` and the affinity gate's exploration."""
+    if name in ABLATIONS:
+        return ABLATIONS[name](seed)
     if name not in POLICIES:
         raise ValueError(f"unknown routing policy {name!r}; one of {', '.join(POLICIES)}")
-    return RandomPolicy(seed) if name == "random" else POLICIES[name]()
+    if name == "random":
+        return RandomPolicy(seed)
+    if issubclass(POLICIES[name], PredictedTTFTPolicy):
+        return POLICIES[name](seed=seed)
+    return POLICIES[name]()

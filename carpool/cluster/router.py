@@ -113,6 +113,10 @@ class Router:
         self.ttft_model = TTFTModel()
         self.analytic_errors: deque[float] = deque(maxlen=TTFT_ERROR_WINDOW)
         self.learned_errors: deque[float] = deque(maxlen=TTFT_ERROR_WINDOW)
+        # The same errors summed over every first token (sum, count), for a
+        # whole run's MAPE: "decided" is the prediction the decision used.
+        self.error_totals: dict[str, list[float]] = {
+            "decided": [0.0, 0], "analytic": [0.0, 0], "learned": [0.0, 0]}
 
     # -- membership and stats -------------------------------------------------
 
@@ -229,15 +233,18 @@ class Router:
         self._log(now, request, decision)
 
     def first_token(self, request_id: str, now: float,
-                    cached_tokens: int | None = None) -> None:
+                    cached_tokens: int | None = None, *, observed: bool = True) -> None:
         """The request's first token came: its prefill is no longer ahead of
         others. ``cached_tokens``: the prompt tokens its replica found cached
-        (the engine's count), which checks the fleet index (``_reconcile``)."""
+        (the engine's count), which checks the fleet index (``_reconcile``).
+        ``observed=False``: it left without one (rejected, failed, aborted):
+        its prefill is no longer ahead either, but there is no TTFT to
+        learn from (a rejection a moment after routing is no 0.1 ms TTFT)."""
         routed = self._routed.get(request_id)
         if routed is None or not routed.prefilling:
             return
         routed.prefilling = False
-        if now > routed.sent_at:
+        if observed and now > routed.sent_at:
             self._learn(routed, now - routed.sent_at)
         view = self.views.get(routed.replica_id)
         if view is not None:
@@ -269,14 +276,26 @@ class Router:
     def _learn(self, routed: _Routed, observed: float) -> None:
         """Score the predictions against a first token, and fit on it."""
         if routed.predicted_ttft is not None:
-            self.ttft_errors.append(abs(routed.predicted_ttft - observed) / observed)
+            self.ttft_errors.append(self._tally("decided", routed.predicted_ttft, observed))
         if routed.features is None:
             return
         learned = self.ttft_model.predict(routed.features)
         if learned is not None:  # scored before it learns from this one
-            self.learned_errors.append(abs(learned - observed) / observed)
-            self.analytic_errors.append(abs(routed.features[1] - observed) / observed)
+            self.learned_errors.append(self._tally("learned", learned, observed))
+            self.analytic_errors.append(self._tally("analytic", routed.features[1], observed))
         self.ttft_model.record(routed.features, observed)
+
+    def _tally(self, model: str, predicted: float, observed: float) -> float:
+        error = abs(predicted - observed) / observed
+        total = self.error_totals[model]
+        total[0] += error
+        total[1] += 1
+        return error
+
+    def run_errors(self) -> dict[str, float | None]:
+        """Each prediction's MAPE over every first token so far."""
+        return {model: (total[0] / total[1] if total[1] else None)
+                for model, total in self.error_totals.items()}
 
     def ttft_errors_by_model(self) -> dict[str, float | None]:
         """The analytic and the learned predictions' MAPE over the same
@@ -300,7 +319,7 @@ class Router:
         service time (queueing excluded: under a surge the queue wait is
         what grows, and a service time that counted it would size an
         autoscaled pool for the backlog rather than for the load)."""
-        self.first_token(request_id, now)
+        self.first_token(request_id, now, observed=False)
         routed = self._routed.pop(request_id, None)
         if routed is None:
             return

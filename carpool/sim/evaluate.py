@@ -74,7 +74,8 @@ class RoutingEvaluationFlags:
         parse=arg_type(_names))
     load: float = setting(
         0.8, "--load", None,
-        "offered rate as a share of the fleet's measured capacity (default 0.8)", parse=float)
+        "offered rate as a share of the fleet's measured capacity (default 0.8); 0: the "
+        "arrivals as planned (--rate, --ramp), no capacity probe", parse=float)
     json: str | None = setting(None, "--json", None, "write every row here")
 
 
@@ -174,8 +175,20 @@ def evaluate_row(policy: str, plan, config, cost, num_blocks, replicas: int, slo
             "hit_rate": sum(r["cached_tokens"] for r in rows) / prompt_tokens,
             "local_hit_rate": sum(r["cached_tokens"] - r["loaded_tokens"]
                                   for r in rows) / prompt_tokens,
-            "busy_max_min": max(busy) / max(min(busy), 1e-9),
-            "busy_share": _busy_share(run, replicas)}
+            # None: a replica never worked (the ratio has no bound).
+            "busy_max_min": max(busy) / min(busy) if min(busy) > 0 else None,
+            "busy_share": _busy_share(run, replicas),
+            # The TTFT predictions' MAPE over every first token: the one each
+            # decision used, and the analytic and learned models side by side.
+            **_prediction_errors(run.routing)}
+
+
+def _prediction_errors(routing: dict | None) -> dict:
+    """MAPE of the TTFT predictions (each decision's, the analytic and the
+    learned model's) and the requests the affinity gate explored with."""
+    mape = routing["mape"] if routing else {}
+    return {**{f"mape_{model}": mape.get(model) for model in ("decided", "analytic", "learned")},
+            "explored": routing["explored"] if routing else 0}
 
 
 def run_routing_evaluation(config: EngineConfig, args: argparse.Namespace) -> int:
@@ -188,14 +201,9 @@ def run_routing_evaluation(config: EngineConfig, args: argparse.Namespace) -> in
         base = plan_workload(workload_spec(args))
         ideal = ideal_hit_rate(base, block_tokens)
         for replicas in args.replicas:
-            started = time.perf_counter()
-            capacity = fleet_capacity(base, config, cost, num_blocks, replicas, block_tokens,
-                                      kv_tier)
-            factor = offered_rate(base) / (args.load * capacity)
+            capacity, factor = _time_factor(base, config, cost, num_blocks, replicas,
+                                            block_tokens, kv_tier, args.load)
             plan = scaled(base, factor)
-            print(f"== {replicas} replicas: capacity {capacity:.2f} req/s (round-robin, "
-                  f"{time.perf_counter() - started:.1f} s); arrivals x{factor:.3f} in time "
-                  f"offer {offered_rate(plan):.2f} req/s", flush=True)
             for policy in args.policies:
                 row = evaluate_row(policy, plan, config, cost, num_blocks, replicas, args.slo,
                                    block_tokens, kv_tier)
@@ -208,19 +216,47 @@ def run_routing_evaluation(config: EngineConfig, args: argparse.Namespace) -> in
     return 0
 
 
+def _time_factor(base, config, cost, num_blocks: int, replicas: int, block_tokens: int,
+                 kv_tier, load: float) -> tuple[float | None, float]:
+    """The fleet's measured capacity and the factor on arrival times that
+    offers ``load`` of it (None and 1 for ``load`` 0: as planned)."""
+    if load <= 0:
+        print(f"== {replicas} replicas: arrivals as planned, {offered_rate(base):.2f} req/s "
+              f"on average", flush=True)
+        return None, 1.0
+    started = time.perf_counter()
+    capacity = fleet_capacity(base, config, cost, num_blocks, replicas, block_tokens, kv_tier)
+    factor = offered_rate(base) / (load * capacity)
+    print(f"== {replicas} replicas: capacity {capacity:.2f} req/s (round-robin, "
+          f"{time.perf_counter() - started:.1f} s); arrivals x{factor:.3f} in time "
+          f"offer {offered_rate(base) / factor:.2f} req/s", flush=True)
+    return capacity, factor
+
+
+def _busy(row: dict) -> str:
+    ratio = row["busy_max_min"]
+    return "one idle" if ratio is None else f"{ratio:.2f}"
+
+
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0%}"
+
+
 def format_row(row: dict) -> str:
     return (f"  {row['policy']:<20} TTFT p50 {row['ttft_p50'] * 1e3:7.0f} ms  p99 "
             f"{row['ttft_p99'] * 1e3:7.0f} ms  TPOT p99 {row['tpot_p99'] * 1e3:5.1f} ms  goodput "
             f"{row['goodput']:.2f}/s  hit {row['hit_rate']:.1%} ({row['local_hit_rate']:.1%} "
             f"local; ideal "
-            f"{row['ideal_hit_rate']:.1%})  busy max/min {row['busy_max_min']:.2f}  "
-            f"({row['busy_share']:.2f} busy)  {row['wall_s']:.0f} s wall")
+            f"{row['ideal_hit_rate']:.1%})  busy max/min {_busy(row)}  "
+            f"({row['busy_share']:.2f} busy)  TTFT MAPE {_percent(row['mape_decided'])} "
+            f"(analytic {_percent(row['mape_analytic'])}, learned "
+            f"{_percent(row['mape_learned'])})  {row['wall_s']:.0f} s wall")
 
 
 def format_table(rows: list[dict]) -> str:
     lines = ["| replicas | policy | TTFT p50 | TTFT p99 | TPOT p99 | goodput | hit rate "
-             "(% of ideal) | local hits | busy max/min | wall |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "(% of ideal) | local hits | busy max/min | TTFT MAPE (analytic, learned) | wall |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         share = row["hit_rate"] / row["ideal_hit_rate"] if row["ideal_hit_rate"] else 0.0
         lines.append(
@@ -228,5 +264,7 @@ def format_table(rows: list[dict]) -> str:
             f"{row['ttft_p99'] * 1e3:.0f} ms | {row['tpot_p99'] * 1e3:.1f} ms | "
             f"{row['goodput']:.2f}/s | {row['hit_rate']:.1%} ({share:.0%}) | "
             f"{row['local_hit_rate']:.1%} | "
-            f"{row['busy_max_min']:.2f} | {row['wall_s']:.0f} s |")
+            f"{_busy(row)} | {_percent(row['mape_decided'])} "
+            f"({_percent(row['mape_analytic'])}, {_percent(row['mape_learned'])}) | "
+            f"{row['wall_s']:.0f} s |")
     return "\n".join(lines)

@@ -51,6 +51,12 @@ from carpool.sim.day_load import (
     retime,
     swing,
 )
+from carpool.sim.day_report import (
+    equal_attainment_rows,
+    format_check_row,
+    format_day_table,
+    format_equal_table,
+)
 from carpool.sim.evaluate import fleet_capacity, latency_row, offered_rate, scaled
 from carpool.sim.fluid import LoadPoint, ReplicaResponse, run_fluid
 from carpool.sim.plan import ASSUMED_PRICE
@@ -113,8 +119,10 @@ class DayEvaluationFlags:
         0.99, "--hour-goal", None,
         "an hour meets the SLO when this share of what the calibrated replicas reached at "
         "their lightest load does (default 0.99)", parse=float)
-    startup_s: float = setting(60.0, "--startup-s", None,
-                               "a replica's start-up time (default 60)", parse=float)
+    startup_s: tuple[float, ...] = setting(
+        (60.0,), "--startup-s", None,
+        "a replica's start-up time, seconds, comma separated: every policy runs the day at "
+        "each; the first sizes the check (default 60)", parse=arg_type(_floats))
     target_utilization: tuple[float, ...] = setting(
         (0.7, 0.9), "--target-utilization", None,
         "the sizing rule's target utilisation of the calibrated SLO rate, comma separated: "
@@ -240,7 +248,7 @@ def sizing_config(response: ReplicaResponse, args,
     best = max(p.rate for p in good)
     service = response.gauges(args.target_utilization[0] * best)[2]
     return AutoscaleConfig(min_replicas=1, max_replicas=max_replicas, tick_s=args.scale_tick,
-                           startup_s=args.startup_s,
+                           startup_s=args.startup_s[0],
                            target_utilization=args.target_utilization[0],
                            replica_concurrency=best * service,
                            **reactive_knobs(args)).validate(), service
@@ -264,6 +272,12 @@ def day_scaler(name: str, load: DayLoad, config: AutoscaleConfig, service: float
     scaler = make_scaler(policy, config, start, schedule=table, rate_at=load.rate_at,
                          forecaster=forecaster or "holt")
     scaler.policy.name = name
+    if policy in ("predictive", "forecast"):
+        # Forecasters know yesterday as the schedule does: the planned curve
+        # (no surges), one rate per bucket, so a daily shape can be learned.
+        bucket = config.forecast_bucket_s
+        scaler.rates.remember([load.planned_rate_at(-DAY_S + (i + 0.5) * bucket)
+                               for i in range(round(DAY_S / bucket))])
     return scaler
 
 
@@ -272,9 +286,11 @@ def run_day_rows(base, load: DayLoad, response: ReplicaResponse, config: Autosca
     """Every policy over the same day (the same seeded arrivals) at each
     target utilisation; ratios are to the oracle and static peak at the same."""
     rate_ok = config.replica_concurrency / service  # x_ok (see sizing_config)
-    return [row for target in args.target_utilization for row in _day_rows(
-        base, load, response, replace(config, target_utilization=target),
-        response.gauges(target * rate_ok)[2], args, price)]
+    return [row for startup in args.startup_s for target in args.target_utilization
+            for row in _day_rows(
+                base, load, response,
+                replace(config, target_utilization=target, startup_s=startup),
+                response.gauges(target * rate_ok)[2], args, price)]
 
 
 def _day_rows(base, load: DayLoad, response: ReplicaResponse, config: AutoscaleConfig,
@@ -287,6 +303,7 @@ def _day_rows(base, load: DayLoad, response: ReplicaResponse, config: AutoscaleC
         day = run_fluid(scaler, load.rate_at, response, args.slo, 0.0, DAY_S,
                         arrivals_in=TraceArrivals(base, load.rate_at))
         row = {"policy": scaler.policy.name, "target_utilization": config.target_utilization,
+               "startup_s": config.startup_s,
                **day.summary(hour_goal(response, args)),
                "hourly_attainment": [h["within_slo"] / h["arrivals"] if h["arrivals"] else 1.0
                                      for h in day.hourly],
@@ -360,6 +377,8 @@ def run_day_evaluation(config: EngineConfig, args: argparse.Namespace) -> int:
               f"a day)", flush=True)
         rows = run_day_rows(base, load, response, scale, service, args, price)
         print(format_day_table(rows, price))
+        equal = equal_attainment_rows(rows)
+        print(format_equal_table(equal))
         checks = []
         if args.check_replicas:
             print(f"== per-request check: {args.check_replicas} replicas, x{args.check_surge} "
@@ -370,34 +389,9 @@ def run_day_evaluation(config: EngineConfig, args: argparse.Namespace) -> int:
         import json
 
         with open(args.json, "w") as handle:
-            json.dump({"rows": rows, "checks": checks, "slo": args.slo, "price_per_hour": price,
+            json.dump({"rows": rows, "equal_attainment": equal, "checks": checks, "slo": args.slo, "price_per_hour": price,
                        "peak_rate": peak_rate, "calibration_s": calibration_s,
                        "calibration": [p.summary(args.slo) for p in response.points],
                        "replica_capacity": response.capacity,
                        "replica_concurrency": scale.replica_concurrency}, handle, indent=1)
     return 0
-
-
-def format_day_table(rows: list[dict], price: float) -> str:
-    lines = [f"| target util | policy | replica-hours | $ at ${price:g}/h | vs oracle | "
-             "vs static | in SLO (day) | hours under goal | worst hour | scale events | "
-             "replicas | wall |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for row in rows:
-        ratio = (lambda v: f"{v:.2f}" if v is not None else "-")
-        lines.append(
-            f"| {row['target_utilization']:g} | {row['policy']} | {row['replica_hours']:.0f} | "
-            f"{row['cost']:.0f} | "
-            f"{ratio(row['vs_oracle'])} | {ratio(row['vs_static'])} | "
-            f"{row['slo_attainment']:.2%} | {row['hours_missing_slo']} | "
-            f"{row['worst_hour_attainment']:.1%} | {row['scale_events']} | "
-            f"{row['min_replicas']}-{row['peak_replicas']} | {row['wall_s']:.1f} s |")
-    return "\n".join(lines)
-
-
-def format_check_row(row: dict) -> str:
-    measured, fluid = row["per_request"], row["fluid"]
-    return (f"  {row['policy']:<11} per-request: {measured['replica_seconds'] / 60:.1f} "
-            f"replica-min, {measured['slo_attainment']:.2%} in SLO, "
-            f"{measured['scale_events']} scale events ({measured['wall_s']:.0f} s wall, "
-            f"{row['requests']} requests); fluid: {fluid['replica_seconds'] / 60:.1f} "
-            f"replica-min, {fluid['slo_attainment']:.2%} in SLO, {fluid['scale_events']} events")

@@ -182,7 +182,14 @@ class FleetLoop:
                       kv_tier=tier_report(self.tier) if self.tier is not None else None,
                       pd=pd.report() if pd is not None else None,
                       failures=failures.events if failures is not None else None,
-                      timeline=self.sampler.timeline())
+                      timeline=self.sampler.timeline(), routing=self._routing_report())
+
+    def _routing_report(self) -> dict | None:
+        router = self.fleet.router
+        if router is None:  # round-robin split over processes: no router
+            return None
+        return {"mape": router.run_errors(), "index_corrections": router.index_corrections,
+                "explored": getattr(router.policy, "explored", 0)}
 
 
 def _scaling(settings: SimSettings, router: FleetRouter, make_replica,

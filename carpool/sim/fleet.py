@@ -20,6 +20,7 @@ from carpool.cluster import POLICIES, Health, ReplicaView, Role, Router, RouteRe
 from carpool.cluster.autoscaler import PoolScaler, PoolSignals
 from carpool.cluster.kv_tier import SharedKVTier, TierClient
 from carpool.cluster.pd import KVShape, PDPlanner
+from carpool.cluster.policies import ABLATIONS
 from carpool.config import EngineConfig
 from carpool.scheduler.block_pool import ROOT_HASH, BlockKeyChain
 from carpool.sim.pd import FleetPD, PDSettings
@@ -27,7 +28,8 @@ from carpool.sim.replica import SimReplica, prompt_token_ids
 from carpool.workload.stats import RequestRecord
 from carpool.workload.traces import TraceRequest
 
-ROUTING = tuple(POLICIES)
+# Every policy, and the default's ablations (``carpool.cluster.policies.ABLATIONS``).
+ROUTING = (*POLICIES, *ABLATIONS)
 # A node's share of a pooled DRAM tier, and the NIC it is read over: what
 # Mooncake's store runs on (an 8-GPU node gives about 2 TiB of DRAM, each
 # GPU's replica one eighth; a 200 Gb/s RDMA NIC per GPU).
@@ -172,7 +174,7 @@ class FleetRouter:
                 raise ValueError("prefill/decode needs the model's KV shape: an analytic cost "
                                  "model (--hardware, --model-shape)")
             self.pd = FleetPD(pd, self.router, kv_shape, self.replica)
-        if ((self.routing in _CACHE_POLICIES or any(r.role != "mixed" for r in replicas))
+        if ((self.routing.split("/")[0] in _CACHE_POLICIES or any(r.role != "mixed" for r in replicas))
                 and config.cache.enable_prefix_caching):
             self._chain = BlockKeyChain(config.cache.block_size)
             self._hash_block = hash_block

@@ -266,6 +266,9 @@ MODELS = types.MappingProxyType({
     "llama-3-70b": ModelShape("llama-3-70b", 80, 8192, 64, 8, 28672, 128256, False),
     "qwen2-7b": ModelShape("qwen2-7b", 28, 3584, 28, 4, 18944, 152064, False, qkv_bias=True),
     "smollm2-135m": ModelShape("smollm2-135m", 30, 576, 9, 3, 1536, 49152, True),
+    # Qwen/Qwen3-32B (what llm-d's prefix-cache benchmark serves).
+    "qwen3-32b": ModelShape("qwen3-32b", 64, 5120, 64, 8, 25600, 151936, False,
+                            head_dim=128, qk_norm=True),
     # mistralai/Mixtral-8x7B-v0.1: every layer MoE, experts of intermediate_size.
     "mixtral-8x7b": ModelShape("mixtral-8x7b", 32, 4096, 32, 8, 14336, 32000, False,
                                experts=8, top_k=2, expert_intermediate=14336),

@@ -94,7 +94,7 @@ class SimSettings:
                                  "schedule")
         if self.fleet_ttft_target is not None and (
                 self.fleet_ttft_target <= 0
-                or self.routing not in ("predicted-ttft", "learned-ttft")):
+                or self.routing.split("/")[0] not in ("predicted-ttft", "learned-ttft")):
             raise ValueError("--fleet-ttft-target needs a target > 0 and --routing "
                              "predicted-ttft or learned-ttft (the policies that predict TTFTs)")
         if not 0 <= self.lost_block_events < 1:
@@ -126,6 +126,7 @@ class SimRun:
     pd: dict | None = None  # the P/D planner's choices
     failures: list[dict] | None = None  # what failed when, and what it took with it
     timeline: dict | None = None  # per replica over time (timeline.FleetSampler)
+    routing: dict | None = None  # the router's TTFT prediction errors (MAPE) and corrections
 
     def replica_seconds(self) -> float:
         """Replica-seconds the fleet paid for: the autoscaler's account, else

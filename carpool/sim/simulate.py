@@ -73,7 +73,7 @@ def simulate(plan: Sequence[TraceRequest], config: EngineConfig, cost: CostModel
                   wall_seconds=time.perf_counter() - started,
                   per_replica=[row for part in parts for row in part.per_replica],
                   scaling=parts[0].scaling, kv_tier=parts[0].kv_tier, pd=parts[0].pd,
-                  failures=parts[0].failures,
+                  failures=parts[0].failures, routing=parts[0].routing,
                   timeline=merge_timelines([part.timeline for part in parts]))
 
 

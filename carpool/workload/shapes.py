@@ -19,7 +19,7 @@ Arrivals come from the workload's arrival process (``--arrival``,
   the tool schemas (shared by every agent), a 600-token task, then turns
   whose context grows by the last answer (a short tool call, 20 to 200
   tokens) and its tool's result (200 to 2,000 tokens), up to 16 turns or
-  32k tokens; 16 agents interleaved. Long, growing prompts with short
+  32k tokens; 128 agents interleaved. Long, growing prompts with short
   outputs: the prefix each turn shares with the previous one is all but
   its newest blocks.
 
@@ -45,7 +45,10 @@ AGENT_SYSTEM_TOKENS = 4000
 AGENT_TASK_TOKENS = 600
 AGENT_MAX_TURNS = 16
 AGENT_MAX_CONTEXT = 32768
-AGENT_CONCURRENT = 16
+# Agents at work at once: their contexts (up to 4M tokens) outgrow one
+# replica's KV (an H100's holds 0.43M for Llama-3-8B), so where each turn
+# goes decides whether it finds its history (16 fitted in every replica).
+AGENT_CONCURRENT = 128
 
 
 def _blocks(tokens: int) -> int:

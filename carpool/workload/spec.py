@@ -10,6 +10,7 @@ the same flags (``carpool.workload.command.add_workload_args``).
 """
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -210,6 +211,7 @@ def _source_requests(spec: WorkloadSpec) -> list[TraceRequest]:
         return [TraceRequest(None, spec.input_len, spec.output_len)] * count
     if spec.workload in SHAPES:
         shaped = SHAPES[spec.workload](count, random.Random(f"{spec.workload_seed}/shape"))
+        _warn_capped(shaped, spec)
         return scale_tokens(shaped, spec.token_scale, spec.max_input_len, spec.max_output_len)
     trace = load_trace(spec.workload)
     if not has_arrivals(trace):
@@ -227,6 +229,19 @@ def _source_requests(spec: WorkloadSpec) -> list[TraceRequest]:
                          f"--trace-start {spec.trace_start:g}; lower --num-requests or "
                          f"--trace-start, or add --trace-loop" + (f" ({note})" if note else ""))
     return chosen
+
+
+def _warn_capped(requests: Sequence[TraceRequest], spec: WorkloadSpec) -> None:
+    """A generated shape cut by the caps is no longer the shape (its shared
+    prefixes may be all that is left): say so, with the flags to raise."""
+    cut = sum(1 for r in requests
+              if round(r.input_len * spec.token_scale) > spec.max_input_len
+              or round(r.output_len * spec.token_scale) > spec.max_output_len)
+    if cut:
+        logging.getLogger(__name__).warning(
+            "%s: %d of %d requests cut to --max-input-len %d / --max-output-len %d; raise "
+            "them for the shape as published", spec.workload, cut, len(requests),
+            spec.max_input_len, spec.max_output_len)
 
 
 def _validate(spec: WorkloadSpec) -> None:
