@@ -9,6 +9,7 @@ from pathlib import Path
 from carpool.config import EngineConfig, parse_size
 from carpool.settings_fields import add_setting_args, setting
 from carpool.sim.costs import CostModel, kv_bytes_per_token
+from carpool.sim.model_shapes import MODELS
 
 # The measured model of carpool's development machine (2-core CPU, default
 # model, bf16): what a simulation uses when given no cost model.
@@ -32,8 +33,7 @@ class CostModelFlags:
         "8xh100-sxm, 8xh200: a whole node as one replica)")
     model_shape: str | None = setting(
         None, "--model-shape", None,
-        "analytic model: model preset (llama-3-8b, llama-3-70b, qwen2-7b, smollm2-135m, "
-        "mixtral-8x7b, qwen3-30b-a3b, deepseek-v3)")
+        f"analytic model: model preset ({', '.join(MODELS)})")
     dtype_bytes: float = setting(2.0, "--dtype-bytes", None,
                                  "analytic model: bytes per weight and KV value", parse=float)
     # None (not 1.0): given without an analytic model it is an error
