@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from carpool.kernel_plan import TIERS
 from carpool.settings_fields import setting
 
 #: CUDA graph batch sizes captured by default (vLLM's progression: 1, 2, 4,
@@ -135,12 +136,15 @@ class ModelSettings:
     cuda_graph_sizes: str = setting(
         "auto", "--cuda-graph-sizes", "SIZES",
         "decode batch sizes captured as CUDA graphs: auto or a comma list, e.g. 1,2,4,8,16,32")
-    # Weight-only quantization (vLLM's --quantization): None, int8 or int4
-    # (CPU: low-bit weights for decode steps of a few rows, carpool/model/quant.py).
+    # Quantization (vLLM's --quantization): None; int8 or int4 (weight-only,
+    # CPU decode steps of a few rows: carpool/model/quant.py); w8a8 (INT8
+    # weights and per-token INT8 activations on every step, AVX512-VNNI:
+    # carpool/model/w8a8.py).
     quantization: str | None = setting(
         None, "--quantization", "METHOD",
-        "weight-only quantization for CPU decode steps of a few rows: int8 (+50% weight "
-        "memory) or int4 (groups of 32, +25%) (default: none)")
+        "CPU quantization: int8 (+50% weight memory) or int4 (groups of 32, +25%): weight-only, "
+        "for decode steps of a few rows; w8a8: INT8 weights and per-token INT8 activations on "
+        "every step (AVX512-VNNI; half the bf16 weights' memory) (default: none)")
     # CPU bf16: decode steps of a few rows run our packed-weight kernel
     # (carpool/model/packed_linear.py; a second copy of the weights), and a
     # MoE model's experts run our fused kernel on packed weights (in place
@@ -153,6 +157,13 @@ class ModelSettings:
         "AVX512-BF16 kernel), and MoE experts on our fused kernel: auto (the copy where it "
         "fits in a quarter of the free memory; the experts where the CPU has AVX512-BF16 but "
         "no AMX) | on | off")
+    # CPU: the tier of kernels to choose from (carpool/kernel_plan.py):
+    # auto (the CPU's own) or a lower one, to run a lesser machine kind's
+    # choices (dtype, packed decode, W8A8, MoE packing) on this one.
+    cpu_isa: str = setting(
+        "auto", "--cpu-isa", "TIER",
+        "CPU: choose kernels as on this tier: auto (this CPU's) | amx | avx512_bf16 | "
+        "avx512_vnni | avx512 | avx2 | portable (no higher than this CPU's)")
     # CPU bf16: the linear layers' weights laid out once in oneDNN's blocked
     # format (carpool/model/blocked_linear.py): bit-identical results,
     # ~1.4x faster matrix products, no extra memory. auto (where oneDNN has
@@ -181,9 +192,12 @@ class ModelSettings:
         if self.attention_backend not in ("auto", "torch", "sdpa", "cpu", "triton"):
             raise ValueError(f"attention_backend must be auto|torch|sdpa|cpu|triton, "
                              f"got {self.attention_backend!r}")
-        if self.quantization is not None and self.quantization not in ("int8", "int4"):
-            raise ValueError(f"quantization must be int8, int4 or null (none), "
+        if self.quantization is not None and self.quantization not in ("int8", "int4", "w8a8"):
+            raise ValueError(f"quantization must be int8, int4, w8a8 or null (none), "
                              f"got {self.quantization!r}")
+        if self.cpu_isa != "auto" and self.cpu_isa not in dict(TIERS):
+            raise ValueError(f"cpu_isa must be auto or one of {', '.join(dict(TIERS))}, "
+                             f"got {self.cpu_isa!r}")
         if self.packed_decode not in ("auto", "on", "off"):
             raise ValueError(f"packed_decode must be auto|on|off, got {self.packed_decode!r}")
         if self.blocked_weights not in ("auto", "on", "off"):

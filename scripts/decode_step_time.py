@@ -18,7 +18,7 @@ from carpool.sampling_params import SamplingParams
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("quantization", nargs="?", choices=["int8", "int4"], default=None)
+    parser.add_argument("quantization", nargs="?", choices=["int8", "int4", "w8a8"], default=None)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--packed-decode", choices=["auto", "on", "off"], default="auto")
     args = parser.parse_args()

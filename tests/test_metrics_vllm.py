@@ -97,6 +97,13 @@ def test_every_dashboard_series_exists_under_the_chosen_prefixes(tiny_async_engi
     info = next(ls for (n, ls) in samples if n == f"{p}:cache_config_info")
     assert {("block_size", "16"), ("enable_prefix_caching", "True")} <= info
     assert dict(info)["num_gpu_blocks"].isdigit() and dict(info)["model_name"] == "tiny"
+    # The CPU kernel plan this machine kind chose at start-up (carpool/kernel_plan.py).
+    from carpool.kernel_plan import cpu_tier
+    from carpool.machine import cpu_model_and_flags
+
+    kernels = dict(next(ls for (n, ls) in samples if n == f"{p}:cpu_kernels_info"))
+    assert kernels["isa"] == cpu_tier(cpu_model_and_flags()[1])
+    assert {"dtype", "decode", "batched", "attention", "w8a8"} <= kernels.keys()
 
 
 def test_both_prefixes_carry_the_same_values(tiny_async_engine):

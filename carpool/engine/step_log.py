@@ -133,7 +133,10 @@ def step_facts(engine) -> dict:
             "max_model_len": engine.max_model_len,
             "max_num_batched_tokens": scheduler.max_num_batched_tokens,
             "max_num_seqs": scheduler.max_num_seqs, "batching": scheduler.batching,
-            "row_bucket": engine.config.model.row_bucket}
+            "row_bucket": engine.config.model.row_bucket,
+            # The CPU kernel plan this machine kind chose (carpool/kernel_plan.py); None off a CPU.
+            "kernels": (plan.labels() if (plan := getattr(engine.executor, "kernel_plan", None))
+                        is not None else None)}
 
 
 def steps_document(step_log: StepLog, facts: dict, limit: int | None = None) -> dict:

@@ -18,7 +18,7 @@ def load_served_model(settings: ModelSettings) -> tuple[LoadedModel, int]:
     model's own), and the context length it is served at (``max_model_len``
     within the model's)."""
     cache_dir = Path(settings.cache_dir) if settings.cache_dir else default_cache_dir()
-    dtype = resolve_dtype(settings.dtype, resolve_device(settings.device))
+    dtype = resolve_dtype(settings.dtype, resolve_device(settings.device), settings.cpu_isa)
     loaded = load_model(settings.model, cache_dir, dtype, tokenizer=settings.tokenizer,
                         chat_template=settings.chat_template)
     max_len = loaded.config.max_position_embeddings

@@ -44,26 +44,20 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def cpu_has_fast_bf16() -> bool:
-    """True when the CPU has native bf16 matmul instructions (AVX512-BF16/AMX)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """``auto``: bf16 on CUDA and on CPUs with native bf16, else fp32."""
+def resolve_dtype(name: str, device: torch.device, cpu_isa: str = "auto") -> torch.dtype:
+    """``auto``: bf16 on CUDA and where the CPU's kernel tier (``--cpu-isa``)
+    has bf16 instructions (AVX512-BF16, AMX), else fp32."""
     if name != "auto":
         dtype = _DTYPES[name]
         if device.type == "cpu" and dtype == torch.float16:
             raise ValueError("float16 is not supported on CPU; use bfloat16 or float32")
         return dtype
-    if device.type == "cuda" or cpu_has_fast_bf16():
+    if device.type == "cuda":
         return torch.bfloat16
-    return torch.float32
+    from carpool.kernel_plan import plan_kernels
+    from carpool.machine import cpu_model_and_flags
+
+    return _DTYPES[plan_kernels(cpu_model_and_flags()[1], cap=cpu_isa).dtype]
 
 
 def free_memory(device: torch.device) -> int:
@@ -92,17 +86,6 @@ class _Run:
     token_ids: Sequence[int]
     span: SeqSpan
     item: int | None = None
-
-
-def _native_bf16_dot(ops) -> bool:  # noqa: ANN001 - the kernels or a SwitchingCpuOps
-    """Whether the packed kernel has its AVX512-BF16 path (built with it);
-    while the kernels compile in the background, whether this CPU has it."""
-    native = getattr(ops, "packed_linear_native", None)
-    if native is not None:
-        return bool(native())
-    from carpool.machine import cpu_model_and_flags
-
-    return "avx512_bf16" in cpu_model_and_flags()[1]
 
 
 def _free_or_zero(device: torch.device) -> int:
@@ -148,7 +131,7 @@ class TorchExecutor(Executor):
         if threads:
             torch.set_num_threads(threads)
         self.device = resolve_device(settings.device)
-        self.dtype = resolve_dtype(settings.dtype, self.device)
+        self.dtype = resolve_dtype(settings.dtype, self.device, settings.cpu_isa)
         # A GPU's step is mostly waiting on the device (the engine's overlap, auto).
         self.overlaps_host = self.device.type == "cuda"
         self.block_size = cache.block_size
@@ -177,15 +160,11 @@ class TorchExecutor(Executor):
             from carpool.model.cpu_kernels import load_cpu_ops
 
             self.cpu_ops = load_cpu_ops(background=kernels_in_background)
-        if settings.quantization is not None:
-            self._quantize_for_decode(settings.quantization)
         self.attention = select_backend(settings.attention_backend, self.device, self.cpu_ops,
                                         model_config.head_dim, portable_only=_portable_only(
                                             model_config))
         self.model.ops = self.cpu_ops
-        self._pack_experts(settings.packed_decode)
-        self._pack_for_decode(settings.packed_decode)
-        self._block_weights(settings.blocked_weights)
+        self.kernel_plan = self._prepare_weights(settings)
         if self.attention.name == "triton":  # fused norm, rotary and SwiGLU kernels too
             from carpool.model.triton_ops import TritonOps
 
@@ -262,74 +241,21 @@ class TorchExecutor(Executor):
                                 scratch_block=self.num_blocks, device=self.device,
                                 graph_type=graph_type)
 
-    def _quantize_for_decode(self, scheme: str) -> None:
-        from carpool.model.quant import low_bit_unavailable, quantize_for_decode
+    def _prepare_weights(self, settings: ModelSettings):  # noqa: ANN202 - a KernelPlan or None
+        """On a CPU: this machine kind's kernel plan, logged, and the weights
+        laid out for it (carpool/executor/cpu_weights.py)."""
+        if self.device.type != "cpu":
+            if settings.quantization is not None:
+                raise ValueError(f"--quantization {settings.quantization} cannot run here: it "
+                                 f"is a CPU path (device {self.device})")
+            return None
+        from carpool.executor.cpu_weights import cpu_plan, prepare_cpu_weights
 
-        why = low_bit_unavailable(scheme, self.device)
-        if why is not None:
-            raise ValueError(f"--quantization {scheme} cannot run here: {why}")
-        # Our INT4 kernel where it has its AVX512-BF16 path; else ATen's.
-        native = self.cpu_ops is not None and _native_bf16_dot(self.cpu_ops)
-        added = quantize_for_decode(self.model, scheme, kernels=self.cpu_ops if native else None)
-        dtype = str(self.dtype).removeprefix("torch.")
-        log.info("%s weights for decode steps of up to a few rows (+%.0f MiB beside the %s "
-                 "weights)", scheme.upper(), added / 2**20, dtype)
-
-    def _pack_experts(self, mode: str) -> None:
-        """MoE experts packed for our fused kernel (carpool/model/moe_cpu.py),
-        in place of the plain weights (no extra memory). ``auto``: where the
-        kernel has its AVX512-BF16 path and the CPU has no AMX (whose oneDNN
-        kernels, on blocked experts, win there)."""
-        from carpool.machine import cpu_model_and_flags
-
-        blocks = [layer.moe for layer in self.model.layers if layer.moe is not None]
-        if mode == "off" or not blocks or self.device.type != "cpu" or self.cpu_ops is None:
-            return
-        if self.dtype != torch.bfloat16:
-            return
-        if mode == "auto" and (not _native_bf16_dot(self.cpu_ops)
-                               or "amx_bf16" in cpu_model_and_flags()[1]):
-            return
-        made = sum(block.pack_experts(self.cpu_ops) for block in blocks)
-        if made:
-            log.info("MoE experts packed for the fused CPU kernel (%.0f MiB)", made / 2**20)
-
-    def _pack_for_decode(self, mode: str) -> None:
-        """Packed bf16 weights for small decode steps (carpool/model/packed_linear.py)."""
-        from carpool.model.packed_linear import pack_for_decode, packed_bytes
-
-        if mode == "off":
-            return
-        why = None
-        if self.device.type != "cpu" or self.dtype != torch.bfloat16:
-            why = f"it is a CPU bf16 path (device {self.device}, dtype {self.dtype})"
-        elif self.cpu_ops is None:
-            why = "the CPU kernels are unavailable"
-        elif mode == "auto" and not _native_bf16_dot(self.cpu_ops):
-            why = "this CPU lacks AVX512-BF16 (the kernel's portable loop is no faster than ATen)"
-        elif mode == "auto" and packed_bytes(self.model) > _free_or_zero(self.device) // 4:
-            why = "the packed copy would take over a quarter of the available memory"
-        if why is not None:
-            if mode == "on":
-                log.warning("packed decode weights not used: %s", why)
-            return
-        added = pack_for_decode(self.model, self.cpu_ops)
-        if added:
-            log.info("packed bf16 weights for decode steps of up to a few rows (+%.0f MiB)",
-                     added / 2**20)
-
-    def _block_weights(self, mode: str) -> None:
-        """oneDNN-blocked weights for the dense paths (carpool/model/blocked_linear.py)."""
-        from carpool.model.blocked_linear import block_weights, blocked_unavailable
-
-        if mode == "off":
-            return
-        why = blocked_unavailable(self.device, self.dtype)
-        if why is not None:
-            if mode == "on":
-                log.warning("blocked weights not used: %s", why)
-            return
-        block_weights(self.model)
+        plan = cpu_plan(settings, self.cpu_ops is not None)
+        log.info("%s", plan.describe())
+        prepare_cpu_weights(self.model, plan, self.cpu_ops, settings, self.dtype,
+                            _free_or_zero(self.device))
+        return plan
 
     def _num_blocks(self, config: ModelConfig, cache: CacheConfig) -> int:
         """The pool's blocks: ``num_blocks``, else ``gpu_memory_utilization``

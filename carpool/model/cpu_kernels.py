@@ -36,7 +36,8 @@ from carpool.paths import default_cache_dir
 
 _SOURCES = tuple(str(Path(__file__).parent / "csrc" / name)
                  for name in ("paged_attention.cpp", "elementwise.cpp", "packed_linear.cpp",
-                              "packed_int4.cpp", "decode_block.cpp", "moe_experts.cpp"))
+                              "packed_int4.cpp", "decode_block.cpp", "moe_experts.cpp",
+                              "int8_linear.cpp"))
 _HEADERS = tuple(str(Path(__file__).parent / "csrc" / name)  # a change rebuilds too
                  for name in ("bf16.h", "packed_block.h"))
 _NAME = "carpool_cpu_ops"

@@ -52,3 +52,24 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     _madvise_huge(raw.data_ptr() + offset, length)
     tensor = raw[offset:offset + nbytes].view(dtype).view(shape)
     return tensor.zero_()
+
+
+def side_by_side(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Zeroed tensors shaped as ``tensors``, side by side in one buffer on
+    huge pages, each starting on a 64-byte line (copy each one in, then
+    drop the original: the peak is the buffer plus one original).
+
+    Why: a decode step of one sequence streams every weight once, and most
+    of a small model's matrices are under one huge page each (the default
+    model's 576 x 576 is 0.6 MiB), so only one buffer for all of them gets
+    2 MiB pages. Measured on a 2-core AMD EPYC, the default model's packed
+    bf16 weights at one row: 10.1 ms on 4 KiB pages, 7.9 ms together on
+    huge pages (27 and 34 GB/s).
+    """
+    offsets, total = [], 0
+    for tensor in tensors:
+        offsets.append(total)
+        total += -(-tensor.numel() * tensor.element_size() // 64) * 64
+    arena = zeros((max(total, 1),), torch.uint8)
+    return [arena[offset:offset + tensor.numel() * tensor.element_size()]
+            .view(tensor.dtype).view(tensor.shape) for tensor, offset in zip(tensors, offsets)]

@@ -91,24 +91,21 @@ class SwitchingCpuOps:
             return self._kernels.apply_token_bitmask(logits, bitmask)
         return apply_token_bitmask(logits, bitmask)
 
-    def packed_linear(self, *args):  # noqa: ANN002, ANN201
-        """The kernel's packed bf16 linear (carpool/model/packed_linear.py);
-        only once `active`."""
-        if self._kernels is None:
-            raise RuntimeError("the CPU kernels are not active yet")
-        return self._kernels.packed_linear(*args)
+    # Ops with no portable twin here (their callers take the portable path
+    # themselves until `active`): the kernels' own, once active.
+    KERNEL_ONLY = ("packed_linear", "int4_linear", "w8a8_linear", "packed_moe_experts",
+                   "decode_attention_block", "paged_decode_attention")
 
-    def decode_attention_block(self, *args):  # noqa: ANN002, ANN201
-        """The kernels' fused decode op; only once `active`."""
-        if self._kernels is None:
-            raise RuntimeError("the CPU kernels are not active yet")
-        return self._kernels.decode_attention_block(*args)
+    def __getattr__(self, name: str):  # noqa: ANN204 - only for names not set on self
+        if name not in SwitchingCpuOps.KERNEL_ONLY:
+            raise AttributeError(name)
 
-    def paged_decode_attention(self, *args):  # noqa: ANN002, ANN201
-        """The kernel's decode attention; only once `active`."""
-        if self._kernels is None:
-            raise RuntimeError("the CPU kernels are not active yet")
-        return self._kernels.paged_decode_attention(*args)
+        def kernel_op(*args):  # noqa: ANN002, ANN202
+            if self._kernels is None:
+                raise RuntimeError("the CPU kernels are not active yet")
+            return getattr(self._kernels, name)(*args)
+
+        return kernel_op
 
 
 class SwitchingCpuAttention(TorchAttention):

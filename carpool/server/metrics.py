@@ -38,7 +38,12 @@ from carpool.server.host_metrics import (
     host_families,
     load_pynvml,
 )
-from carpool.server.metrics_engine import RATE_HELP, engine_families, replica_families
+from carpool.server.metrics_engine import (
+    RATE_HELP,
+    engine_families,
+    kernels_family,
+    replica_families,
+)
 
 WINDOW_S = 10.0
 # The series' prefixes for each ``metrics_prefix`` setting.
@@ -127,6 +132,7 @@ class Metrics:
         self._step_log = None  # the engine's StepLog, once bound
         self._steps_seen = 0  # steps of the log already observed
         self._cache: dict[str, str] | None = None
+        self._kernels: dict[str, str] | None = None  # the CPU kernel plan's labels
         self.replica_stats = None  # a fleet's () -> {replica: EngineStats}, once bound
         self.host_cpu = HostCpu()
         self.devices: NvmlDevices | None = None  # NVML's GPU readings, on CUDA
@@ -194,6 +200,7 @@ class Metrics:
         ``load_nvml``: what imports NVML)."""
         self._step_log = step_log
         self._cache = cache
+        self._kernels = (step_facts or {}).get("kernels")
         device = str(((step_facts or {}).get("machine") or {}).get("device", "cpu"))
         self.devices = device_metrics(device, load_nvml)
 
@@ -221,6 +228,8 @@ class Metrics:
         stats, rates = self.snapshot()
         yield from self._live.collect()
         yield from engine_families(stats, rates, self.model_name, WINDOW_S, self._cache)
+        if self._kernels:
+            yield kernels_family(self._kernels, self.model_name)
         if self.replica_stats is not None:
             yield from replica_families(self.replica_stats(), self.model_name)
         yield from host_families(self.host_cpu, self.model_name)

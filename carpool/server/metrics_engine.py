@@ -118,6 +118,16 @@ def engine_families(stats: EngineStats, rates: dict[str, float], model_name: str
         yield from _expert_families(stats, model)
 
 
+def kernels_family(labels: dict[str, str], model_name: str) -> GaugeMetricFamily:
+    """``cpu_kernels_info``: the CPU kernel plan this machine kind chose at
+    start-up (carpool/kernel_plan.py), as labels (always 1)."""
+    info = GaugeMetricFamily("cpu_kernels_info", "The CPU kernels chosen at start-up for this "
+                             "machine kind: tier, dtype, decode, batched and attention paths "
+                             "(always 1).", labels=["model_name", *labels])
+    info.add_metric([model_name, *labels.values()], 1.0)
+    return info
+
+
 def _expert_families(stats: EngineStats, model: list[str]):  # noqa: ANN202
     tokens = CounterMetricFamily(
         "moe_expert_tokens", "Tokens routed to each expert (a token counts once per expert "

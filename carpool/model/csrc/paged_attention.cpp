@@ -326,6 +326,9 @@ torch::Tensor row_argmax(torch::Tensor x);
 void apply_token_bitmask(torch::Tensor logits, torch::Tensor bitmask);
 torch::Tensor packed_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias);
 bool packed_linear_native();
+torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor w_scale,
+                          c10::optional<torch::Tensor> bias);
+bool w8a8_linear_native();
 torch::Tensor packed_moe_experts(torch::Tensor x, torch::Tensor row_tokens, torch::Tensor counts,
                                  torch::Tensor row_weights, torch::Tensor gate_up,
                                  torch::Tensor down);
@@ -352,4 +355,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_moe_experts", &packed_moe_experts,
         "A MoE layer's routed experts on packed bf16 weights, rows sorted by expert");
   m.def("packed_linear_native", &packed_linear_native, "Whether packed_linear uses AVX512-BF16");
+  m.def("w8a8_linear", &w8a8_linear,
+        "x [rows, in], INT8 per 32 inputs, times packed INT8 weights (+ bias)");
+  m.def("w8a8_linear_native", &w8a8_linear_native, "Whether w8a8_linear uses AVX512-VNNI");
 }
