@@ -113,7 +113,8 @@ import json, sys
 from pathlib import Path
 out, rows = Path(sys.argv[1]), [r for r in sys.argv[2:] if r.startswith("offline-")]
 for row in rows:
-    tps = [json.loads((out / f"{row}-n{n}.json").read_text()) for n in (64, 256)]
-    print(f"{row}: output tok/s at 64 / 256 requests: "
-          + " / ".join(f"{d['output_tps'] if 'output_tps' in d else d['output_tok_s']}" for d in tps))
+    runs = [json.loads((out / f"{row}-n{n}.json").read_text()) for n in (64, 256)]
+    tps = [run["results"][0]["output_tps"] if "results" in run else run["output_tps"]
+           for run in runs]  # carpool bench throughput's, openvino_offline.py's
+    print(f"{row}: output tok/s at 64 / 256 requests: {tps[0]:.1f} / {tps[1]:.1f}")
 EOF
